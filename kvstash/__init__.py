@@ -1,0 +1,1 @@
+"""The `kvstash` command line: one entry point over every part."""

@@ -1,0 +1,143 @@
+"""The async `Store` protocol every backend implements, and its shared counters.
+
+Threading contract: every coroutine may be called from any task of the event loop that
+first used the store; backends push blocking I/O to threads at one seam. Hot-path
+methods (`get`, `get_into`, `exists`, `prefix_len`) never raise for storage failures:
+they count the failure and answer "miss". `put` raises only typed `StoreError`s.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from hashing import is_valid_key
+from storage.codec import ChunkError, ChunkHeader, decode_chunk, decode_header
+from storage.errors import InvalidChunk, InvalidKey
+
+log = logging.getLogger("kvstash.storage")
+
+TENANT_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+COUNTERS = (
+    "gets", "hits", "misses", "errors", "corrupt", "puts", "put_skipped", "put_errors",
+    "evictions", "bytes_read", "bytes_written", "deletes",
+)
+
+
+def check_key(key: str) -> str:
+    if not is_valid_key(key):
+        raise InvalidKey(f"malformed key {key!r}: expected <16 hex>/<32 hex>")
+    return key
+
+
+def check_tenant(tenant: str) -> str:
+    """Tenant names become path components and key prefixes: keep them boring."""
+    if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
+        raise ValueError(f"bad tenant name {tenant!r}: use 1-64 of [A-Za-z0-9_-]")
+    return tenant
+
+
+def check_blob(key: str, blob: Any) -> ChunkHeader:
+    """Reject a blob that is not a complete, valid chunk for `key` (used by every `put`)."""
+    check_key(key)
+    try:
+        return decode_chunk(blob, key).header
+    except ChunkError as exc:
+        raise InvalidChunk(f"rejected chunk for {key}: {exc}") from None
+
+
+def verify_blob(key: str, blob: Any) -> ChunkHeader | None:
+    """Header + checksum verification of a fetched blob; None if it is not the chunk."""
+    try:
+        return decode_chunk(blob, key).header
+    except ChunkError:
+        return None
+
+
+class Store(ABC):
+    """Bytes by key. Chunks are immutable: `put` is create-only, there is no overwrite."""
+
+    url: str = ""
+
+    def __init__(self) -> None:
+        self.counters = dict.fromkeys(COUNTERS, 0)
+        self._started = time.monotonic()
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.url}>"
+
+    @abstractmethod
+    async def put(self, key: str, blob: Any) -> bool:
+        """Store a verified chunk; True if written, False if the key already existed."""
+
+    @abstractmethod
+    async def get(self, key: str) -> bytes | None:
+        """The verified blob, or None (absent, corrupt, unreachable)."""
+
+    async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
+        """Write the chunk's payload into `out` (a writable buffer at least payload-sized).
+
+        Returns the verified header, or None on a miss. The default copies through `get`;
+        backends that can read straight into the caller's memory override it.
+        """
+        blob = await self.get(key)
+        if blob is None:
+            return None
+        header = decode_header(blob, key)
+        dst = memoryview(out).cast("B")
+        if dst.nbytes < header.payload_len:
+            return None
+        dst[: header.payload_len] = memoryview(blob)[header.header_len :]
+        return header
+
+    @abstractmethod
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        """Presence of each key, in one batched call; unreachable answers all-False."""
+
+    async def prefix_len(self, keys: Sequence[str]) -> int:
+        """How many leading keys are present: the first gap ends the hit."""
+        n = 0
+        for present in await self.exists(keys):
+            if not present:
+                break
+            n += 1
+        return n
+
+    @abstractmethod
+    async def delete(self, key: str) -> bool:
+        """Remove a key; True if it was there."""
+
+    @abstractmethod
+    def list_keys(self) -> AsyncIterator[str]:
+        """Every stored key (order unspecified)."""
+
+    def scoped(self, tenant: str) -> Store:
+        """A store over the same backend whose keys are invisible to every other scope."""
+        raise NotImplementedError(f"{type(self).__name__} does not support tenant scopes")
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"url": self.url, **self.counters}
+        gets = self.counters["gets"]
+        out["hit_rate"] = self.counters["hits"] / gets if gets else 0.0
+        return out
+
+    async def flush(self) -> None:
+        """Wait for background work (cascading writes, promotions) to finish."""
+        return None
+
+    async def close(self) -> None:
+        await self.flush()
+
+    async def __aenter__(self) -> Store:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()

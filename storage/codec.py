@@ -1,0 +1,173 @@
+"""The chunk object format: a 4096-byte header, then the payload at offset 4096.
+
+Header layout (little-endian):
+
+    0   8s  magic b"KVSTASH\\0"
+    8   H   format version (1)
+    10  H   flags (0)
+    12  I   header length: 4096, or a larger multiple of 4096 when the tokens and meta
+            do not fit (so the payload stays 4 KiB-aligned for O_DIRECT and GDS)
+    16  Q   payload length
+    24  Q   xxh3-64 of the payload
+    32  Q   xxh3-64 of the whole header with this field zeroed
+    40  H   key length      42 H  reserved (0)
+    44  I   token count     48 I  meta length
+    52      key (ascii), token ids (uint32 LE), meta (JSON utf-8), zero padding
+
+Every byte of the header is covered by the header checksum, and the payload by its own,
+so any single corrupted byte is detected. Decoding never raises anything but ChunkError.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from hashing import is_valid_key, token_array
+
+MAGIC = b"KVSTASH\x00"
+VERSION = 1
+ALIGN = 4096
+HEADER_SIZE = 4096
+_FIXED = struct.Struct("<8sHHIQQQHHII")
+_HCHECK_OFFSET = 32
+MAX_HEADER_SIZE = 64 * ALIGN
+
+
+class ChunkError(ValueError):
+    """Bytes that are not a valid chunk (or not the chunk that was asked for)."""
+
+
+@dataclass(frozen=True)
+class ChunkHeader:
+    key: str
+    token_ids: np.ndarray
+    meta: dict[str, Any]
+    header_len: int
+    payload_len: int
+    payload_checksum: int
+
+    @property
+    def total_len(self) -> int:
+        return self.header_len + self.payload_len
+
+    def verify_payload(self, payload: Any) -> None:
+        """Raise ChunkError unless `payload` has this header's length and checksum."""
+        view = memoryview(payload).cast("B")
+        if view.nbytes != self.payload_len:
+            raise ChunkError(f"payload is {view.nbytes} bytes, header says {self.payload_len}")
+        if xxhash.xxh3_64_intdigest(view, seed=0) != self.payload_checksum:
+            raise ChunkError(f"payload checksum mismatch for {self.key}")
+
+    def matches_tokens(self, token_ids: Any) -> bool:
+        return np.array_equal(self.token_ids, token_array(token_ids))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    header: ChunkHeader
+    payload: memoryview
+
+    @property
+    def key(self) -> str:
+        return self.header.key
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self.header.token_ids
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return self.header.meta
+
+
+def header_size_for(n_tokens: int, meta_len: int, key_len: int = 49) -> int:
+    need = _FIXED.size + key_len + 4 * n_tokens + meta_len
+    return max(HEADER_SIZE, -(-need // ALIGN) * ALIGN)
+
+
+def encode_header(key: str, token_ids: Any, payload: Any, meta: dict | None = None) -> bytes:
+    """The header bytes for `payload` (the payload itself is not copied)."""
+    if not is_valid_key(key):
+        raise ChunkError(f"malformed key {key!r}")
+    tokens = token_array(token_ids)
+    view = memoryview(payload).cast("B")
+    meta_bytes = json.dumps(meta or {}, sort_keys=True, separators=(",", ":")).encode()
+    kb = key.encode("ascii")
+    hlen = header_size_for(len(tokens), len(meta_bytes), len(kb))
+    if hlen > MAX_HEADER_SIZE:
+        raise ChunkError(f"header of {hlen} bytes exceeds {MAX_HEADER_SIZE}")
+    buf = bytearray(hlen)
+    _FIXED.pack_into(
+        buf, 0, MAGIC, VERSION, 0, hlen, view.nbytes, xxhash.xxh3_64_intdigest(view, seed=0),
+        0, len(kb), 0, len(tokens), len(meta_bytes),
+    )
+    pos = _FIXED.size
+    for part in (kb, tokens.tobytes(), meta_bytes):
+        buf[pos : pos + len(part)] = part
+        pos += len(part)
+    struct.pack_into("<Q", buf, _HCHECK_OFFSET, xxhash.xxh3_64_intdigest(bytes(buf), seed=0))
+    return bytes(buf)
+
+
+def encode_chunk(key: str, token_ids: Any, payload: Any, meta: dict | None = None) -> bytes:
+    """Header + payload in one immutable blob; the payload starts at a 4 KiB boundary."""
+    header = encode_header(key, token_ids, payload, meta)
+    return header + memoryview(payload).cast("B")
+
+
+def decode_header(data: Any, key: str | None = None) -> ChunkHeader:
+    """Parse and verify a header from the first bytes of `data` (at least the header length)."""
+    view = memoryview(data).cast("B")
+    if view.nbytes < _FIXED.size:
+        raise ChunkError(f"{view.nbytes} bytes is too short for a chunk header")
+    try:
+        (magic, version, flags, hlen, plen, pcheck, hcheck, klen, _res, ntok, mlen) = (
+            _FIXED.unpack_from(view, 0)
+        )
+    except struct.error as exc:
+        raise ChunkError(f"unreadable header: {exc}") from None
+    if magic != MAGIC:
+        raise ChunkError("bad magic: not a kvstash chunk")
+    if version != VERSION:
+        raise ChunkError(f"unsupported chunk format version {version}")
+    if hlen < HEADER_SIZE or hlen % ALIGN or hlen > MAX_HEADER_SIZE:
+        raise ChunkError(f"bad header length {hlen}")
+    if view.nbytes < hlen:
+        raise ChunkError(f"truncated header: {view.nbytes} of {hlen} bytes")
+    if _FIXED.size + klen + 4 * ntok + mlen > hlen:
+        raise ChunkError("header fields overflow the header")
+    raw = bytearray(view[:hlen])
+    struct.pack_into("<Q", raw, _HCHECK_OFFSET, 0)
+    if xxhash.xxh3_64_intdigest(bytes(raw), seed=0) != hcheck:
+        raise ChunkError("header checksum mismatch")
+    pos = _FIXED.size
+    try:
+        got_key = bytes(view[pos : pos + klen]).decode("ascii")
+        tokens = np.frombuffer(bytes(view[pos + klen : pos + klen + 4 * ntok]), dtype="<u4")
+        meta = json.loads(bytes(view[pos + klen + 4 * ntok : pos + klen + 4 * ntok + mlen]))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ChunkError(f"unreadable header fields: {exc}") from None
+    if flags != 0 or not isinstance(meta, dict):
+        raise ChunkError("unsupported header flags or meta")
+    if key is not None and got_key != key:
+        raise ChunkError(f"chunk holds key {got_key!r}, expected {key!r}")
+    return ChunkHeader(got_key, tokens, meta, hlen, plen, pcheck)
+
+
+def decode_chunk(blob: Any, key: str | None = None, token_ids: Any = None) -> Chunk:
+    """Verify a whole blob (header, exact length, payload checksum; key and tokens if given)."""
+    view = memoryview(blob).cast("B")
+    header = decode_header(view, key)
+    if view.nbytes != header.total_len:
+        raise ChunkError(f"chunk is {view.nbytes} bytes, header says {header.total_len}")
+    payload = view[header.header_len :]
+    header.verify_payload(payload)
+    if token_ids is not None and not header.matches_tokens(token_ids):
+        raise ChunkError(f"chunk {header.key} holds other tokens than requested")
+    return Chunk(header, payload)

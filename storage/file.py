@@ -1,0 +1,460 @@
+"""`file:///path?capacity=500GiB` — chunks as files on a local disk or an NFS mount.
+
+Layout: `<root>/<ns_id>/<d[0:2]>/<d[2:4]>/<digest>.kv`, tenants under `<root>/tenants/<t>/`.
+Publish: write `.<digest>.tmp.<host>.<pid>.<rand>` in the destination directory, fsync,
+then `link()` it to the final name (atomic and create-only on local filesystems and NFS:
+EEXIST means another writer won, which is success) and unlink the tmp. Readers therefore
+never see a partial chunk. `ENOENT`/`ESTALE` while reading (a peer evicted the file) is
+a miss.
+
+Capacity: an in-process LRU index (key -> size) rebuilt from the directory at open,
+ordered by each file's atime (hits refresh it at most once a minute), so eviction order
+survives a restart and the hot path never scans. Several processes sharing one directory
+each keep their own index; `kvstash gc` enforces a capacity exactly from a fresh scan.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from storage.base import Store, check_blob, check_key, check_tenant
+from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, decode_chunk, decode_header
+from storage.errors import ConfigError, StoreFull, StoreUnavailable
+from storage.options import StoreURL, format_size, parse_bool, parse_seconds, parse_size
+
+log = logging.getLogger("kvstash.storage.file")
+
+SUFFIX = ".kv"
+TMP_MARK = ".tmp."
+QUARANTINE = ".quarantine"
+TENANTS = "tenants"
+_MISS_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
+_FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
+_ATIME_REFRESH_S = 60.0
+
+
+def _chunk_path(root: Path, key: str) -> Path:
+    ns_id, digest = key.split("/")
+    return root / ns_id / digest[:2] / digest[2:4] / (digest + SUFFIX)
+
+
+def _key_of(path: Path) -> str | None:
+    name = path.name
+    if not name.endswith(SUFFIX) or name.startswith("."):
+        return None
+    return f"{path.parent.parent.parent.name}/{name[: -len(SUFFIX)]}"
+
+
+def _read_all(fd: int, size: int, offset: int = 0) -> bytes:
+    parts = []
+    while size > 0:
+        part = os.pread(fd, size, offset)
+        if not part:
+            break
+        parts.append(part)
+        size -= len(part)
+        offset += len(part)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def _read_into(fd: int, view: memoryview, offset: int) -> int:
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data.nbytes:
+        n = os.write(fd, data)
+        data = data[n:]
+
+
+def _atomic_publish(final: Path, data: memoryview, fsync: bool) -> bool:
+    """Create `final` with `data` unless it exists; True if this call created it."""
+    if final.exists():
+        return False
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.parent / f".{final.name}{TMP_MARK}{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            _write_all(fd, data)
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, final)
+            return True
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+                raise
+            # Filesystems without hard links: rename is still atomic, merely not create-only;
+            # a lost race overwrites identical bytes.
+            existed = final.exists()
+            os.rename(tmp, final)
+            return not existed
+    finally:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+
+
+class FileStore(Store):
+    def __init__(
+        self,
+        root: str | os.PathLike,
+        capacity: int | None = None,
+        *,
+        fsync: bool = True,
+        verify: bool = True,
+        tmp_grace_s: float = 600.0,
+        url: str | None = None,
+    ):
+        super().__init__()
+        self.root = Path(root)
+        self.capacity = capacity
+        self.fsync = fsync
+        self.verify = verify
+        self.tmp_grace_s = tmp_grace_s
+        self.url = url or f"file://{self.root}"
+        self._lock = threading.Lock()
+        self._index: OrderedDict[str, int] = OrderedDict()
+        self._used = 0
+        self._open_root()
+        self._rebuild_index()
+
+    @classmethod
+    def from_url(cls, u: StoreURL) -> FileStore:
+        if u.netloc not in ("", "localhost"):
+            raise ConfigError(f"{u.redacted()}: file:// URLs take an absolute path (file:///path)")
+        if not u.path:
+            raise ConfigError(f"{u.redacted()}: missing directory path")
+        store = cls(
+            u.path,
+            capacity=u.take("capacity", parse_size),
+            fsync=u.take("fsync", parse_bool, True),
+            verify=u.take("verify", parse_bool, True),
+            tmp_grace_s=u.take("tmp_grace", parse_seconds, 600.0),
+            url=u.url,
+        )
+        u.finish()
+        return store
+
+    def _open_root(self) -> None:
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            probe = self.root / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            raise ConfigError(f"store root {self.root} is not a writable directory: {exc.strerror}") from None
+
+    def _walk(self) -> Iterator[tuple[Path, os.stat_result]]:
+        """Every file under the namespace directories (not tenants, not quarantine)."""
+        stack = [Path(e.path) for e in os.scandir(self.root) if e.is_dir() and len(e.name) == 16]
+        while stack:
+            d = stack.pop()
+            try:
+                entries = list(os.scandir(d))
+            except OSError:
+                continue
+            for e in entries:
+                try:
+                    if e.is_dir(follow_symlinks=False):
+                        stack.append(Path(e.path))
+                    elif e.is_file(follow_symlinks=False):
+                        yield Path(e.path), e.stat(follow_symlinks=False)
+                except OSError:
+                    continue
+
+    def _rebuild_index(self) -> None:
+        found: list[tuple[float, str, int]] = []
+        now = time.time()
+        for path, st in self._walk():
+            if TMP_MARK in path.name:
+                if now - st.st_mtime > self.tmp_grace_s:
+                    try:
+                        path.unlink()
+                    except OSError:
+                        pass
+                continue
+            key = _key_of(path)
+            if key is not None:
+                found.append((max(st.st_atime, st.st_mtime), key, st.st_size))
+        found.sort()
+        with self._lock:
+            self._index = OrderedDict((k, size) for _, k, size in found)
+            self._used = sum(self._index.values())
+
+    # -- index ---------------------------------------------------------------------------
+
+    def _note(self, key: str, size: int) -> None:
+        with self._lock:
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._used -= old
+            self._index[key] = size
+            self._used += size
+
+    def _forget(self, key: str) -> None:
+        with self._lock:
+            old = self._index.pop(key, None)
+            if old is not None:
+                self._used -= old
+
+    def _evict_for(self, incoming: int) -> None:
+        if self.capacity is not None:
+            self._evict_to(self.capacity - incoming)
+
+    def _quarantine(self, key: str, path: Path, why: str) -> None:
+        self.counters["corrupt"] += 1
+        self._forget(key)
+        log.warning("%s: quarantined corrupt chunk %s: %s", self, key, why)
+        try:
+            qdir = self.root / QUARANTINE
+            qdir.mkdir(exist_ok=True)
+            os.rename(path, qdir / f"{path.name}.{int(time.time())}.{secrets.token_hex(2)}")
+        except OSError:
+            try:
+                path.unlink()
+            except OSError:
+                pass
+
+    # -- blocking halves, run in threads -------------------------------------------------
+
+    def _put_sync(self, key: str, blob: memoryview) -> bool:
+        final = _chunk_path(self.root, key)
+        if self.capacity is not None and blob.nbytes > self.capacity:
+            raise StoreFull(f"{self}: chunk of {blob.nbytes} bytes exceeds capacity {self.capacity}")
+        self._evict_for(blob.nbytes)
+        for attempt in (0, 1):
+            try:
+                wrote = _atomic_publish(final, blob, self.fsync)
+                break
+            except OSError as exc:
+                if exc.errno in _FULL_ERRNOS:
+                    if attempt == 0 and self._index:
+                        # The disk is fuller than our index knows (other writers, other
+                        # files): free an extra chunk's worth and try once more.
+                        with self._lock:
+                            target = max(self._used - 2 * blob.nbytes, 0)
+                        self._evict_to(target)
+                        continue
+                    log.warning("%s: disk full, put of %s dropped: %s", self, key, exc.strerror)
+                    raise StoreFull(f"{self}: no space for {key}: {exc.strerror}") from None
+                raise StoreUnavailable(f"{self}: put {key} failed: {exc.strerror}") from None
+        if wrote:
+            self._note(key, blob.nbytes)
+        return wrote
+
+    def _open_for_read(self, key: str) -> tuple[int, Path] | None:
+        path = _chunk_path(self.root, key)
+        try:
+            return os.open(path, os.O_RDONLY), path
+        except OSError as exc:
+            if exc.errno not in _MISS_ERRNOS:
+                self.counters["errors"] += 1
+                log.warning("%s: open %s failed: %s", self, key, exc.strerror)
+            self._forget(key)
+            return None
+
+    def _touch(self, key: str, path: Path, st: os.stat_result) -> None:
+        self._note(key, st.st_size)
+        now = time.time()
+        if now - st.st_atime > _ATIME_REFRESH_S:
+            try:
+                os.utime(path, (now, st.st_mtime))
+            except OSError:
+                pass
+
+    def _get_sync(self, key: str) -> bytes | None:
+        opened = self._open_for_read(key)
+        if opened is None:
+            return None
+        fd, path = opened
+        try:
+            st = os.fstat(fd)
+            blob = _read_all(fd, st.st_size)
+        except OSError as exc:
+            if exc.errno not in _MISS_ERRNOS:
+                self.counters["errors"] += 1
+            return None
+        finally:
+            os.close(fd)
+        try:
+            if self.verify:
+                decode_chunk(blob, key)
+            else:
+                decode_header(blob, key)
+        except ChunkError as exc:
+            self._quarantine(key, path, str(exc))
+            return None
+        self._touch(key, path, st)
+        return blob
+
+    def _get_into_sync(self, key: str, out: memoryview) -> ChunkHeader | None:
+        opened = self._open_for_read(key)
+        if opened is None:
+            return None
+        fd, path = opened
+        try:
+            st = os.fstat(fd)
+            head = _read_all(fd, HEADER_SIZE)
+            try:
+                header = decode_header(head, key)
+            except ChunkError as exc:
+                if len(head) == HEADER_SIZE and exc.args and "truncated header" in exc.args[0]:
+                    header = decode_header(_read_all(fd, st.st_size), key)
+                else:
+                    raise
+            if st.st_size != header.total_len:
+                raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
+            if out.nbytes < header.payload_len:
+                return None
+            dst = out[: header.payload_len]
+            if _read_into(fd, dst, header.header_len) != header.payload_len:
+                raise ChunkError("short read")
+            if self.verify:
+                header.verify_payload(dst)
+        except ChunkError as exc:
+            self._quarantine(key, path, str(exc))
+            return None
+        except OSError as exc:
+            if exc.errno not in _MISS_ERRNOS:
+                self.counters["errors"] += 1
+            return None
+        finally:
+            os.close(fd)
+        self._touch(key, path, st)
+        return header
+
+    def _exists_sync(self, keys: Sequence[str], stop_at_gap: bool) -> list[bool]:
+        out = []
+        for k in keys:
+            present = _chunk_path(self.root, k).exists()
+            out.append(present)
+            if stop_at_gap and not present:
+                break
+        return out
+
+    def _evict_to(self, target: int) -> None:
+        while True:
+            with self._lock:
+                if self._used <= target or not self._index:
+                    return
+                victim, size = self._index.popitem(last=False)
+                self._used -= size
+            try:
+                _chunk_path(self.root, victim).unlink()
+                self.counters["evictions"] += 1
+            except OSError:
+                pass
+
+    # -- the Store protocol --------------------------------------------------------------
+
+    async def put(self, key: str, blob: Any) -> bool:
+        check_blob(key, blob)
+        try:
+            wrote = await asyncio.to_thread(self._put_sync, key, memoryview(blob).cast("B"))
+        except (StoreFull, StoreUnavailable):
+            self.counters["put_errors"] += 1
+            raise
+        if wrote:
+            self.counters["puts"] += 1
+            self.counters["bytes_written"] += len(blob)
+        else:
+            self.counters["put_skipped"] += 1
+        return wrote
+
+    def _count_get(self, size: int | None) -> None:
+        self.counters["gets"] += 1
+        if size is None:
+            self.counters["misses"] += 1
+        else:
+            self.counters["hits"] += 1
+            self.counters["bytes_read"] += size
+
+    async def get(self, key: str) -> bytes | None:
+        check_key(key)
+        blob = await asyncio.to_thread(self._get_sync, key)
+        self._count_get(None if blob is None else len(blob))
+        return blob
+
+    async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
+        check_key(key)
+        header = await asyncio.to_thread(self._get_into_sync, key, memoryview(out).cast("B"))
+        self._count_get(None if header is None else header.total_len)
+        return header
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        for k in keys:
+            check_key(k)
+        return await asyncio.to_thread(self._exists_sync, keys, False)
+
+    async def prefix_len(self, keys: Sequence[str]) -> int:
+        for k in keys:
+            check_key(k)
+        found = await asyncio.to_thread(self._exists_sync, keys, True)
+        return sum(found)
+
+    async def delete(self, key: str) -> bool:
+        check_key(key)
+        self._forget(key)
+        try:
+            await asyncio.to_thread(_chunk_path(self.root, key).unlink)
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StoreUnavailable(f"{self}: delete {key} failed: {exc.strerror}") from None
+        self.counters["deletes"] += 1
+        return True
+
+    async def list_keys(self) -> AsyncIterator[str]:
+        paths = await asyncio.to_thread(lambda: [p for p, _ in self._walk()])
+        for p in paths:
+            key = _key_of(p)
+            if key is not None and TMP_MARK not in p.name:
+                yield key
+
+    async def gc(self, capacity: int) -> dict[str, int]:
+        """Rescan the directory and evict least-recently-used chunks down to `capacity`."""
+        await asyncio.to_thread(self._rebuild_index)
+        before = self.counters["evictions"]
+        await asyncio.to_thread(self._evict_to, capacity)
+        with self._lock:
+            used, n = self._used, len(self._index)
+        return {"evicted": self.counters["evictions"] - before, "used_bytes": used, "chunks": n}
+
+    def scoped(self, tenant: str) -> FileStore:
+        check_tenant(tenant)
+        return FileStore(
+            self.root / TENANTS / tenant, self.capacity, fsync=self.fsync, verify=self.verify,
+            tmp_grace_s=self.tmp_grace_s, url=f"{self.url}#{tenant}",
+        )
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            used, n = self._used, len(self._index)
+        return {
+            **super().stats(), "backend": "file", "root": str(self.root), "used_bytes": used,
+            "capacity_bytes": self.capacity, "chunks": n, "used": format_size(used),
+        }

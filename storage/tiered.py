@@ -1,0 +1,119 @@
+"""Tiers: `open_store([fast, ..., slow])`. Reads try tiers in order and promote hits
+upward; writes land in the first tier and cascade down in the background; `prefix_len`
+combines tiers, so a prefix split across tiers still counts as one hit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+from storage.base import Store, check_blob
+from storage.codec import ChunkHeader
+from storage.errors import StoreError
+
+log = logging.getLogger("kvstash.storage.tiered")
+
+MAX_BACKGROUND = 64
+
+
+class TieredStore(Store):
+    def __init__(self, tiers: Sequence[Store]):
+        super().__init__()
+        self.tiers = list(tiers)
+        self.url = " -> ".join(t.url for t in self.tiers)
+        self._pending: set[asyncio.Task] = set()
+
+    def _spawn(self, store: Store, key: str, blob: Any) -> None:
+        if len(self._pending) >= MAX_BACKGROUND:
+            self.counters["put_errors"] += 1  # dropped: the lower tier is too slow to keep up
+            return
+        task = asyncio.get_running_loop().create_task(self._copy(store, key, blob))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _copy(self, store: Store, key: str, blob: Any) -> None:
+        try:
+            await store.put(key, blob)
+        except StoreError as exc:
+            log.warning("%s: copy of %s to %s failed: %s", self, key, store, exc)
+
+    async def put(self, key: str, blob: Any) -> bool:
+        check_blob(key, blob)
+        wrote = await self.tiers[0].put(key, blob)
+        for lower in self.tiers[1:]:
+            self._spawn(lower, key, blob)
+        self.counters["puts" if wrote else "put_skipped"] += 1
+        return wrote
+
+    async def _promote(self, hit_tier: int, key: str, fetch: Any) -> None:
+        if hit_tier == 0:
+            return
+        blob = fetch if isinstance(fetch, (bytes, bytearray)) else await self.tiers[hit_tier].get(key)
+        if blob is not None:
+            for upper in self.tiers[:hit_tier]:
+                self._spawn(upper, key, blob)
+
+    async def get(self, key: str) -> bytes | None:
+        self.counters["gets"] += 1
+        for i, tier in enumerate(self.tiers):
+            blob = await tier.get(key)
+            if blob is not None:
+                self.counters["hits"] += 1
+                self.counters["bytes_read"] += len(blob)
+                await self._promote(i, key, blob)
+                return blob
+        self.counters["misses"] += 1
+        return None
+
+    async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
+        self.counters["gets"] += 1
+        for i, tier in enumerate(self.tiers):
+            header = await tier.get_into(key, out)
+            if header is not None:
+                self.counters["hits"] += 1
+                self.counters["bytes_read"] += header.total_len
+                if i:
+                    # get_into only has the payload; re-read the blob for the upper tiers
+                    # off the hot path.
+                    task = asyncio.get_running_loop().create_task(self._promote(i, key, None))
+                    self._pending.add(task)
+                    task.add_done_callback(self._pending.discard)
+                return header
+        self.counters["misses"] += 1
+        return None
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        per_tier = await asyncio.gather(*(t.exists(keys) for t in self.tiers))
+        return [any(col) for col in zip(*per_tier, strict=True)] if per_tier else []
+
+    async def delete(self, key: str) -> bool:
+        results = await asyncio.gather(*(t.delete(key) for t in self.tiers))
+        return any(results)
+
+    async def list_keys(self) -> AsyncIterator[str]:
+        seen: set[str] = set()
+        for tier in self.tiers:
+            async for k in tier.list_keys():
+                if k not in seen:
+                    seen.add(k)
+                    yield k
+
+    def scoped(self, tenant: str) -> TieredStore:
+        return TieredStore([t.scoped(tenant) for t in self.tiers])
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "backend": "tiered", "tiers": [t.stats() for t in self.tiers]}
+
+    async def flush(self) -> None:
+        while self._pending:
+            await asyncio.gather(*list(self._pending), return_exceptions=True)
+        for t in self.tiers:
+            await t.flush()
+
+    async def close(self) -> None:
+        await self.flush()
+        for t in self.tiers:
+            await t.close()
