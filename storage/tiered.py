@@ -90,6 +90,8 @@ class TieredStore(Store):
         return [any(col) for col in zip(*per_tier, strict=True)] if per_tier else []
 
     async def delete(self, key: str) -> bool:
+        # A cascade still in flight would re-create the key below us: let it land first.
+        await self.flush()
         results = await asyncio.gather(*(t.delete(key) for t in self.tiers))
         return any(results)
 

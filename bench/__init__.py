@@ -1,0 +1,1 @@
+"""Benchmarks: store throughput, TTFT, trace replay, capacity planning, soak."""

@@ -1,0 +1,213 @@
+"""file:// specifics: layout, atomic publish under crashes and races, capacity, recovery."""
+
+from __future__ import annotations
+
+import errno
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from hashing import Namespace
+from storage import ConfigError, StoreFull, open_store
+from storage.codec import decode_chunk
+from storage.file import FileStore, _chunk_path
+from tests.store_helpers import make_chunks
+
+
+async def test_chunks_live_in_a_two_level_hashed_fanout(tmp_path, ns):
+    store = FileStore(tmp_path)
+    (key, _, blob), = make_chunks(ns, 1)
+    await store.put(key, blob)
+    ns_id, digest = key.split("/")
+    path = tmp_path / ns_id / digest[:2] / digest[2:4] / f"{digest}.kv"
+    assert path.read_bytes() == blob
+    assert not [p for p in path.parent.iterdir() if p != path]  # no tmp left behind
+
+
+def test_unwritable_or_bad_roots_fail_at_open_with_one_line(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ConfigError, match="not a writable directory"):
+        open_store(f"file://{blocker}/sub")
+    with pytest.raises(ConfigError, match="capacity"):
+        open_store(f"file://{tmp_path}?capacity=lots")
+    with pytest.raises(ConfigError, match="unknown option"):
+        open_store(f"file://{tmp_path}?capacty=1GiB")
+    with pytest.raises(ConfigError, match="unknown store scheme"):
+        open_store("ftp://host/x")
+
+
+async def test_capacity_is_never_exceeded_and_survives_reopen(tmp_path):
+    rng = random.Random(7)
+    capacity = 60_000
+    store = FileStore(tmp_path, capacity=capacity)
+    ns = Namespace(model="m", dtype="d", layout="l", chunk_tokens=4, salt="cap")
+    pool = make_chunks(ns, 40, payload_size=3000)
+    for _ in range(300):
+        key, _, blob = rng.choice(pool)
+        if rng.random() < 0.6:
+            await store.put(key, blob)
+        else:
+            await store.get(key)
+        on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.kv"))
+        assert on_disk <= capacity
+        assert store.stats()["used_bytes"] == on_disk
+    assert store.stats()["evictions"] > 0
+    reopened = FileStore(tmp_path, capacity=capacity)
+    on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.kv"))
+    assert reopened.stats()["used_bytes"] == on_disk <= capacity
+    assert reopened.stats()["chunks"] == len(list(tmp_path.rglob("*.kv")))
+
+
+async def test_eviction_order_follows_use_across_a_restart(tmp_path, ns):
+    chunks = make_chunks(ns, 3, payload_size=1000)
+    size = len(chunks[0][2])
+    store = FileStore(tmp_path, capacity=3 * size)
+    for i, (k, _, b) in enumerate(chunks):
+        await store.put(k, b)
+        past = time.time() - 1000 + i * 100
+        os.utime(_chunk_path(tmp_path, k), (past, past))
+    # chunk 0 is the oldest on disk, but is used now: after a restart chunk 1 goes first
+    await store.get(chunks[0][0])
+    reopened = FileStore(tmp_path, capacity=3 * size)
+    (k_new, _, b_new), = make_chunks(ns, 1, payload_size=1000, seed=99)
+    await reopened.put(k_new, b_new)
+    assert await reopened.exists([c[0] for c in chunks]) == [True, False, True]
+
+
+async def test_stale_tmp_files_are_cleaned_at_open_but_fresh_ones_kept(tmp_path, ns):
+    store = FileStore(tmp_path)
+    (key, _, blob), = make_chunks(ns, 1)
+    await store.put(key, blob)
+    d = _chunk_path(tmp_path, key).parent
+    stale, fresh = d / ".x.kv.tmp.host.1.aa", d / ".y.kv.tmp.host.2.bb"
+    stale.write_bytes(b"partial")
+    fresh.write_bytes(b"partial")
+    os.utime(stale, (time.time() - 3600, time.time() - 3600))
+    FileStore(tmp_path)
+    assert not stale.exists() and fresh.exists()
+    assert [k async for k in store.list_keys()] == [key]
+
+
+async def test_a_file_evicted_by_a_peer_mid_read_is_a_miss(tmp_path, ns, monkeypatch):
+    """ESTALE is what an NFS client returns when another host removed the file; no NFS
+    client runs here, so the error is injected at os.open."""
+    store = FileStore(tmp_path)
+    (key, _, blob), = make_chunks(ns, 1)
+    await store.put(key, blob)
+    _chunk_path(tmp_path, key).unlink()
+    assert await store.get(key) is None
+    await store.put(key, blob)
+    real_open = os.open
+
+    def stale_open(path, flags, *a):
+        if str(path).endswith(".kv") and not flags & os.O_WRONLY:
+            raise OSError(errno.ESTALE, "Stale file handle")
+        return real_open(path, flags, *a)
+
+    monkeypatch.setattr(os, "open", stale_open)
+    assert await store.get(key) is None
+    assert await store.get_into(key, bytearray(5000)) is None
+    assert store.stats()["errors"] == 0
+
+
+async def test_corrupt_files_are_misses_and_quarantined(tmp_path, ns):
+    store = FileStore(tmp_path)
+    chunks = make_chunks(ns, 3)
+    for k, _, b in chunks:
+        await store.put(k, b)
+    paths = [_chunk_path(tmp_path, k) for k, _, _ in chunks]
+    data = bytearray(paths[0].read_bytes())
+    data[-1] ^= 0xFF
+    paths[0].write_bytes(data)
+    paths[1].write_bytes(paths[1].read_bytes()[:5000])
+    paths[2].write_bytes(chunks[0][2])  # a valid chunk, for another key
+    for k, _, _ in chunks:
+        assert await store.get(k) is None
+    assert store.stats()["corrupt"] == 3
+    assert not any(p.exists() for p in paths)
+    assert len(list((tmp_path / ".quarantine").iterdir())) == 3
+
+
+async def test_full_disk_is_a_typed_error_with_nothing_half_written(tmp_path, ns, monkeypatch):
+    """ENOSPC is injected at os.write (a real full filesystem is exercised by the
+    reliability suite, which mounts a small tmpfs)."""
+    store = FileStore(tmp_path)
+    (key, _, blob), = make_chunks(ns, 1)
+    real_write = os.write
+
+    def full_write(fd, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "write", full_write)
+    with pytest.raises(StoreFull):
+        await store.put(key, blob)
+    monkeypatch.setattr(os, "write", real_write)
+    assert await store.exists([key]) == [False]
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert store.stats()["put_errors"] == 1
+
+
+WRITER = textwrap.dedent("""
+    import asyncio, os, sys
+    from hashing import Namespace, chunk_keys
+    from storage.codec import encode_chunk
+    from storage.file import FileStore
+
+    async def main(root, mode):
+        store = FileStore(root)
+        ns = Namespace(model="crash", dtype="u8", layout="l", chunk_tokens=4)
+        if mode == "same":
+            tokens = [1, 2, 3, 4]
+            key = chunk_keys(tokens, ns)[0]
+            blob = encode_chunk(key, tokens, bytes(range(256)) * 40000)
+            print(await store.put(key, blob), flush=True)
+            return
+        payload = os.urandom(64 << 20)
+        i = 0
+        while True:
+            tokens = [i, i, i, i]
+            key = chunk_keys(tokens, ns)[0]
+            await store.put(key, encode_chunk(key, tokens, payload))
+            i += 1
+
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+""")
+
+
+def _spawn(root, mode):
+    return subprocess.Popen([sys.executable, "-c", WRITER, str(root), mode],
+                            stdout=subprocess.PIPE, text=True)
+
+
+async def test_a_writer_killed_mid_put_leaves_no_visible_partial_chunk(tmp_path):
+    for delay in (0.3, 0.8, 1.5):
+        proc = _spawn(tmp_path, "loop")
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    store = FileStore(tmp_path, tmp_grace_s=0)  # reopen, as after a crash
+    keys = [k async for k in store.list_keys()]
+    for key in keys:
+        blob = _chunk_path(tmp_path, key).read_bytes()
+        assert decode_chunk(blob, key).key == key  # every visible chunk verifies
+    leftovers = [p for p in tmp_path.rglob("*") if p.is_file() and not p.name.endswith(".kv")]
+    assert leftovers == []
+
+
+def test_eight_concurrent_writers_of_one_key_leave_one_valid_chunk(tmp_path):
+    procs = [_spawn(tmp_path, "same") for _ in range(8)]
+    outs = [p.communicate(timeout=120)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert outs.count("True") == 1 and outs.count("False") == 7
+    files = list(tmp_path.rglob("*.kv"))
+    assert len(files) == 1
+    assert not [p for p in tmp_path.rglob(".*tmp*")]
+    key = f"{files[0].parent.parent.parent.name}/{files[0].stem}"
+    decode_chunk(files[0].read_bytes(), key)

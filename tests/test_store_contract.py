@@ -1,0 +1,142 @@
+"""The Store protocol, run unchanged against every backend that can run here."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from storage import InvalidChunk, InvalidKey, open_store
+from storage.codec import decode_chunk
+from tests.store_helpers import make_chunks
+
+BACKENDS = ["memory", "file", "tiered"]
+try:
+    from tests.s3_fixtures import moto_s3_url, seaweed_s3_url  # noqa: F401
+
+    BACKENDS += ["moto", "seaweedfs"]
+except ImportError:
+    pass
+try:
+    from tests.kvserver_fixtures import kvserver_url  # noqa: F401
+
+    BACKENDS += ["http"]
+except ImportError:
+    pass
+
+
+@pytest.fixture(params=BACKENDS)
+async def store(request, tmp_path):
+    kind = request.param
+    if kind == "memory":
+        s = open_store("memory://?capacity=64MiB")
+    elif kind == "file":
+        s = open_store(f"file://{tmp_path}/store")
+    elif kind == "tiered":
+        s = open_store(["memory://?capacity=64MiB", f"file://{tmp_path}/tier2"])
+    elif kind == "moto":
+        s = open_store(request.getfixturevalue("moto_s3_url"))
+    elif kind == "seaweedfs":
+        s = open_store(request.getfixturevalue("seaweed_s3_url"))
+    else:
+        s = open_store(request.getfixturevalue("kvserver_url"))
+    yield s
+    await s.close()
+
+
+async def test_put_is_create_only(store, ns):
+    (key, _, blob), = make_chunks(ns, 1)
+    assert await store.put(key, blob) is True
+    assert await store.put(key, blob) is False
+
+
+async def test_get_returns_the_verified_blob_or_none(store, ns):
+    (key, tokens, blob), (absent, _, _) = make_chunks(ns, 2)
+    await store.put(key, blob)
+    got = await store.get(key)
+    assert bytes(got) == blob
+    assert list(decode_chunk(got, key, tokens).token_ids) == tokens
+    assert await store.get(absent) is None
+
+
+async def test_get_into_fills_the_callers_buffer(store, ns):
+    (key, _, blob), = make_chunks(ns, 1, payload_size=5000)
+    await store.put(key, blob)
+    buf = bytearray(6000)
+    header = await store.get_into(key, buf)
+    assert header is not None and header.key == key
+    assert bytes(buf[: header.payload_len]) == blob[header.header_len :]
+    assert await store.get_into(key, bytearray(10)) is None
+
+
+async def test_put_rejects_a_blob_that_is_not_a_chunk_for_that_key(store, ns):
+    (k0, _, b0), (k1, _, _) = make_chunks(ns, 2)
+    for bad in (b0[:-1], b"garbage" * 1000, b0[:100]):
+        with pytest.raises(InvalidChunk):
+            await store.put(k0, bad)
+    with pytest.raises(InvalidChunk):
+        await store.put(k1, b0)  # a valid chunk, but for another key
+    assert await store.exists([k0, k1]) == [False, False]
+
+
+@pytest.mark.parametrize("bad_key", ["../../etc/passwd", "abc", "0" * 16 + "/" + "g" * 32,
+                                     "0" * 16 + "/" + "0" * 31 + "\n", ""])
+async def test_malformed_keys_are_refused(store, bad_key):
+    with pytest.raises(InvalidKey):
+        await store.get(bad_key)
+    with pytest.raises(InvalidKey):
+        await store.exists([bad_key])
+
+
+async def test_prefix_len_stops_at_first_gap(store, ns):
+    chunks = make_chunks(ns, 5)
+    for i in (0, 1, 3, 4):
+        await store.put(chunks[i][0], chunks[i][2])
+    keys = [k for k, _, _ in chunks]
+    assert await store.prefix_len(keys) == 2
+    assert await store.exists(keys) == [True, True, False, True, True]
+    assert await store.prefix_len([]) == 0
+
+
+async def test_delete_and_list_keys(store, ns):
+    chunks = make_chunks(ns, 3)
+    for k, _, b in chunks:
+        await store.put(k, b)
+    listed = {k async for k in store.list_keys() if k.startswith(ns.id)}
+    assert listed == {k for k, _, _ in chunks}
+    assert await store.delete(chunks[0][0]) is True
+    assert await store.delete(chunks[0][0]) is False
+    assert await store.get(chunks[0][0]) is None
+
+
+async def test_concurrent_puts_of_one_key_write_exactly_once(store, ns):
+    (key, _, blob), = make_chunks(ns, 1, payload_size=200_000)
+    results = await asyncio.gather(*(store.put(key, blob) for _ in range(8)))
+    assert results.count(True) == 1
+    assert bytes(await store.get(key)) == blob
+
+
+async def test_tenant_scopes_do_not_see_each_other(store, ns):
+    try:
+        a, b = store.scoped("tenant-a"), store.scoped("tenant-b")
+    except NotImplementedError:
+        pytest.skip(f"{store} has no tenant scopes")
+    (key, _, blob), = make_chunks(ns, 1)
+    await a.put(key, blob)
+    assert await b.exists([key]) == [False]
+    assert await b.get(key) is None
+    assert await store.exists([key]) == [False]
+    assert key not in {k async for k in b.list_keys()}
+    assert bytes(await a.get(key)) == blob
+
+
+async def test_stats_count_hits_and_misses(store, ns):
+    (key, _, blob), (absent, _, _) = make_chunks(ns, 2)
+    await store.put(key, blob)
+    before = dict(store.stats())
+    await store.get(key)
+    await store.get(absent)
+    after = store.stats()
+    assert after["hits"] - before["hits"] == 1
+    assert after["misses"] - before["misses"] == 1
+    assert str(store)

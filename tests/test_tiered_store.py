@@ -1,0 +1,58 @@
+"""Tiers: reads promote, writes cascade, prefix_len spans tiers."""
+
+from __future__ import annotations
+
+from storage import open_store
+from storage.tiered import TieredStore
+from tests.store_helpers import make_chunks
+
+
+def _tiers(tmp_path) -> TieredStore:
+    return open_store(["memory://?capacity=16MiB", f"file://{tmp_path}/disk"])
+
+
+async def test_writes_land_in_the_first_tier_and_cascade_down(tmp_path, ns):
+    store = _tiers(tmp_path)
+    (key, _, blob), = make_chunks(ns, 1)
+    assert await store.put(key, blob)
+    assert await store.tiers[0].exists([key]) == [True]
+    await store.flush()
+    assert await store.tiers[1].exists([key]) == [True]
+
+
+async def test_a_hit_in_a_lower_tier_is_promoted(tmp_path, ns):
+    store = _tiers(tmp_path)
+    (key, _, blob), = make_chunks(ns, 1)
+    await store.tiers[1].put(key, blob)
+    assert bytes(await store.get(key)) == blob
+    await store.flush()
+    assert await store.tiers[0].exists([key]) == [True]
+
+
+async def test_get_into_promotes_too(tmp_path, ns):
+    store = _tiers(tmp_path)
+    (key, _, blob), = make_chunks(ns, 1)
+    await store.tiers[1].put(key, blob)
+    assert await store.get_into(key, bytearray(len(blob))) is not None
+    await store.flush()
+    assert await store.tiers[0].exists([key]) == [True]
+
+
+async def test_prefix_len_counts_a_prefix_split_across_tiers(tmp_path, ns):
+    store = _tiers(tmp_path)
+    chunks = make_chunks(ns, 4)
+    await store.tiers[0].put(chunks[0][0], chunks[0][2])
+    await store.tiers[1].put(chunks[1][0], chunks[1][2])
+    await store.tiers[0].put(chunks[3][0], chunks[3][2])
+    assert await store.prefix_len([k for k, _, _ in chunks]) == 2
+
+
+async def test_memory_eviction_falls_back_to_the_disk_tier(tmp_path, ns):
+    chunks = make_chunks(ns, 6, payload_size=4000)
+    store = open_store([f"memory://?capacity={2 * len(chunks[0][2])}", f"file://{tmp_path}/d"])
+    for k, _, b in chunks:
+        await store.put(k, b)
+    await store.flush()
+    assert store.tiers[0].stats()["chunks"] == 2
+    assert await store.prefix_len([k for k, _, _ in chunks]) == 6
+    assert bytes(await store.get(chunks[0][0])) == chunks[0][2]
