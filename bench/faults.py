@@ -1,0 +1,260 @@
+"""Fault and hostile-input injection for the reliability suite and `kvstash bench soak`.
+
+Primitives, each usable from a test or from the soak: deterministic test chunks whose
+bytes can be recomputed from (seed, index) so any read can be checked for *wrong* data,
+not only for a valid checksum; corruption of stored chunks (bit flips in header or
+payload, truncation, replacement by another valid chunk); a writer process to SIGKILL
+mid-put; a small-filesystem mount; process RSS; latency percentiles.
+
+`python -m bench.faults writer --store URL ...` is the writer the crash scenarios kill:
+it prints one `ok <index> <key>` line per acknowledged put, so the parent knows which
+writes were promised durable. `python -m bench.faults fuzz-codec --runs N` runs the chunk
+decoder under atheris (coverage-guided) when it is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from hashing import Namespace, chunk_keys
+from storage.codec import HEADER_SIZE, ChunkError, decode_chunk, encode_chunk
+
+SOAK_NS = Namespace(model="kvstash/soak", dtype="uint8", layout="bytes", chunk_tokens=16)
+
+# Every way the suite damages a stored chunk. "replace" swaps in another *valid* chunk
+# (right format, wrong key); "extend" appends garbage (a torn overwrite by a foreign tool).
+CORRUPTIONS = (
+    "flip_header", "flip_payload", "truncate_header", "truncate_payload", "replace", "zero",
+    "extend", "empty",
+)
+
+
+def chunk_for(seed: int, index: int, size: int = 64 * 1024) -> tuple[str, bytes]:
+    """The (key, blob) of test chunk `index` of `seed`: the same bytes in every process."""
+    rng = np.random.default_rng([seed, index])
+    tokens = rng.integers(0, 2**31, SOAK_NS.chunk_tokens, dtype=np.uint32)
+    key = chunk_keys(tokens, SOAK_NS)[0]
+    payload = rng.bytes(size)
+    return key, encode_chunk(key, tokens, payload, {"seed": seed, "index": index})
+
+
+def is_correct(key: str, blob: bytes | None, expected: bytes) -> bool:
+    """A read is acceptable when it is a miss or exactly the bytes that were written."""
+    return blob is None or bytes(blob) == expected
+
+
+def corrupt(blob: bytes, how: str, rng: np.random.Generator, other: bytes) -> bytes:
+    """`blob` damaged one way (see CORRUPTIONS); `other` is a different valid chunk."""
+    data = bytearray(blob)
+    if how == "flip_header":
+        pos = int(rng.integers(0, HEADER_SIZE))
+        data[pos] ^= 1 << int(rng.integers(0, 8))
+    elif how == "flip_payload":
+        pos = int(rng.integers(HEADER_SIZE, len(data)))
+        data[pos] ^= 1 << int(rng.integers(0, 8))
+    elif how == "truncate_header":
+        del data[int(rng.integers(1, HEADER_SIZE)) :]
+    elif how == "truncate_payload":
+        del data[int(rng.integers(HEADER_SIZE, len(data))) :]
+    elif how == "replace":
+        data = bytearray(other)
+    elif how == "zero":
+        # A lost sector in the payload (the header's padding is zeros already).
+        start = int(rng.integers(HEADER_SIZE, len(data) - 512))
+        data[start : start + 512] = bytes(512)
+    elif how == "extend":
+        data += rng.bytes(int(rng.integers(1, 4096)))
+    elif how == "empty":
+        data = bytearray()
+    else:
+        raise ValueError(f"unknown corruption {how!r} (known: {', '.join(CORRUPTIONS)})")
+    return bytes(data)
+
+
+def corrupt_file(path: Path, how: str, rng: np.random.Generator, other: bytes) -> None:
+    """Damage a chunk file in place, as bit rot or a foreign writer would (no rename)."""
+    damaged = corrupt(path.read_bytes(), how, rng, other)
+    with open(path, "r+b") as f:
+        f.write(damaged)
+        f.truncate(len(damaged))
+
+
+def chunk_files(root: Path) -> Iterator[Path]:
+    """Every file under a file:// store root, tmp files and quarantine included."""
+    for dirpath, _dirs, files in os.walk(root):
+        for name in files:
+            yield Path(dirpath) / name
+
+
+def verify_blob(key: str, blob: bytes) -> bool:
+    try:
+        decode_chunk(blob, key)
+    except ChunkError:
+        return False
+    return True
+
+
+def percentiles(samples_s: Sequence[float]) -> dict[str, float]:
+    """p50 / p99 / max in milliseconds (nearest-rank, no interpolation)."""
+    if not samples_s:
+        return {"n": 0, "p50_ms": 0.0, "p99_ms": 0.0, "max_ms": 0.0}
+    ordered = sorted(samples_s)
+
+    def rank(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1e3
+
+    return {"n": len(ordered), "p50_ms": rank(0.50), "p99_ms": rank(0.99),
+            "max_ms": ordered[-1] * 1e3}
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a live process, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str = "8m") -> Iterator[Path]:
+    """Mount a size-limited tmpfs at `path` (needs root); PermissionError if not allowed."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True, text=True,
+    )
+    if done.returncode != 0:
+        raise PermissionError(f"mount tmpfs at {path}: {done.stderr.strip() or done.returncode}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+
+
+def fill_disk(path: Path, block: int = 64 * 1024) -> int:
+    """Write a ballast file at `path` until the filesystem is full; bytes written."""
+    written = 0
+    buf = b"\xee" * block
+    with open(path, "wb", buffering=0) as f:
+        while True:
+            try:
+                n = f.write(buf)
+            except OSError:
+                if block <= 512:
+                    return written
+                block //= 8
+                buf = buf[:block]
+                continue
+            written += n or 0
+
+
+def start_writer(store: str, seed: int, start: int, count: int, size: int,
+                 env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A separate writer process (to be killed mid-put); read its stdout for acks."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "bench.faults", "writer", "--store", store, "--seed", str(seed),
+         "--start", str(start), "--count", str(count), "--size", str(size)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, **(env or {})},
+    )
+
+
+def crash_writer(proc: subprocess.Popen, after_acks: int, delay_s: float) -> list[int]:
+    """Let the writer acknowledge `after_acks` puts, wait `delay_s` (landing somewhere in
+    the next put), SIGKILL it, and return every index it acknowledged."""
+    lines = []
+    assert proc.stdout is not None
+    while sum(line.startswith("ok ") for line in lines) < after_acks:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        lines.append(line)
+    time.sleep(delay_s)
+    with contextlib.suppress(ProcessLookupError):
+        proc.send_signal(signal.SIGKILL)
+    out, _err = proc.communicate(timeout=30)
+    lines.extend(out.splitlines())
+    acked = []
+    for line in lines:
+        parts = line.split()
+        if len(parts) == 3 and parts[0] == "ok":
+            acked.append(int(parts[1]))
+    return acked
+
+
+async def _writer_main(args: argparse.Namespace) -> int:
+    from storage import StoreError, open_store
+
+    store = open_store(args.store)
+    print("ready", flush=True)
+    for i in range(args.start, args.start + args.count):
+        key, blob = chunk_for(args.seed, i, args.size)
+        try:
+            await store.put(key, blob)
+        except StoreError as exc:
+            print(f"err {i} {type(exc).__name__}", flush=True)
+            continue
+        print(f"ok {i} {key}", flush=True)
+    await store.close()
+    return 0
+
+
+def _fuzz_codec_main(args: argparse.Namespace) -> int:
+    """Coverage-guided fuzzing of decode_chunk; exits non-zero on any other exception."""
+    import atheris
+
+    seeds = [chunk_for(1, i, 4096 * (i + 1))[1] for i in range(3)]
+
+    def one_input(data: bytes) -> None:
+        try:
+            decode_chunk(data)
+        except ChunkError:
+            pass
+        # Mutations of a valid chunk reach deep into the header parser.
+        fdp = atheris.FuzzedDataProvider(data)
+        base = bytearray(seeds[fdp.ConsumeIntInRange(0, len(seeds) - 1)])
+        for _ in range(fdp.ConsumeIntInRange(1, 8)):
+            base[fdp.ConsumeIntInRange(0, len(base) - 1)] = fdp.ConsumeInt(1) & 0xFF
+        cut = fdp.ConsumeIntInRange(0, len(base))
+        try:
+            decode_chunk(bytes(base[:cut]) if fdp.ConsumeBool() else bytes(base))
+        except ChunkError:
+            pass
+
+    atheris.instrument_all()  # coverage feedback from every loaded module (the codec)
+    atheris.Setup([sys.argv[0], f"-runs={args.runs}", "-max_len=20000"], one_input)
+    atheris.Fuzz()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.faults")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    w = sub.add_parser("writer", help="put test chunks, one `ok` line per acknowledged put")
+    w.add_argument("--store", required=True)
+    w.add_argument("--seed", type=int, default=0)
+    w.add_argument("--start", type=int, default=0)
+    w.add_argument("--count", type=int, default=1000)
+    w.add_argument("--size", type=int, default=1024 * 1024)
+    f = sub.add_parser("fuzz-codec", help="atheris fuzzing of the chunk decoder")
+    f.add_argument("--runs", type=int, default=10000)
+    args = parser.parse_args(argv)
+    if args.cmd == "writer":
+        return asyncio.run(_writer_main(args))
+    return _fuzz_codec_main(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
