@@ -1,0 +1,371 @@
+"""The HTTP API: FastAPI routes over one `Store`, one tenant scope per bearer token.
+
+Routes validate, call one store method and map its typed result to a status code. Chunk
+bodies are raw `application/octet-stream`: a PUT body is received into one preallocated
+buffer sized by Content-Length (or counted while streaming when chunked) and refused with
+413 past the limit; a GET answers with the store's own bytes object, so the response body
+is handed to the transport without a copy. Every error is `{"error": "<one message>"}`.
+"""
+
+# No `from __future__ import annotations`: FastAPI resolves the route signatures, and some
+# of their types are local to create_app.
+import asyncio
+import base64
+import logging
+import re
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+from fastapi import Depends, FastAPI, Header, Path, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from pydantic import BaseModel, Field, StringConstraints
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
+
+from hashing import KEY_PATTERN
+from kvserver.auth import TokenTable
+from kvserver.config import ServerConfig
+from kvserver.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from kvserver.metrics import MetricsMiddleware, ServerMetrics
+from storage.base import Store
+from storage.errors import InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
+from storage.registry import open_store
+
+log = logging.getLogger("kvstash.kvserver")
+
+OCTETS = "application/octet-stream"
+# A key that is never stored: the readiness probe asks the backend about it.
+READY_PROBE_KEY = "0" * 16 + "/" + "0" * 32
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+NsId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="16 hex chars: the namespace")]
+Digest = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="32 hex chars: the chunk")]
+Key = Annotated[str, StringConstraints(pattern=KEY_PATTERN.pattern)]
+
+
+class ErrorBody(BaseModel):
+    error: str = Field(description="one human-readable message")
+
+
+class PutResult(BaseModel):
+    created: bool = Field(description="false if the chunk was already stored (puts are create-only)")
+
+
+class LookupRequest(BaseModel):
+    keys: list[Key] = Field(description="chunk keys in prompt order")
+    stop_at_gap: bool = Field(
+        False, description="only check keys up to the first absent one (cheaper for prefix_len)"
+    )
+
+
+class LookupResult(BaseModel):
+    prefix_len: int = Field(description="how many leading keys are present")
+    count: int = Field(description="number of keys asked about")
+    present: str = Field(
+        description="base64 bitmap, bit i (byte i//8, bit i%8, LSB first) = keys[i] present; "
+        "with stop_at_gap, bits past prefix_len are 0"
+    )
+
+
+class Health(BaseModel):
+    status: str
+
+
+def _error(status: int, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {code: {"model": ErrorBody} for code in codes}
+
+
+def presence_bitmap(present: list[bool]) -> str:
+    bits = bytearray((len(present) + 7) // 8)
+    for i, p in enumerate(present):
+        if p:
+            bits[i >> 3] |= 1 << (i & 7)
+    return base64.b64encode(bits).decode("ascii")
+
+
+def parse_range(header: str, total: int) -> tuple[int, int]:
+    """`Range: bytes=a-b | a- | -n` -> (start, stop) with stop exclusive.
+
+    ValueError for a malformed header (400), LookupError for an unsatisfiable one (416).
+    """
+    m = _RANGE.match(header.strip())
+    if not m or m.groups() == ("", ""):
+        raise ValueError(f"malformed Range header {header!r}: expected bytes=START-END")
+    first, last = m.groups()
+    if first == "":
+        suffix = int(last)
+        if suffix == 0:
+            raise LookupError("empty suffix range")
+        return max(total - suffix, 0), total
+    start = int(first)
+    stop = total if last == "" else int(last) + 1
+    if stop <= start:
+        raise ValueError(f"malformed Range header {header!r}: end before start")
+    if start >= total:
+        raise LookupError(f"range starts at {start}, chunk has {total} bytes")
+    return start, min(stop, total)
+
+
+class Tenancy:
+    """The store each request may touch: the root store, or its tenant's scope when tokens
+    are configured. Scopes are opened once at start-up (opening one may scan a directory)."""
+
+    def __init__(self, store: Store, tokens: TokenTable | None):
+        self.root = store
+        self.tokens = tokens
+        self.scopes = {t: store.scoped(t) for t in tokens.tenants} if tokens else {}
+
+    def stores(self) -> list[Store]:
+        return [self.root, *self.scopes.values()]
+
+    def resolve(self, credentials: HTTPAuthorizationCredentials | None) -> Store:
+        if self.tokens is None:
+            return self.root
+        if credentials is None:
+            raise HTTPException(401, "missing bearer token (Authorization: Bearer <token>)",
+                                headers={"WWW-Authenticate": "Bearer"})
+        tenant = self.tokens.tenant_for(credentials.credentials)
+        if tenant is None:
+            raise HTTPException(403, "token not recognised")
+        return self.scopes[tenant]
+
+
+async def read_body(request: Request, limit: int) -> bytearray:
+    """The whole request body in one buffer; 413 before reading anything past `limit`."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.isdigit():
+            raise HTTPException(400, f"bad Content-Length {declared!r}")
+        size = int(declared)
+        if size > limit:
+            raise HTTPException(413, f"chunk of {size} bytes exceeds the limit of {limit} bytes")
+        buf = bytearray(size)
+        pos = 0
+        async for part in request.stream():
+            end = pos + len(part)
+            if end > size:
+                raise HTTPException(400, "body is longer than its Content-Length")
+            buf[pos:end] = part
+            pos = end
+        if pos != size:
+            raise HTTPException(400, f"body ended after {pos} of {size} bytes")
+        return buf
+    buf = bytearray()
+    async for part in request.stream():
+        if len(buf) + len(part) > limit:
+            raise HTTPException(413, f"chunk exceeds the limit of {limit} bytes")
+        buf += part
+    return buf
+
+
+def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
+    """The kvserver ASGI app over `config.store_urls` (or an already opened `store`)."""
+    store = store if store is not None else open_store(list(config.store_urls))
+    tokens = TokenTable.from_file(config.tokens_file) if config.tokens_file else None
+    tenancy = Tenancy(store, tokens)
+    metrics = ServerMetrics(tenancy.stores)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        for s in tenancy.stores():
+            await s.close()
+
+    app = FastAPI(
+        title="kvstash kvserver",
+        version="1",
+        summary="KV-cache chunks by key: put, get, batched prefix lookup.",
+        lifespan=lifespan,
+    )
+    app.state.config = config
+    app.state.tenancy = tenancy
+    app.state.metrics = metrics
+
+    if tokens is not None:
+        bearer = HTTPBearer(auto_error=False, description="a token from the server's tokens file")
+
+        Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
+
+        def tenant_store(credentials: Credentials) -> Store:
+            return tenancy.resolve(credentials)
+    else:
+
+        def tenant_store() -> Store:
+            return tenancy.root
+
+    TenantStore = Annotated[Store, Depends(tenant_store)]
+    auth_errors = (401, 403) if tokens is not None else ()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail), getattr(exc, "headers", None))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        return _error(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")))
+
+    @app.exception_handler(InvalidKey)
+    @app.exception_handler(InvalidChunk)
+    async def invalid(request: Request, exc: Exception) -> JSONResponse:
+        return _error(400, str(exc))
+
+    @app.exception_handler(StoreFull)
+    async def full(request: Request, exc: StoreFull) -> JSONResponse:
+        return _error(507, str(exc))
+
+    @app.exception_handler(StoreUnavailable)
+    async def unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
+        return _error(503, str(exc))
+
+    @app.exception_handler(Exception)
+    async def internal(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error on %s %s", request.method, request.url.path)
+        return _error(500, "internal server error")
+
+    chunk_path = "/v1/chunks/{ns_id}/{digest}"
+
+    @app.put(
+        chunk_path, status_code=201, response_model=PutResult, tags=["chunks"],
+        summary="Store a chunk (create-only; 200 if it already existed)",
+        responses={200: {"model": PutResult}, **_errors(400, 413, 415, 503, 507, *auth_errors)},
+        openapi_extra={"requestBody": {"required": True, "content": {
+            OCTETS: {"schema": {"type": "string", "format": "binary"}}}}},
+    )
+    async def put_chunk(request: Request, ns_id: NsId, digest: Digest, s: TenantStore) -> Any:
+        ctype = request.headers.get("content-type", OCTETS).split(";")[0].strip().lower()
+        if ctype != OCTETS:
+            raise HTTPException(415, f"chunk bodies are {OCTETS}, not {ctype!r}")
+        try:
+            body = await read_body(request, config.max_chunk_bytes)
+        except ClientDisconnect:
+            raise HTTPException(400, "client disconnected before the body ended") from None
+        created = await s.put(f"{ns_id}/{digest}", body)
+        if created:
+            metrics.bytes_in.inc(len(body))
+        return JSONResponse({"created": created}, status_code=201 if created else 200)
+
+    @app.get(
+        chunk_path, tags=["chunks"], response_class=Response,
+        summary="Fetch a verified chunk (header + payload); Range gives a byte slice",
+        responses={
+            200: {"content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}}},
+            206: {"content": {OCTETS: {"schema": {"type": "string", "format": "binary"}}}},
+            **_errors(400, 404, 416, 503, *auth_errors),
+        },
+    )
+    async def get_chunk(
+        ns_id: NsId, digest: Digest, s: TenantStore,
+        range_: Annotated[str | None, Header(alias="Range")] = None,
+    ) -> Response:
+        blob = await s.get(f"{ns_id}/{digest}")
+        if blob is None:
+            metrics.misses.inc()
+            raise HTTPException(404, "chunk not found")
+        metrics.hits.inc()
+        body = blob if isinstance(blob, bytes) else bytes(blob)
+        headers = {"accept-ranges": "bytes", "cache-control": "max-age=31536000, immutable"}
+        status = 200
+        if range_ is not None:
+            try:
+                start, stop = parse_range(range_, len(body))
+            except ValueError as exc:
+                raise HTTPException(400, str(exc)) from None
+            except LookupError as exc:
+                raise HTTPException(416, str(exc), headers={"content-range": f"bytes */{len(body)}"}) from None
+            headers["content-range"] = f"bytes {start}-{stop - 1}/{len(body)}"
+            body = body[start:stop]
+            status = 206
+        metrics.bytes_out.inc(len(body))
+        return Response(body, status_code=status, media_type=OCTETS, headers=headers)
+
+    @app.head(
+        chunk_path, tags=["chunks"], status_code=200, response_class=Response,
+        summary="Is the chunk stored? (no body)",
+        responses={200: {"description": "present"}, **_errors(400, 404, *auth_errors)},
+    )
+    async def head_chunk(ns_id: NsId, digest: Digest, s: TenantStore) -> Response:
+        (present,) = await s.exists([f"{ns_id}/{digest}"])
+        return Response(status_code=200 if present else 404)
+
+    @app.delete(
+        chunk_path, tags=["chunks"], status_code=204, response_class=Response,
+        summary="Remove a chunk", responses=_errors(400, 404, 503, *auth_errors),
+    )
+    async def delete_chunk(ns_id: NsId, digest: Digest, s: TenantStore) -> Response:
+        if not await s.delete(f"{ns_id}/{digest}"):
+            raise HTTPException(404, "chunk not found")
+        return Response(status_code=204)
+
+    @app.post(
+        "/v1/lookup", response_model=LookupResult, tags=["chunks"],
+        summary="Batched presence: prefix_len and a bitmap for up to max-lookup-keys keys",
+        responses=_errors(400, 413, *auth_errors),
+    )
+    async def lookup(req: LookupRequest, s: TenantStore) -> Any:
+        n = len(req.keys)
+        if n > config.max_lookup_keys:
+            raise HTTPException(413, f"{n} keys exceed the lookup limit of {config.max_lookup_keys}")
+        if req.stop_at_gap:
+            prefix = await s.prefix_len(req.keys)
+            present = [True] * prefix
+        else:
+            present = await s.exists(req.keys)
+            prefix = present.index(False) if False in present else n
+        metrics.lookup_keys.inc(n)
+        metrics.lookup_present.inc(sum(present))
+        return {"prefix_len": prefix, "count": n, "present": presence_bitmap(present)}
+
+    @app.get(
+        "/v1/keys", tags=["chunks"], response_class=StreamingResponse,
+        summary="Every stored key of the caller's scope, one per line",
+        responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
+                   **_errors(*auth_errors)},
+    )
+    async def list_keys(s: TenantStore) -> StreamingResponse:
+        async def lines() -> AsyncIterator[bytes]:
+            batch: list[str] = []
+            async for key in s.list_keys():
+                batch.append(key)
+                if len(batch) == 1024:
+                    yield ("\n".join(batch) + "\n").encode()
+                    batch = []
+            if batch:
+                yield ("\n".join(batch) + "\n").encode()
+
+        return StreamingResponse(lines(), media_type="text/plain")
+
+    @app.get("/v1/stats", tags=["service"], summary="The caller's store counters and capacity",
+             responses=_errors(*auth_errors))
+    async def stats(s: TenantStore) -> dict[str, Any]:
+        return s.stats()
+
+    @app.get("/healthz", tags=["service"], response_model=Health, summary="The process is up")
+    async def healthz() -> Any:
+        return {"status": "ok"}
+
+    @app.get("/readyz", tags=["service"], response_model=Health, responses=_errors(503),
+             summary="The backend answers a presence check in time")
+    async def readyz() -> Any:
+        try:
+            await asyncio.wait_for(store.exists([READY_PROBE_KEY]), config.ready_timeout_s)
+        except asyncio.TimeoutError:
+            raise HTTPException(503, f"backend did not answer within {config.ready_timeout_s}s") from None
+        return {"status": "ready"}
+
+    @app.get("/metrics", tags=["service"], response_class=Response,
+             summary="Prometheus metrics",
+             responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
+
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    return app

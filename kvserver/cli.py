@@ -1,0 +1,96 @@
+"""`kvstash serve`: flags -> ServerConfig -> the app under uvicorn, on a socket bound here.
+
+The socket is bound before uvicorn starts so that `--port 0` works: the line printed at
+start-up names the real port (tests and scripts read it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import socket
+import sys
+from pathlib import Path
+
+from kvserver.config import (
+    DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_MAX_LOOKUP_KEYS,
+    DEFAULT_PORT,
+    ServerConfig,
+    default_store_url,
+)
+from storage.options import StoreURL, parse_size
+
+# Idle keep-alive connections live longer than the client pool's idle limit (30 s), so a
+# pooled connection is normally closed by the client, not by surprise under it.
+KEEP_ALIVE_S = 75
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--store", action="append", metavar="URL",
+                   help="store URL; repeat for tiers, fastest first "
+                        "(default: a local directory, printed at start)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT,
+                   help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--auth-tokens", metavar="FILE", type=Path,
+                   help="`TENANT TOKEN` lines; each token gets its tenant's private key space")
+    p.add_argument("--max-chunk-bytes", type=parse_size, default=DEFAULT_MAX_CHUNK_BYTES,
+                   metavar="SIZE", help="largest accepted chunk body (default 1GiB)")
+    p.add_argument("--max-lookup-keys", type=int, default=DEFAULT_MAX_LOOKUP_KEYS,
+                   metavar="N", help=f"most keys in one lookup (default {DEFAULT_MAX_LOOKUP_KEYS})")
+    p.add_argument("--access-log", action="store_true", help="log every request")
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    return ServerConfig(
+        store_urls=tuple(args.store) if args.store else (default_store_url(),),
+        tokens_file=args.auth_tokens,
+        max_chunk_bytes=args.max_chunk_bytes,
+        max_lookup_keys=args.max_lookup_keys,
+    )
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvserver.app import create_app
+
+    config = config_from_args(args)
+    app = create_app(config)
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    stores = ", ".join(StoreURL(u).redacted() for u in config.store_urls)
+    auth = f"tenants: {', '.join(app.state.tenancy.scopes)}" if config.tokens_file else "no auth"
+    print(f"kvstash serve: http://{shown}:{port} -> {stores} ({auth})", flush=True)
+    if not config.tokens_file and not _is_loopback(host):
+        print("kvstash serve: warning: listening beyond loopback without --auth-tokens",
+              file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(
+        app, log_level="info" if getattr(args, "verbose", False) else "warning", access_log=args.access_log,
+        timeout_keep_alive=KEEP_ALIVE_S, lifespan="on",
+    ))
+    server.run(sockets=[sock])
+    return 0

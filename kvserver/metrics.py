@@ -1,0 +1,96 @@
+"""Prometheus metrics of one server: requests and latencies, hits and misses, bytes, capacity.
+
+Each app owns its registry (no process-global state), so several servers can live in one
+process. Metric names are gathered here; routes call the small `note_*` methods.
+Tenant names never become labels: /metrics is unauthenticated.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from storage.base import Store
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_LATENCY_BUCKETS = (
+    0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0,
+)
+
+
+class ServerMetrics:
+    def __init__(self, stores: Callable[[], list[Store]]):
+        """`stores()` gives the root store first, then every tenant scope."""
+        self._stores = stores
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvstash_http_requests", "HTTP requests by route and status",
+                                ["method", "route", "status"], registry=r)
+        self.latency = Histogram("kvstash_http_request_seconds", "HTTP request latency",
+                                 ["method", "route"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.hits = Counter("kvstash_chunk_hits", "chunk GETs served from the store", registry=r)
+        self.misses = Counter("kvstash_chunk_misses", "chunk GETs that missed", registry=r)
+        self.lookup_keys = Counter("kvstash_lookup_keys", "keys asked about in lookups", registry=r)
+        self.lookup_present = Counter("kvstash_lookup_present", "keys found by lookups", registry=r)
+        self.bytes_out = Counter("kvstash_bytes_served", "chunk bytes sent to clients", registry=r)
+        self.bytes_in = Counter("kvstash_bytes_received", "chunk bytes stored from clients",
+                                registry=r)
+        self.used = Gauge("kvstash_store_used_bytes", "bytes held by the store (all tenants)",
+                          registry=r)
+        self.capacity = Gauge("kvstash_store_capacity_bytes", "configured capacity (0 = none)",
+                              registry=r)
+        self.chunks = Gauge("kvstash_store_chunks", "chunks held by the store (all tenants)",
+                            registry=r)
+
+    def render(self) -> bytes:
+        used = capacity = chunks = 0
+        for i, store in enumerate(self._stores()):
+            for s in _leaf_stats(store.stats()):
+                used += s.get("used_bytes") or 0
+                chunks += s.get("chunks") or 0
+                if i == 0:  # the root store; tenant scopes share its configured capacity
+                    capacity += s.get("capacity_bytes") or 0
+        self.used.set(used)
+        self.chunks.set(chunks)
+        self.capacity.set(capacity)
+        return generate_latest(self.registry)
+
+
+class MetricsMiddleware:
+    """Pure ASGI middleware counting every HTTP request by its route template (bounded
+    label values: an unknown path counts as "unmatched")."""
+
+    def __init__(self, app: Any, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        t0 = time.perf_counter()
+        status = 500
+
+        async def send_status(message: dict) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            method = scope["method"]
+            self.metrics.latency.labels(method, route).observe(time.perf_counter() - t0)
+            self.metrics.requests.labels(method, route, str(status)).inc()
+
+
+def _leaf_stats(stats: dict[str, Any]) -> list[dict[str, Any]]:
+    tiers = stats.get("tiers")
+    if not tiers:
+        return [stats]
+    return [leaf for t in tiers for leaf in _leaf_stats(t)]
