@@ -211,3 +211,29 @@ def test_eight_concurrent_writers_of_one_key_leave_one_valid_chunk(tmp_path):
     assert not [p for p in tmp_path.rglob(".*tmp*")]
     key = f"{files[0].parent.parent.parent.name}/{files[0].stem}"
     decode_chunk(files[0].read_bytes(), key)
+
+
+async def test_a_chunk_changed_after_it_was_verified_is_checked_again(tmp_path, ns):
+    """Re-reads of an unchanged file skip the payload hash; any rewrite must not."""
+    store = FileStore(tmp_path)
+    (key, _, blob), = make_chunks(ns, 1, payload_size=4096)
+    await store.put(key, blob)
+    time.sleep(1.1)  # let the file's ctime settle, so its verified identity is remembered
+    assert bytes(await store.get(key)) == blob
+    assert key in store._verified
+    path = _chunk_path(tmp_path, key)
+    with open(path, "r+b") as f:  # flip one payload byte in place: same inode, same size
+        f.seek(len(blob) - 10)
+        f.write(bytes([blob[-10] ^ 0x40]))
+    assert await store.get_into(key, bytearray(4096)) is None
+    assert store.stats()["corrupt"] == 1
+
+
+async def test_verify_always_hashes_every_read(tmp_path, ns):
+    store = open_store(f"file://{tmp_path}?verify=always")
+    (key, _, blob), = make_chunks(ns, 1)
+    await store.put(key, blob)
+    assert bytes(await store.get(key)) == blob
+    assert store._verified == {}
+    with pytest.raises(ConfigError, match="verify"):
+        open_store(f"file://{tmp_path}?verify=sometimes")
