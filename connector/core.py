@@ -1,0 +1,422 @@
+"""`KVConnector`: the engine side of the cache — lookup, verified pipelined load, write-behind save.
+
+Threading contract. Every public method is synchronous and called from one engine thread.
+The connector owns an asyncio event loop in a daemon thread and is the only user of the
+store (the store's coroutines all run on that loop). The engine thread only hashes token
+ids, waits on futures with deadlines and copies bytes it already has; storage I/O,
+verification and saves run on the loop and its worker threads.
+
+Failure contract. Nothing raises into the engine for anything the store does: a miss, a
+timeout, an exception from a backend or a chunk that fails verification ends the hit at
+the chunks before it (they are already placed and exact), is counted, and the rest is
+recomputed. Repeated lookup failures open a breaker that bypasses the store for a while,
+so an unreachable store costs one timeout, not one per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import threading
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol
+
+import numpy as np
+
+from connector.layout import ChunkLayout
+from connector.policy import LoadPlan, LoadPolicy
+from connector.writebehind import SaveJob, WriteBehindQueue
+from hashing import Namespace, chunk_keys, token_array
+from storage.base import Store
+from storage.codec import ChunkError, ChunkHeader
+
+log = logging.getLogger("kvstash.connector")
+
+COUNTERS = (
+    "lookups", "lookup_tokens", "lookup_errors", "bypassed",
+    "loads", "hit_tokens", "hit_bytes", "declined_tokens",
+    "load_misses", "load_errors", "load_timeouts", "verify_failures",
+    "save_queued", "saved_chunks", "saved_bytes", "save_skipped",
+    "save_drops", "save_dropped_bytes", "save_errors",
+)
+
+
+class LoadTarget(Protocol):
+    """Where loaded chunks go. `staging(i)` is called for every chunk before any I/O starts;
+    `place(i)` runs on the engine thread, in chunk order, once chunk i is verified."""
+
+    def staging(self, i: int) -> Any:
+        """A writable buffer of exactly `layout.payload_nbytes` bytes for chunk i."""
+
+    def place(self, i: int) -> None:
+        """Move chunk i from its staging buffer into the engine's KV cache."""
+
+
+class KVConnector:
+    """Engine-agnostic cache client over one store and one namespace.
+
+    `layout` (how a chunk's K/V sit in its payload) is usually bound by an engine adapter
+    (`connector.hf.CachedPrefill`). `max_in_flight` bounds concurrent chunk reads;
+    `save_queue_bytes` bounds the write-behind queue; `lookup_timeout_s` bounds the one
+    store call a miss costs.
+    """
+
+    def __init__(
+        self,
+        store: Store | str | Sequence[str],
+        ns: Namespace,
+        *,
+        layout: ChunkLayout | None = None,
+        max_in_flight: int = 8,
+        lookup_timeout_s: float = 1.0,
+        save_queue_bytes: int = 512 * 1024**2,
+        policy: LoadPolicy | None = None,
+        bypass_s: tuple[float, float] = (1.0, 30.0),
+    ):
+        if not isinstance(store, Store):
+            from storage.registry import open_store
+
+            store = open_store(store)
+        self.store = store
+        self.ns = ns
+        self.layout: ChunkLayout | None = None
+        self.max_in_flight = max_in_flight
+        self.lookup_timeout_s = lookup_timeout_s
+        self.policy = policy or LoadPolicy()
+        self._bypass_min_s, self._bypass_max_s = bypass_s
+        self._bypass_backoff = 0.0
+        self._bypass_until = 0.0
+        self._lock = threading.Lock()
+        self._counters = dict.fromkeys(COUNTERS, 0)
+        self._load_seconds = 0.0
+        self._closed = False
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="kvstash-connector", daemon=True
+        )
+        self._thread.start()
+        self._writer = WriteBehindQueue(store, self._loop, self._count, save_queue_bytes)
+        if layout is not None:
+            self.bind_layout(layout)
+
+    def __repr__(self) -> str:
+        return f"<KVConnector {self.store} ns={self.ns.id}>"
+
+    # -- configuration -------------------------------------------------------------------
+
+    def bind_layout(self, layout: ChunkLayout) -> None:
+        """Fix the chunk layout; the namespace must describe it (or chunks would mix)."""
+        wrong = [
+            f"{name}={getattr(self.ns, name)!r} (the model needs {want!r})"
+            for name, want in (
+                ("dtype", layout.dtype), ("layout", layout.name),
+                ("chunk_tokens", layout.chunk_tokens),
+            )
+            if getattr(self.ns, name) != want
+        ]
+        if wrong:
+            raise ValueError(
+                "namespace does not describe this model's KV layout: " + ", ".join(wrong)
+                + " (build it with connector.hf.namespace_for(model))"
+            )
+        self.layout = layout
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.ns.chunk_tokens
+
+    # -- counters ------------------------------------------------------------------------
+
+    def _count(self, **deltas: int) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                self._counters[name] += d
+
+    def stats(self) -> dict[str, Any]:
+        """Counters since start, plus load GB/s and the policy's current estimates."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counters)
+            out["load_seconds"] = self._load_seconds
+        out["load_gbps"] = out["hit_bytes"] / out["load_seconds"] / 1e9 if out["load_seconds"] else 0.0
+        out["save_pending_bytes"] = self._writer.pending_bytes
+        out["store"] = str(self.store)
+        out["namespace"] = self.ns.id
+        out.update(self.policy.snapshot())
+        return out
+
+    # -- the store, from the engine thread -----------------------------------------------
+
+    def _bypassed(self) -> bool:
+        if time.monotonic() < self._bypass_until:
+            self._count(bypassed=1)
+            return True
+        return False
+
+    def _store_failed(self, what: str, exc: BaseException) -> None:
+        self._bypass_backoff = min(
+            self._bypass_max_s, max(self._bypass_min_s, 2 * self._bypass_backoff)
+        )
+        self._bypass_until = time.monotonic() + self._bypass_backoff
+        log.warning(
+            "%s on %s failed (%s); bypassing the store for %.0f s",
+            what, self.store, exc or type(exc).__name__, self._bypass_backoff,
+        )
+
+    def _call(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
+        """Run a store coroutine on the connector loop and wait at most `timeout` seconds."""
+        future = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return future.result(timeout)
+        except BaseException:
+            future.cancel()
+            raise
+
+    # -- lookup --------------------------------------------------------------------------
+
+    def lookup(self, token_ids: Any, max_tokens: int | None = None) -> int:
+        """Tokens of this prompt's prefix the store holds (whole chunks, one batched call)."""
+        self._count(lookups=1)
+        try:
+            tokens = token_array(token_ids)
+        except ValueError as exc:
+            log.warning("lookup skipped: %s", exc)
+            return 0
+        if max_tokens is not None:
+            tokens = tokens[: max(max_tokens, 0)]
+        keys = chunk_keys(tokens, self.ns)
+        if not keys or self._bypassed():
+            return 0
+        try:
+            n = int(self._call(self.store.prefix_len(keys), self.lookup_timeout_s))
+        except Exception as exc:  # noqa: BLE001 - any backend failure is a miss
+            self._count(lookup_errors=1)
+            self._store_failed("lookup", exc)
+            return 0
+        self._bypass_backoff = 0.0
+        hit = min(max(n, 0), len(keys)) * self.chunk_tokens
+        self._count(lookup_tokens=hit)
+        return hit
+
+    def plan(self, cached_tokens: int) -> LoadPlan:
+        """How much of a cached prefix is worth loading now (see `connector.policy`)."""
+        layout = self._require_layout()
+        plan = self.policy.plan(
+            cached_tokens // self.chunk_tokens, self.chunk_tokens, layout.payload_nbytes
+        )
+        declined = cached_tokens // self.chunk_tokens - plan.chunks
+        if declined > 0:
+            self._count(declined_tokens=declined * self.chunk_tokens)
+        return plan
+
+    def observe_prefill(self, tokens: int, seconds: float) -> None:
+        """The engine reports each prefill it ran, so the policy knows what recompute costs."""
+        self.policy.observe_prefill(tokens, seconds)
+
+    def _require_layout(self) -> ChunkLayout:
+        if self.layout is None:
+            raise RuntimeError("KVConnector has no chunk layout: call bind_layout() first")
+        return self.layout
+
+    # -- load ----------------------------------------------------------------------------
+
+    def load(
+        self,
+        token_ids: Any,
+        num_tokens: int,
+        target: LoadTarget,
+        deadline_s: float | None = None,
+    ) -> int:
+        """Load the first `num_tokens` (whole chunks) into `target`; returns tokens placed.
+
+        All chunks are requested at once (at most `max_in_flight` reading); chunk i is
+        placed on this thread while chunk i+1 is still being read. The first chunk that
+        is missing, fails verification or is not there by the deadline ends the hit.
+        """
+        layout = self._require_layout()
+        n = self.chunk_tokens
+        tokens = token_array(token_ids)
+        n_chunks = min(max(num_tokens, 0), len(tokens)) // n
+        if n_chunks == 0 or self._bypassed():
+            return 0
+        tokens = tokens[: n_chunks * n]
+        keys = chunk_keys(tokens, self.ns)
+        wait_s = self.policy.deadline_s(n_chunks * n) if deadline_s is None else deadline_s
+        started = time.monotonic()
+        deadline = started + wait_s
+        self._count(loads=1)
+        try:
+            bufs = [memoryview(target.staging(i)).cast("B") for i in range(n_chunks)]
+        except Exception as exc:  # noqa: BLE001 - the engine could not give us memory: recompute
+            log.warning("load skipped: no staging memory: %s", exc)
+            return 0
+        done: list[concurrent.futures.Future[bool]] = [
+            concurrent.futures.Future() for _ in range(n_chunks)
+        ]
+        fetch = asyncio.run_coroutine_threadsafe(
+            self._fetch_all(keys, tokens, bufs, done, layout), self._loop
+        )
+        placed, stalled = 0, False
+        try:
+            for i in range(n_chunks):
+                try:
+                    ok = done[i].result(timeout=max(deadline - time.monotonic(), 0.0))
+                except concurrent.futures.TimeoutError:
+                    self._count(load_timeouts=1)
+                    log.warning("load from %s: chunk %d not there in %.3f s", self.store, i, wait_s)
+                    stalled = True
+                    break
+                if not ok:
+                    break
+                target.place(i)
+                placed += 1
+        except Exception as exc:  # noqa: BLE001 - a placement failure is a shorter hit too
+            log.warning("placing chunk %d failed: %s", placed, exc)
+        finally:
+            if placed < n_chunks:
+                fetch.cancel()
+        elapsed = time.monotonic() - started
+        nbytes = placed * layout.payload_nbytes
+        if placed == n_chunks or stalled:
+            self.policy.observe_load(nbytes, elapsed)
+        with self._lock:
+            self._counters["hit_tokens"] += placed * n
+            self._counters["hit_bytes"] += nbytes
+            self._load_seconds += elapsed
+        return placed * n
+
+    async def _fetch_all(
+        self,
+        keys: list[str],
+        tokens: np.ndarray,
+        bufs: list[memoryview],
+        done: list[concurrent.futures.Future[bool]],
+        layout: ChunkLayout,
+    ) -> None:
+        gate = asyncio.Semaphore(self.max_in_flight)
+        failed = False
+        n = self.chunk_tokens
+
+        async def one(i: int) -> None:
+            nonlocal failed
+            ok = False
+            try:
+                async with gate:
+                    # Past the first failure nothing can be used: do not spend the I/O.
+                    if not failed:
+                        ok = await self._fetch_one(keys[i], tokens[i * n : (i + 1) * n], bufs[i], layout)
+            finally:
+                failed = failed or not ok
+                if not done[i].done():
+                    done[i].set_result(ok)
+
+        await asyncio.gather(*(one(i) for i in range(len(keys))))
+
+    async def _fetch_one(
+        self, key: str, tokens: np.ndarray, buf: memoryview, layout: ChunkLayout
+    ) -> bool:
+        try:
+            header = await self.store.get_into(key, buf)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any backend failure is a miss
+            self._count(load_errors=1)
+            log.warning("get %s from %s failed: %s", key, self.store, exc)
+            return False
+        if header is None:
+            self._count(load_misses=1)
+            return False
+        why = await asyncio.to_thread(_verify, header, key, tokens, buf, layout)
+        if why:
+            self._count(verify_failures=1)
+            log.warning("chunk %s from %s rejected: %s", key, self.store, why)
+            return False
+        return True
+
+    # -- save ----------------------------------------------------------------------------
+
+    def save(
+        self, token_ids: Any, payload: Callable[[int], Any], start_tokens: int = 0
+    ) -> int:
+        """Queue this prompt's full chunks from `start_tokens` on for write-behind.
+
+        `payload(i)` returns chunk i's bytes in the bound layout; it runs later on a worker
+        thread, so it must read KV that the engine will not overwrite. Returns the number
+        of chunks queued (the rest were dropped: queue full). Never blocks on storage.
+        """
+        layout = self._require_layout()
+        n = self.chunk_tokens
+        try:
+            tokens = token_array(token_ids)
+        except ValueError as exc:
+            log.warning("save skipped: %s", exc)
+            return 0
+        keys = chunk_keys(tokens, self.ns)
+        first = max(start_tokens, 0) // n
+        if first >= len(keys) or self._closed:
+            return 0
+        job = SaveJob(
+            keys=keys[first:],
+            tokens=[tokens[i * n : (i + 1) * n] for i in range(first, len(keys))],
+            first=first,
+            payload=payload,
+            chunk_nbytes=layout.payload_nbytes,
+            meta=layout.meta(),
+        )
+        return self._writer.submit(job)
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until every queued save is written (or failed); False on timeout."""
+        if self._closed:
+            return True
+        try:
+            self._call(self._writer.join(), timeout)  # type: ignore[arg-type]
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
+
+    def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
+        """Run a coroutine on the connector's loop (e.g. a store call from a test or tool)."""
+        return self._call(coro, timeout)  # type: ignore[arg-type]
+
+    def close(self, close_store: bool = True, timeout: float | None = 30.0) -> None:
+        """Finish queued saves (up to `timeout`), then stop the loop (and close the store)."""
+        if self._closed:
+            return
+        self.flush(timeout)
+        self._closed = True
+        try:
+            self._call(self._writer.stop(), timeout)  # type: ignore[arg-type]
+            if close_store:
+                self._call(self.store.close(), timeout)  # type: ignore[arg-type]
+        except Exception as exc:  # noqa: BLE001 - closing must not fail the engine either
+            log.warning("closing %s: %s", self.store, exc)
+        finally:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout)
+            if not self._thread.is_alive():
+                self._loop.close()
+
+    def __enter__(self) -> KVConnector:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _verify(
+    header: ChunkHeader, key: str, tokens: np.ndarray, buf: memoryview, layout: ChunkLayout
+) -> str | None:
+    """Why a fetched chunk cannot be used for these tokens, or None if it can."""
+    if header.key != key:
+        return f"header holds key {header.key}"
+    if not header.matches_tokens(tokens):
+        return "header holds other token ids"
+    if header.payload_len != layout.payload_nbytes or not layout.matches(header.meta):
+        return f"layout {header.meta} ({header.payload_len} bytes), expected {layout.meta()}"
+    try:
+        header.verify_payload(buf[: header.payload_len])
+    except ChunkError as exc:
+        return str(exc)
+    return None

@@ -1,0 +1,169 @@
+"""`CachedPrefill`: prefill a transformers causal LM through the cache — load prefix, run suffix, save.
+
+The loaded prefix becomes a `DynamicCache` (transformers 5.x: `DynamicCache(ddp_cache_data=
+[(k, v) per layer], config=...)`, positions follow from the cache length); the model then
+runs only on the suffix. On CPU this gives logits bit-identical to a full forward pass
+(shared/notes/probe.md §1). Supported: decoder-only models whose layers are all full
+attention with one K/V head size (Llama family incl. GQA, Qwen2, Mistral without a
+sliding window), any dtype in `connector.layout.DTYPE_BYTES`, batch size 1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from typing import Any
+
+import torch
+import xxhash
+from transformers import DynamicCache
+
+from connector.core import KVConnector
+from connector.layout import ChunkLayout
+from hashing import Namespace
+
+log = logging.getLogger("kvstash.connector.hf")
+
+# Config fields that do not change the KV a model computes (or are spelled per version).
+_VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache")
+
+
+def kv_layout(model: Any, chunk_tokens: int) -> ChunkLayout:
+    """The chunk layout of `model`'s KV cache; ValueError for unsupported attention types."""
+    cfg = model.config.get_text_config(decoder=True)
+    kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
+    if kinds != {"full_attention"} or getattr(cfg, "use_sliding_window", False):
+        raise ValueError(f"only full-attention layers are supported, model has {sorted(kinds)}")
+    heads = cfg.num_attention_heads
+    return ChunkLayout(
+        layers=cfg.num_hidden_layers,
+        kv_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        chunk_tokens=chunk_tokens,
+        dtype=str(model.dtype).removeprefix("torch."),
+    )
+
+
+def model_id(model: Any) -> str:
+    """`<name or model_type>@<hash of the config>`: equal only for models that compute equal KV
+    from equal weights (the name stands for the weights; the hash guards the shape)."""
+    cfg = model.config
+    fields = {k: v for k, v in cfg.to_dict().items() if k not in _VOLATILE_CONFIG}
+    digest = xxhash.xxh3_64_hexdigest(json.dumps(fields, sort_keys=True, default=str).encode(), seed=0)
+    return f"{cfg._name_or_path or cfg.model_type}@{digest[:12]}"
+
+
+def namespace_for(
+    model: Any, chunk_tokens: int = 256, *, salt: str = "", rank: int = 0, world_size: int = 1
+) -> Namespace:
+    """The namespace a model's chunks live in: model id, dtype, KV layout and chunk size."""
+    layout = kv_layout(model, chunk_tokens)
+    return Namespace(
+        model=model_id(model), dtype=layout.dtype, layout=layout.name,
+        chunk_tokens=chunk_tokens, rank=rank, world_size=world_size, salt=salt,
+    )
+
+
+class _StagedPrefix:
+    """Staging buffers for the chunks being read, and the per-layer K/V they are placed into."""
+
+    def __init__(self, layout: ChunkLayout, n_chunks: int, device: torch.device):
+        self.layout = layout
+        self.dtype = getattr(torch, layout.dtype)
+        pin = device.type == "cuda"
+        self.raw = torch.empty((n_chunks, layout.payload_nbytes), dtype=torch.uint8, pin_memory=pin)
+        L, _, H, n, D = layout.shape
+        self.kv = torch.empty((L, 2, 1, H, n_chunks * n, D), dtype=self.dtype, device=device)
+
+    def staging(self, i: int) -> Any:
+        return self.raw[i].numpy()
+
+    def place(self, i: int) -> None:
+        n = self.layout.chunk_tokens
+        chunk = self.raw[i].view(self.dtype).view(self.layout.shape)
+        self.kv[:, :, 0, :, i * n : (i + 1) * n, :].copy_(chunk, non_blocking=True)
+
+    def cache(self, tokens: int, config: Any) -> DynamicCache:
+        kv = self.kv[:, :, :, :, :tokens]
+        return DynamicCache(ddp_cache_data=[(layer[0], layer[1]) for layer in kv], config=config)
+
+
+def _chunk_payload(layout: ChunkLayout, keys: list[torch.Tensor], values: list[torch.Tensor]):
+    """A function chunk index -> payload bytes, reading the given per-layer K/V tensors."""
+    dtype = getattr(torch, layout.dtype)
+    n = layout.chunk_tokens
+
+    def payload(i: int) -> Any:
+        out = torch.empty(layout.shape, dtype=dtype)
+        for layer, k, v in zip(out, keys, values, strict=True):
+            layer[0].copy_(k[0, :, i * n : (i + 1) * n])
+            layer[1].copy_(v[0, :, i * n : (i + 1) * n])
+        return out.view(torch.uint8).numpy()
+
+    return payload
+
+
+class CachedPrefill:
+    """`prefill(input_ids)` behaves like `model(input_ids, use_cache=True)` with the cache in front.
+
+    The hit is capped at the last whole chunk before the final prompt token, which is always
+    computed, so `.logits` covers positions `last_hit_tokens..T-1` and `.past_key_values`
+    covers all T tokens. After the forward pass the prompt's new full chunks go to the
+    connector's write-behind queue. Anything the cache does wrong is a miss, never an error.
+    """
+
+    def __init__(self, model: Any, connector: KVConnector):
+        self.model = model
+        self.connector = connector
+        self.layout = kv_layout(model, connector.chunk_tokens)
+        connector.bind_layout(self.layout)
+        self.last_hit_tokens = 0
+        self.last_cached_tokens = 0
+
+    def _load(self, ids: torch.Tensor, max_tokens: int) -> tuple[int, DynamicCache | None]:
+        conn = self.connector
+        tokens = ids[0].cpu().numpy()
+        cached = conn.lookup(tokens, max_tokens=max_tokens)
+        self.last_cached_tokens = cached
+        plan = conn.plan(cached)
+        if plan.chunks == 0:
+            return 0, None
+        staged = _StagedPrefix(self.layout, plan.chunks, ids.device)
+        hit = conn.load(tokens, plan.chunks * conn.chunk_tokens, staged, plan.deadline_s)
+        return hit, (staged.cache(hit, self.model.config) if hit else None)
+
+    @torch.no_grad()
+    def __call__(self, input_ids: Any, **kwargs: Any) -> Any:
+        self.last_hit_tokens = self.last_cached_tokens = 0
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 1:
+            ids = ids.unsqueeze(0)
+        if ids.shape[0] != 1 or "past_key_values" in kwargs:
+            return self.model(ids, use_cache=True, **kwargs)
+        n = self.connector.chunk_tokens
+        total = ids.shape[1]
+        hit, cache = 0, None
+        try:
+            hit, cache = self._load(ids, (total - 1) // n * n)
+        except Exception:  # noqa: BLE001 - the cache may make a request faster, never fail it
+            log.exception("cache load failed; computing the whole prompt")
+            hit, cache = 0, None
+        started = time.perf_counter()
+        out = self.model(ids[:, hit:], past_key_values=cache, use_cache=True, **kwargs)
+        self.connector.observe_prefill(total - hit, time.perf_counter() - started)
+        self.last_hit_tokens = hit
+        self._save(ids, out.past_key_values, hit)
+        return out
+
+    def _save(self, ids: torch.Tensor, cache: Any, hit: int) -> None:
+        if cache is None or ids.shape[1] // self.connector.chunk_tokens * self.connector.chunk_tokens <= hit:
+            return
+        try:
+            # DynamicCache replaces (never mutates) its tensors on update, so these references
+            # stay valid while the engine keeps decoding and the writer serializes later.
+            keys = [layer.keys for layer in cache.layers]
+            values = [layer.values for layer in cache.layers]
+            self.connector.save(ids[0].cpu().numpy(), _chunk_payload(self.layout, keys, values), hit)
+        except Exception:  # noqa: BLE001 - a lost save costs a future hit, never this request
+            log.exception("queueing the prompt's chunks for saving failed")

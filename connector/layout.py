@@ -1,0 +1,61 @@
+"""How one chunk's K/V tensors sit in a chunk payload, and the header meta that proves it.
+
+A payload is one row-major array `[layers, 2 (K then V), kv_heads, chunk_tokens, head_dim]`
+of the model's dtype. Layer-major keeps a chunk a single contiguous read, so the store can
+`get_into` one staging buffer and the engine places it with one strided copy. The layout is
+written into every chunk header's meta and checked on load, so a chunk written by another
+model shape or dtype is rejected even if its key somehow matched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+# Element sizes of the dtypes an engine may cache in (names as torch spells them).
+DTYPE_BYTES = {
+    "float32": 4, "float16": 2, "bfloat16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+LAYOUT_NAME = "LKHTD"
+
+
+@dataclass(frozen=True)
+class ChunkLayout:
+    """Shape and dtype of one chunk payload: `[layers, 2, kv_heads, chunk_tokens, head_dim]`."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    chunk_tokens: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"unsupported KV dtype {self.dtype!r} (known: {sorted(DTYPE_BYTES)})")
+        for name in ("layers", "kv_heads", "head_dim", "chunk_tokens"):
+            if int(getattr(self, name)) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)!r}")
+
+    @property
+    def shape(self) -> tuple[int, int, int, int, int]:
+        return (self.layers, 2, self.kv_heads, self.chunk_tokens, self.head_dim)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+
+    @property
+    def payload_nbytes(self) -> int:
+        return self.bytes_per_token * self.chunk_tokens
+
+    @property
+    def name(self) -> str:
+        """The namespace `layout` string: two engines share chunks only if it is equal."""
+        return f"{LAYOUT_NAME}:L{self.layers}:H{self.kv_heads}:D{self.head_dim}"
+
+    def meta(self) -> dict[str, Any]:
+        """What every chunk header of this layout carries in its meta."""
+        return {"layout": LAYOUT_NAME, "dtype": self.dtype, "shape": list(self.shape)}
+
+    def matches(self, meta: dict[str, Any]) -> bool:
+        return meta == self.meta()

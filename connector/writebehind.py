@@ -1,0 +1,130 @@
+"""`WriteBehindQueue`: new chunks go to the store in the background; the engine never waits.
+
+Threading contract: `submit` runs on the engine thread and only does bookkeeping (no I/O,
+no copies). One drain task on the connector's event loop takes jobs in order, asks the
+store which keys already exist (one batched call), then for each missing chunk serializes
+the payload on a worker thread, encodes it and `put`s it. The queue is bounded in bytes;
+a job that does not fit keeps its leading chunks that do (a chunk is only reachable
+through its predecessors) and the rest are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from storage.codec import encode_chunk
+
+log = logging.getLogger("kvstash.connector")
+
+
+@dataclass
+class SaveJob:
+    """Chunks of one request to save: chunk `first + j` has key `keys[j]`."""
+
+    keys: list[str]
+    tokens: list[np.ndarray]
+    first: int
+    payload: Callable[[int], Any]  # chunk index -> payload buffer; runs on a worker thread
+    chunk_nbytes: int
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def truncate(self, n: int) -> SaveJob:
+        return SaveJob(
+            self.keys[:n], self.tokens[:n], self.first, self.payload, self.chunk_nbytes, self.meta
+        )
+
+
+class WriteBehindQueue:
+    def __init__(
+        self,
+        store: Any,
+        loop: asyncio.AbstractEventLoop,
+        count: Callable[..., None],
+        max_bytes: int,
+    ):
+        self.store = store
+        self.loop = loop
+        self.max_bytes = max_bytes
+        self._count = count
+        self._lock = threading.Lock()
+        self._pending_bytes = 0
+        self._queue: asyncio.Queue[SaveJob | None]
+        self._task = asyncio.run_coroutine_threadsafe(self._start(), loop).result()
+
+    async def _start(self) -> asyncio.Task:
+        self._queue = asyncio.Queue()
+        return asyncio.get_running_loop().create_task(self._drain())
+
+    @property
+    def pending_bytes(self) -> int:
+        with self._lock:
+            return self._pending_bytes
+
+    def submit(self, job: SaveJob) -> int:
+        """Queue what fits of `job`; returns the number of chunks accepted (engine thread)."""
+        with self._lock:
+            room = max(self.max_bytes - self._pending_bytes, 0)
+            fits = min(len(job.keys), room // job.chunk_nbytes if job.chunk_nbytes else 0)
+            self._pending_bytes += fits * job.chunk_nbytes
+        dropped = len(job.keys) - fits
+        if dropped:
+            self._count(save_drops=dropped, save_dropped_bytes=dropped * job.chunk_nbytes)
+        if fits:
+            self._count(save_queued=fits)
+            self.loop.call_soon_threadsafe(self._queue.put_nowait, job.truncate(fits))
+        return fits
+
+    async def join(self) -> None:
+        await self._queue.join()
+
+    async def stop(self) -> None:
+        await self._queue.put(None)
+        await self._task
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._pending_bytes -= nbytes
+
+    async def _drain(self) -> None:
+        while True:
+            job = await self._queue.get()
+            try:
+                if job is None:
+                    return
+                await self._save(job)
+            except Exception as exc:  # noqa: BLE001 - nothing from a backend may stop the drain
+                self._count(save_errors=1)
+                log.warning("write-behind to %s failed: %s", self.store, exc)
+            finally:
+                self._queue.task_done()
+
+    async def _save(self, job: SaveJob) -> None:
+        remaining = len(job.keys)
+        try:
+            present: Sequence[bool] = await self.store.exists(job.keys)
+            for j, key in enumerate(job.keys):
+                if present[j]:
+                    self._count(save_skipped=1)
+                else:
+                    blob = await asyncio.to_thread(self._encode, job, j)
+                    if await self.store.put(key, blob):
+                        self._count(saved_chunks=1, saved_bytes=len(blob))
+                    else:
+                        self._count(save_skipped=1)
+                remaining -= 1
+                self._release(job.chunk_nbytes)
+        finally:
+            # A failed job drops its unsaved chunks: without the failed one they are unreachable.
+            self._release(remaining * job.chunk_nbytes)
+
+    @staticmethod
+    def _encode(job: SaveJob, j: int) -> bytes:
+        payload = job.payload(job.first + j)
+        return encode_chunk(job.keys[j], job.tokens[j], payload, job.meta)
