@@ -201,3 +201,21 @@ async def test_concurrent_readers_writers_and_gc_see_only_misses_or_exact_bytes(
     assert errors == []
     assert engine.stats()["corrupt"] == 0
     assert engine.stats()["hits"] > 0
+
+
+async def test_damage_after_a_verified_read_is_still_caught(file_store: FileStore):
+    """The store skips re-hashing a file it verified while its identity (inode, size,
+    mtime, ctime) is unchanged; an in-place write through the filesystem changes ctime."""
+    rng = np.random.default_rng(SEED)
+    ways = ["flip_payload", "zero", "replace", "flip_header"]
+    chunks = [chunk_for(SEED, 10 + i) for i in range(len(ways))]
+    for key, blob in chunks:
+        await file_store.put(key, blob)
+    await asyncio.sleep(1.1)  # past the store's settling time, so verifications are cached
+    for key, blob in chunks:
+        assert await file_store.get(key) == blob
+    for (key, _), how in zip(chunks, ways, strict=True):
+        corrupt_file(_chunk_path(file_store.root, key), how, rng, chunk_for(SEED, 99)[1])
+    for key, _ in chunks:
+        assert await file_store.get(key) is None
+    assert file_store.stats()["corrupt"] == len(ways)
