@@ -1,0 +1,741 @@
+"""`s3://bucket/prefix?endpoint=...` — chunks as S3 objects through aiobotocore.
+
+Layout: object `<prefix>/<ns_id>/<digest>` per chunk (the digest is random, so request
+rate spreads over S3's partitions); tenants under `<prefix>/tenants/<tenant>/`; access
+markers for gc under `<scope>/.atime/` (see storage/s3_gc.py).
+
+Hot path. One long-lived aiobotocore client per event loop (created on first use in
+that loop), a connection pool of `pool` sockets and at most `inflight` requests at once.
+A GET is never preceded by a HEAD: 404/403 is the miss. The first GET asks for the first
+`range_size` bytes; its Content-Range gives the object size, and the rest is fetched as
+parallel ranged GETs while the first body streams, straight into the destination buffer
+(`get_into` writes the payload into the caller's buffer). Every blob is verified (header
+and xxh3 payload checksum) and a corrupt object is deleted and counted as a miss.
+
+Publishing is create-only: `PutObject` with `If-None-Match: *` (412 = already there =
+success, 409 = a concurrent writer: retried), multipart above `multipart_threshold` with
+the same condition on `CompleteMultipartUpload`. Some S3-compatible servers ignore the
+header; the first put feature-detects that with a probe object and then falls back to
+HEAD-before-PUT (racy, but keys are content-addressed, so a lost race rewrites the same
+bytes).
+
+Failures. botocore retries throttling, 5xx and connection errors (`retries` attempts,
+`retry_mode` standard or adaptive) under `connect_timeout`/`read_timeout`, and each whole
+operation has a `timeout` deadline. A circuit breaker counts endpoint failures: once it
+opens, gets answer "miss" and puts raise StoreUnavailable without a network call until a
+half-open probe succeeds. No botocore or aiohttp exception leaves this module.
+
+Checksums and signing. Defaults are `checksum=when_required` and `sign_payload=false`:
+botocore >= 1.36 adds CRC32 trailers / headers to every PUT and validates them on GET,
+which several S3-compatible servers reject or mangle (ranged GETs carrying a
+whole-object CRC), and over plain http it SHA-256-signs every body (~1.9 GB/s of one
+core). The chunk format already carries an xxh3-64 of the payload that every reader
+verifies end to end, so the transport checksums buy nothing here. Set
+`checksum=when_supported` / `sign_payload=true` to get botocore's behaviour back.
+
+Credentials come from the normal AWS chain (env, profile, instance role) unless the URL
+gives `access_key`/`secret_key`/`session_token` or `profile`; `anonymous=true` sends
+unsigned requests. The URL is only ever shown redacted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import secrets
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+from aiobotocore.config import AioConfig
+from aiobotocore.session import AioSession
+from botocore import UNSIGNED
+from botocore.exceptions import BotoCoreError, ClientError
+
+from hashing import is_valid_key
+from storage.base import Store, check_blob, check_key, check_tenant
+from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, decode_header
+from storage.errors import ConfigError, StoreUnavailable
+from storage.options import StoreURL, parse_bool, parse_seconds, parse_size
+from storage.s3_breaker import CircuitBreaker
+from storage.s3_gc import marker_name, plan_eviction
+
+log = logging.getLogger("kvstash.storage.s3")
+
+MiB = 1024 * 1024
+TENANTS = "tenants"
+PROBE_DIR = ".kvstash"
+_MISS_STATUS = (403, 404)
+_CONFLICT_RETRIES = (0.05, 0.1, 0.2, 0.4)
+_TOUCHED_MAX = 100_000
+_READ_PIECE = 4 * MiB
+_TRANSPORT_ERRORS = (BotoCoreError, aiohttp.ClientError, OSError, TimeoutError)
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
+_NS_DIR = re.compile(r"[0-9a-f]{16}/")
+
+
+@dataclass(frozen=True)
+class S3Options:
+    bucket: str
+    prefix: str
+    endpoint: str | None = None
+    region: str | None = None
+    access_key: str | None = None
+    secret_key: str | None = None
+    session_token: str | None = None
+    profile: str | None = None
+    anonymous: bool = False
+    addressing: str = "auto"
+    pool: int = 64
+    inflight: int = 64
+    retries: int = 4
+    retry_mode: str = "standard"
+    connect_timeout: float = 2.0
+    read_timeout: float = 5.0
+    timeout: float = 30.0
+    range_size: int = 8 * MiB
+    multipart_threshold: int = 64 * MiB
+    part_size: int = 16 * MiB
+    checksum: str = "when_required"
+    sign_payload: bool = False
+    conditional: str = "auto"
+    breaker_failures: int = 5
+    breaker_reset: float = 5.0
+    touch: float = 3600.0
+    verify: bool = True
+
+    @classmethod
+    def from_url(cls, u: StoreURL) -> S3Options:
+        bucket = u.netloc
+        if not bucket or "@" in bucket:
+            raise ConfigError(f"{u.redacted()}: expected s3://bucket/prefix")
+        prefix = u.path.strip("/")
+        endpoint = u.take("endpoint")
+        pool = u.take("pool", int, 64)
+
+        def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
+            value = u.take(name, str, default)
+            if value not in allowed:
+                raise ConfigError(f"{u.redacted()}: {name}={value!r}: expected one of {allowed}")
+            return value
+
+        opts = cls(
+            bucket=bucket,
+            prefix=f"{prefix}/" if prefix else "",
+            endpoint=endpoint,
+            region=u.take("region"),
+            access_key=u.take("access_key"),
+            secret_key=u.take("secret_key"),
+            session_token=u.take("session_token"),
+            profile=u.take("profile"),
+            anonymous=u.take("anonymous", parse_bool, False),
+            addressing=choice("addressing", ("auto", "path", "virtual"),
+                              "path" if endpoint else "auto"),
+            pool=pool,
+            inflight=u.take("inflight", int, pool),
+            retries=u.take("retries", int, 4),
+            retry_mode=choice("retry_mode", ("standard", "adaptive", "legacy"), "standard"),
+            connect_timeout=u.take("connect_timeout", parse_seconds, 2.0),
+            read_timeout=u.take("read_timeout", parse_seconds, 5.0),
+            timeout=u.take("timeout", parse_seconds, 30.0),
+            range_size=u.take("range_size", parse_size, 8 * MiB),
+            multipart_threshold=u.take("multipart_threshold", parse_size, 64 * MiB),
+            part_size=u.take("part_size", parse_size, 16 * MiB),
+            checksum=choice("checksum", ("when_required", "when_supported"), "when_required"),
+            sign_payload=u.take("sign_payload", parse_bool, False),
+            conditional=choice("conditional", ("auto", "header", "head"), "auto"),
+            breaker_failures=u.take("breaker_failures", int, 5),
+            breaker_reset=u.take("breaker_reset", parse_seconds, 5.0),
+            touch=u.take("touch", parse_seconds, 3600.0),
+            verify=u.take("verify", parse_bool, True),
+        )
+        u.finish()
+        if (opts.access_key is None) != (opts.secret_key is None):
+            raise ConfigError(f"{u.redacted()}: give both access_key and secret_key, or neither")
+        if opts.pool < 1 or opts.inflight < 1 or opts.retries < 1:
+            raise ConfigError(f"{u.redacted()}: pool, inflight and retries must be >= 1")
+        if opts.range_size < MiB or opts.part_size < 5 * MiB:
+            raise ConfigError(f"{u.redacted()}: range_size must be >= 1MiB, part_size >= 5MiB")
+        if endpoint and not endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"{u.redacted()}: endpoint must be an http:// or https:// URL")
+        return opts
+
+    def client_config(self) -> AioConfig:
+        s3: dict[str, Any] = {"addressing_style": self.addressing,
+                              "payload_signing_enabled": self.sign_payload}
+        return AioConfig(
+            max_pool_connections=self.pool,
+            connect_timeout=self.connect_timeout,
+            read_timeout=self.read_timeout,
+            retries={"total_max_attempts": self.retries, "mode": self.retry_mode},
+            request_checksum_calculation=self.checksum,
+            response_checksum_validation=self.checksum,
+            signature_version=UNSIGNED if self.anonymous else None,
+            tcp_keepalive=True,
+            s3=s3,
+        )
+
+
+@dataclass
+class _LoopClient:
+    client: Any
+    gate: asyncio.Semaphore
+    exit: contextlib.AsyncExitStack
+
+
+class _Connection:
+    """What every scope of one store shares: options, per-loop clients, breaker, probes."""
+
+    def __init__(self, opts: S3Options, label: str):
+        self.opts = opts
+        self.label = label
+        self.breaker = CircuitBreaker(opts.breaker_failures, opts.breaker_reset)
+        self._clients: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
+        self.conditional: str | None = None if opts.conditional == "auto" else opts.conditional
+        self.touched: OrderedDict[str, float] = OrderedDict()
+
+    async def client(self) -> _LoopClient:
+        loop = asyncio.get_running_loop()
+        task = self._clients.get(loop)
+        if task is None:
+            task = self._clients[loop] = loop.create_task(self._create())
+        try:
+            return await asyncio.shield(task)
+        except Exception:
+            if self._clients.get(loop) is task and task.done():
+                del self._clients[loop]
+            raise
+
+    async def _create(self) -> _LoopClient:
+        o = self.opts
+        session = AioSession(profile=o.profile) if o.profile else AioSession()
+        stack = contextlib.AsyncExitStack()
+        try:
+            client = await stack.enter_async_context(session.create_client(
+                "s3", region_name=o.region, endpoint_url=o.endpoint,
+                aws_access_key_id=o.access_key, aws_secret_access_key=o.secret_key,
+                aws_session_token=o.session_token, config=o.client_config(),
+            ))
+        except (BotoCoreError, ValueError) as exc:
+            await stack.aclose()
+            raise ConfigError(f"{self.label}: cannot create an S3 client: {exc}") from None
+        return _LoopClient(client, asyncio.Semaphore(self.opts.inflight), stack)
+
+    async def close(self) -> None:
+        """Close the client of the running loop; clients of finished loops are dropped."""
+        loop = asyncio.get_running_loop()
+        for owner, task in list(self._clients.items()):
+            if owner is loop and task.done() and not task.exception():
+                await task.result().exit.aclose()
+            if owner is loop or owner.is_closed():
+                del self._clients[owner]
+
+
+def _status(exc: ClientError) -> int:
+    meta = exc.response.get("ResponseMetadata", {})
+    return int(meta.get("HTTPStatusCode") or 0)
+
+
+def _code(exc: ClientError) -> str:
+    return str(exc.response.get("Error", {}).get("Code", ""))
+
+
+def _object_size(resp: dict[str, Any]) -> int:
+    """Whole-object size from a (possibly ranged) GET response."""
+    m = _CONTENT_RANGE.match(resp.get("ContentRange") or "")
+    return int(m.group(3)) if m else int(resp["ContentLength"])
+
+
+def _split(start: int, end: int, size: int) -> list[tuple[int, int]]:
+    """[start, end) in about `size`-byte ranges; the last may be up to 1.25x to save a request."""
+    n = max(1, int((end - start) / size + 0.75))
+    step = -(-(end - start) // n)
+    return [(s, min(s + step, end)) for s in range(start, end, step)]
+
+
+class _Missing(Exception):
+    """The object is not there (404/403): a miss, not a failure."""
+
+
+class _TooSmall(Exception):
+    """The caller's buffer cannot hold the payload: a miss."""
+
+
+def _header_len(head: Any) -> int:
+    """The header-length field of a chunk header (bytes 12..16), to finish a long header."""
+    return int.from_bytes(bytes(head[12:16]), "little")
+
+
+async def _read_exact(body: Any, dest: memoryview) -> None:
+    pos, n = 0, dest.nbytes
+    while pos < n:
+        piece = await body.read(min(n - pos, _READ_PIECE))
+        if not piece:
+            raise ChunkError(f"object ended after {pos} of {n} bytes")
+        dest[pos : pos + len(piece)] = piece
+        pos += len(piece)
+
+
+class S3Store(Store):
+    def __init__(self, opts: S3Options, url: str, *, conn: _Connection | None = None,
+                 prefix: str | None = None):
+        super().__init__()
+        self.opts = opts
+        self.url = url
+        self.prefix = opts.prefix if prefix is None else prefix
+        self._owner = conn is None
+        self._conn = conn or _Connection(opts, url)
+        self._background: set[asyncio.Task] = set()
+
+    @classmethod
+    def from_url(cls, u: StoreURL) -> S3Store:
+        return cls(S3Options.from_url(u), u.redacted())
+
+    # -- plumbing ------------------------------------------------------------------------
+
+    def _name(self, key: str) -> str:
+        return self.prefix + key
+
+    @contextlib.asynccontextmanager
+    async def _op(self, what: str) -> AsyncIterator[Any]:
+        """One guarded operation: breaker, in-flight gate, deadline, error mapping.
+
+        Raises StoreUnavailable for endpoint failures (and counts them against the
+        breaker), `_Missing` for 404/403; other ClientErrors pass through for the caller.
+        """
+        breaker = self._conn.breaker
+        if not breaker.allow():
+            raise StoreUnavailable(f"{self}: {what}: circuit breaker open")
+        verdict: bool | None = True
+        try:
+            lc = await self._conn.client()
+            async with asyncio.timeout(self.opts.timeout), lc.gate:
+                yield lc.client
+        except ClientError as exc:
+            status = _status(exc)
+            if status in _MISS_STATUS:
+                raise _Missing() from None
+            if status >= 500 or status == 429:
+                verdict = False
+                raise StoreUnavailable(f"{self}: {what}: {status} {_code(exc)}") from None
+            raise
+        except _TRANSPORT_ERRORS as exc:
+            verdict = False
+            raise StoreUnavailable(f"{self}: {what}: {type(exc).__name__}: {exc}") from None
+        except asyncio.CancelledError:
+            verdict = None
+            raise
+        finally:
+            if verdict is None:
+                breaker.release()
+            elif verdict:
+                breaker.success()
+            else:
+                breaker.failure()
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # -- reads ---------------------------------------------------------------------------
+
+    async def _read_range(self, name: str, start: int, dest: memoryview) -> None:
+        end = start + dest.nbytes - 1
+        async with self._op("get range") as client:
+            resp = await client.get_object(Bucket=self.opts.bucket, Key=name,
+                                           Range=f"bytes={start}-{end}")
+            if not (resp.get("ContentRange") or "").startswith(f"bytes {start}-{end}/"):
+                raise ChunkError(f"asked for bytes {start}-{end}, got {resp.get('ContentRange')}")
+            async with resp["Body"] as body:
+                await _read_exact(body, dest)
+
+    async def _read_object(self, key: str, out: memoryview | None) -> tuple[ChunkHeader, Any]:
+        """Fetch and verify one chunk: (header, whole blob) or, with `out`, (header, out).
+
+        Raises `_Missing`, StoreUnavailable or ChunkError (the object is corrupt).
+        """
+        name, opts = self._name(key), self.opts
+        async with self._op("get") as client:
+            resp = await client.get_object(Bucket=opts.bucket, Key=name,
+                                           Range=f"bytes=0-{opts.range_size - 1}")
+            total = _object_size(resp)
+            first = int(resp["ContentLength"])
+            async with resp["Body"] as body:
+                head = bytearray(min(first, HEADER_SIZE))
+                await _read_exact(body, memoryview(head))
+                try:
+                    header = decode_header(head, key)
+                except ChunkError as exc:
+                    if "truncated header" not in str(exc) or first < HEADER_SIZE:
+                        raise
+                    more = bytearray(min(first, _header_len(head)) - len(head))
+                    await _read_exact(body, memoryview(more))
+                    head += more
+                    header = decode_header(head, key)
+                if total != header.total_len:
+                    raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+                hlen = header.header_len
+                if out is None:
+                    blob = bytearray(total)
+                    blob[: len(head)] = head
+                    payload = memoryview(blob)[hlen:]
+                else:
+                    if out.nbytes < header.payload_len:
+                        raise _TooSmall()
+                    blob = out
+                    payload = out[: header.payload_len]
+                tasks = [
+                    asyncio.get_running_loop().create_task(
+                        self._read_range(name, s, payload[s - hlen : e - hlen]))
+                    for s, e in (_split(first, total, opts.range_size) if first < total else [])
+                ]
+                try:
+                    await _read_exact(body, payload[len(head) - hlen : first - hlen])
+                    await asyncio.gather(*tasks)
+                finally:
+                    for t in tasks:
+                        t.cancel()
+                    for t in tasks:
+                        with contextlib.suppress(BaseException):
+                            await t
+        if opts.verify:
+            header.verify_payload(payload)
+        return header, blob
+
+    async def _guarded_read(self, key: str, out: memoryview | None) -> tuple[ChunkHeader, Any] | None:
+        """`_read_object` with every failure turned into a counted miss."""
+        try:
+            got = await self._read_object(key, out)
+        except (_Missing, _TooSmall):
+            return None
+        except (StoreUnavailable, ClientError) as exc:
+            self.counters["errors"] += 1
+            log.debug("%s: get %s: %s", self, key, exc)
+            return None
+        except ChunkError as exc:
+            self._quarantine(key, str(exc))
+            return None
+        self._touch(key)
+        return got
+
+    def _quarantine(self, key: str, why: str) -> None:
+        self.counters["corrupt"] += 1
+        log.warning("%s: deleting corrupt chunk %s: %s", self, key, why)
+        self._spawn(self._delete_quietly([self._name(key), marker_name(self._name(key))]))
+
+    async def _delete_quietly(self, names: list[str]) -> None:
+        for name in names:
+            with contextlib.suppress(StoreUnavailable, _Missing, ClientError):
+                async with self._op("delete") as client:
+                    await client.delete_object(Bucket=self.opts.bucket, Key=name)
+
+    def _touch(self, key: str) -> None:
+        """Refresh the chunk's access marker, at most once per `touch` interval (for gc)."""
+        if self.opts.touch <= 0:
+            return
+        name, now, touched = self._name(key), time.monotonic(), self._conn.touched
+        last = touched.get(name)
+        if last is not None and now - last < self.opts.touch:
+            return
+        touched[name] = now
+        touched.move_to_end(name)
+        while len(touched) > _TOUCHED_MAX:
+            touched.popitem(last=False)
+        self._spawn(self._write_marker(name))
+
+    async def _write_marker(self, name: str) -> None:
+        with contextlib.suppress(StoreUnavailable, _Missing, ClientError):
+            async with self._op("touch") as client:
+                await client.put_object(Bucket=self.opts.bucket, Key=marker_name(name), Body=b"")
+
+    def _count_get(self, size: int | None) -> None:
+        self.counters["gets"] += 1
+        if size is None:
+            self.counters["misses"] += 1
+        else:
+            self.counters["hits"] += 1
+            self.counters["bytes_read"] += size
+
+    async def get(self, key: str) -> bytes | None:
+        check_key(key)
+        got = await self._guarded_read(key, None)
+        blob = None if got is None else bytes(got[1])
+        self._count_get(None if blob is None else len(blob))
+        return blob
+
+    async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
+        check_key(key)
+        got = await self._guarded_read(key, memoryview(out).cast("B"))
+        header = None if got is None else got[0]
+        self._count_get(None if header is None else header.total_len)
+        return header
+
+    async def _head(self, name: str) -> bool:
+        """Is the object there? Raises StoreUnavailable when the endpoint cannot say."""
+        try:
+            async with self._op("head") as client:
+                await client.head_object(Bucket=self.opts.bucket, Key=name)
+        except _Missing:
+            return False
+        except ClientError as exc:
+            raise StoreUnavailable(f"{self}: head: {_status(exc)} {_code(exc)}") from None
+        return True
+
+    async def _present(self, key: str) -> bool:
+        try:
+            return await self._head(self._name(key))
+        except StoreUnavailable:
+            self.counters["errors"] += 1
+            return False
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        for k in keys:
+            check_key(k)
+        return list(await asyncio.gather(*(self._present(k) for k in keys)))
+
+    async def prefix_len(self, keys: Sequence[str]) -> int:
+        """HEADs in windows of `inflight` keys, stopping at the window holding the first gap."""
+        for k in keys:
+            check_key(k)
+        n, step = 0, max(1, self.opts.inflight)
+        for i in range(0, len(keys), step):
+            for present in await asyncio.gather(*(self._present(k) for k in keys[i : i + step])):
+                if not present:
+                    return n
+                n += 1
+        return n
+
+    # -- writes --------------------------------------------------------------------------
+
+    async def _conditional_mode(self) -> str:
+        """'header' if the server enforces If-None-Match, else 'head' (found by a probe)."""
+        conn = self._conn
+        if conn.conditional is None:
+            name = f"{self.opts.prefix}{PROBE_DIR}/probe-{secrets.token_hex(8)}"
+            mode = "header"
+            for attempt in (0, 1):
+                try:
+                    async with self._op("probe conditional put") as client:
+                        await client.put_object(Bucket=self.opts.bucket, Key=name,
+                                                Body=b"probe", IfNoneMatch="*")
+                except ClientError as exc:
+                    if _status(exc) == 412 and attempt == 1:
+                        break
+                    if _status(exc) in (400, 501):
+                        mode = "head"
+                        break
+                    raise StoreUnavailable(
+                        f"{self}: probe put: {_status(exc)} {_code(exc)}") from None
+                except _Missing:
+                    raise StoreUnavailable(f"{self}: probe put denied (403/404): "
+                                           "check the bucket and credentials") from None
+                else:
+                    if attempt == 1:
+                        mode = "head"
+            if mode == "head":
+                log.warning("%s: the server ignores If-None-Match; puts HEAD first instead", self)
+            conn.conditional = mode
+            await self._delete_quietly([name])
+        return conn.conditional
+
+    async def _put_single(self, name: str, data: bytes, conditional: bool) -> bool:
+        extra = {"IfNoneMatch": "*"} if conditional else {}
+        for delay in (*_CONFLICT_RETRIES, None):
+            try:
+                async with self._op("put") as client:
+                    await client.put_object(Bucket=self.opts.bucket, Key=name, Body=data,
+                                            ContentLength=len(data), **extra)
+                return True
+            except ClientError as exc:
+                status = _status(exc)
+                if status == 412:
+                    return False
+                if status != 409 or delay is None:
+                    raise StoreUnavailable(f"{self}: put: {status} {_code(exc)}") from None
+            except _Missing:
+                raise StoreUnavailable(f"{self}: put denied (403/404)") from None
+            # 409 ConditionalRequestConflict: another writer is mid-flight on this key.
+            await asyncio.sleep(delay)
+        raise AssertionError("unreachable")
+
+    async def _put_multipart(self, name: str, data: memoryview, conditional: bool) -> bool:
+        bucket = self.opts.bucket
+        try:
+            async with self._op("create multipart") as client:
+                upload = (await client.create_multipart_upload(Bucket=bucket, Key=name))["UploadId"]
+        except (ClientError, _Missing) as exc:
+            raise StoreUnavailable(f"{self}: create multipart upload failed: {exc}") from None
+
+        async def part(number: int, start: int, end: int) -> dict[str, Any]:
+            async with self._op("upload part") as client:
+                resp = await client.upload_part(Bucket=bucket, Key=name, UploadId=upload,
+                                                PartNumber=number, Body=bytes(data[start:end]))
+            return {"PartNumber": number, "ETag": resp["ETag"]}
+
+        done = False
+        try:
+            ranges = _split(0, data.nbytes, self.opts.part_size)
+            parts = await asyncio.gather(*(part(i + 1, s, e) for i, (s, e) in enumerate(ranges)))
+            extra = {"IfNoneMatch": "*"} if conditional else {}
+            try:
+                async with self._op("complete multipart") as client:
+                    await client.complete_multipart_upload(
+                        Bucket=bucket, Key=name, UploadId=upload,
+                        MultipartUpload={"Parts": list(parts)}, **extra)
+            except ClientError as exc:
+                if _status(exc) == 412:
+                    return False
+                raise StoreUnavailable(f"{self}: complete multipart: {_status(exc)} "
+                                       f"{_code(exc)}") from None
+            done = True
+            return True
+        except (ClientError, _Missing) as exc:
+            raise StoreUnavailable(f"{self}: multipart put failed: {exc}") from None
+        finally:
+            if not done:
+                with contextlib.suppress(Exception):
+                    async with self._op("abort multipart") as client:
+                        await client.abort_multipart_upload(Bucket=bucket, Key=name,
+                                                            UploadId=upload)
+
+    async def put(self, key: str, blob: Any) -> bool:
+        check_blob(key, blob)
+        name, view = self._name(key), memoryview(blob).cast("B")
+        try:
+            mode = await self._conditional_mode()
+            if mode == "head" and await self._head(name):
+                wrote = False
+            elif view.nbytes > self.opts.multipart_threshold:
+                wrote = await self._put_multipart(name, view, mode == "header")
+            else:
+                data = blob if isinstance(blob, bytes) else view.tobytes()
+                wrote = await self._put_single(name, data, mode == "header")
+        except StoreUnavailable:
+            self.counters["put_errors"] += 1
+            raise
+        if wrote:
+            self.counters["puts"] += 1
+            self.counters["bytes_written"] += view.nbytes
+        else:
+            self.counters["put_skipped"] += 1
+        return wrote
+
+    async def delete(self, key: str) -> bool:
+        check_key(key)
+        name = self._name(key)
+        present = await self._head(name)
+        try:
+            async with self._op("delete") as client:
+                await client.delete_object(Bucket=self.opts.bucket, Key=name)
+                await client.delete_object(Bucket=self.opts.bucket, Key=marker_name(name))
+        except (ClientError, _Missing) as exc:
+            raise StoreUnavailable(f"{self}: delete {key}: {exc}") from None
+        self._conn.touched.pop(name, None)
+        if present:
+            self.counters["deletes"] += 1
+        return present
+
+    # -- listing and gc ------------------------------------------------------------------
+
+    async def _list(self, prefix: str, delimiter: str = "") -> AsyncIterator[dict[str, Any]]:
+        """Objects (and, with a delimiter, {"Prefix": ...} entries) under `prefix`."""
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"Bucket": self.opts.bucket, "Prefix": prefix}
+            if delimiter:
+                kw["Delimiter"] = delimiter
+            if token:
+                kw["ContinuationToken"] = token
+            try:
+                async with self._op("list") as client:
+                    page = await client.list_objects_v2(**kw)
+            except (ClientError, _Missing) as exc:
+                raise StoreUnavailable(f"{self}: list {prefix!r}: {exc}") from None
+            for entry in page.get("CommonPrefixes", []):
+                yield entry
+            for entry in page.get("Contents", []):
+                yield entry
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return
+
+    async def list_keys(self) -> AsyncIterator[str]:
+        namespaces = [e["Prefix"] async for e in self._list(self.prefix, "/")
+                      if _NS_DIR.fullmatch(e.get("Prefix", "")[len(self.prefix):])]
+        for ns_prefix in namespaces:
+            async for entry in self._list(ns_prefix):
+                key = entry["Key"][len(self.prefix):]
+                if is_valid_key(key):
+                    yield key
+
+    async def gc(self, capacity: int) -> dict[str, int]:
+        """Evict least-recently-used chunks under this prefix (tenants included) to `capacity`.
+
+        Safe while engines read and write: it only deletes whole objects, so a reader of
+        an evicted chunk gets a miss (a 404, or a failed verification if the object
+        vanished mid-read), never wrong bytes; a chunk written after the listing is not
+        counted and never deleted.
+        """
+        objects = []
+        async for e in self._list(self.prefix):
+            objects.append((e["Key"][len(self.prefix):], int(e["Size"]),
+                            e["LastModified"].timestamp()))
+        plan = plan_eviction(objects, capacity)
+        failed = await self._delete_many([self.prefix + rel for rel in plan.delete])
+        self.counters["evictions"] += plan.evicted
+        return {
+            "evicted": plan.evicted, "evicted_bytes": plan.evicted_bytes,
+            "used_bytes": plan.used_bytes, "chunks": plan.chunks,
+            "orphan_markers": plan.orphan_markers, "delete_failures": failed,
+        }
+
+    async def _delete_many(self, names: list[str]) -> int:
+        """Batch deletes (1000 per request); per-object deletes if the server lacks them."""
+        failed = 0
+        for i in range(0, len(names), 1000):
+            batch = names[i : i + 1000]
+            try:
+                async with self._op("delete objects") as client:
+                    resp = await client.delete_objects(
+                        Bucket=self.opts.bucket,
+                        Delete={"Objects": [{"Key": n} for n in batch], "Quiet": True})
+                failed += len(resp.get("Errors", []))
+            except (ClientError, _Missing):
+                for name in batch:
+                    try:
+                        async with self._op("delete") as client:
+                            await client.delete_object(Bucket=self.opts.bucket, Key=name)
+                    except (ClientError, _Missing, StoreUnavailable):
+                        failed += 1
+        return failed
+
+    # -- scopes, stats, lifetime ---------------------------------------------------------
+
+    def scoped(self, tenant: str) -> S3Store:
+        check_tenant(tenant)
+        return S3Store(self.opts, f"{self.url}#{tenant}", conn=self._conn,
+                       prefix=f"{self.prefix}{TENANTS}/{tenant}/")
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **super().stats(), "backend": "s3", "bucket": self.opts.bucket,
+            "prefix": self.prefix, "endpoint": self.opts.endpoint,
+            "conditional_put": self._conn.conditional or "unknown",
+            **self._conn.breaker.snapshot(),
+        }
+
+    async def flush(self) -> None:
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    async def close(self) -> None:
+        await self.flush()
+        if self._owner:
+            await self._conn.close()
+

