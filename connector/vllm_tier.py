@@ -1,0 +1,259 @@
+"""`KvstashTier`: a vLLM (>= 0.33) offloading secondary tier that keeps CPU pages in a kvstash store.
+
+vLLM's `OffloadingConnector` with `TieringOffloadingSpec` does the hashing, scheduling,
+GPU <-> CPU copies, eviction and hybrid-model bookkeeping; this tier only moves whole
+CPU-tier pages (one offload chunk of `blocks_per_chunk` blocks, all layers, all workers)
+between vLLM's primary memoryview and any store URL (`file://`, `s3://`, `http://`, tiers).
+It is loaded out of tree, with no vLLM patch:
+
+    --kv-transfer-config '{"kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+      "kv_connector_extra_config": {"spec_name": "TieringOffloadingSpec",
+        "cpu_bytes_to_use": 8589934592, "secondary_tiers": [{"type": "KvstashTier",
+          "module_path": "connector.vllm_tier", "store": "file:///mnt/nfs/kv"}]}}'
+
+Keys are vLLM's own offload keys (block hash + KV group), never recomputed, moved into our
+key space under a `Namespace` built from the offloading config (model, cache dtype, page
+bytes, tokens per hash, blocks per chunk, groups, parallel layout); see `tier_namespace`.
+
+Threading contract (vLLM's): every method runs in the scheduler process under the tiering
+manager's lock and must not block. `lookup` answers RETRY while an existence check is
+pending; the checks of one step go to the store as one batch from vLLM's own
+`AsyncLookupManager` thread. `submit_store` / `submit_load` only hand a coroutine to the
+store loop (`connector.engine_io.StoreLoop`); `get_finished_jobs` polls the futures.
+Any store failure is a failed job (a store that is not written, a load that vLLM turns
+into a miss and recomputes), never an exception into the scheduler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from typing_extensions import override
+from vllm.v1.kv_offload.base import (
+    LookupResult,
+    Medium,
+    OffloadingSpec,
+    OffloadKey,
+    ReqContext,
+    RequestOffloadingContext,
+    ScheduleEndContext,
+)
+from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
+from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
+from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
+
+from connector.engine_io import StoreLoop, StoreSpec
+from hashing import Namespace, keys_from_block_hashes
+from storage.base import Store
+from storage.codec import encode_chunk
+
+log = logging.getLogger("kvstash.connector.vllm")
+
+FORMAT = "vllm-offload-v1"
+
+
+def tier_namespace(spec: OffloadingSpec, page_bytes: int, salt: str = "") -> Namespace:
+    """Everything that makes two vLLM CPU pages with equal block hashes incompatible."""
+    cfg = spec.config
+    par = cfg.parallel
+    parallel = (
+        "any" if par.is_parallelism_agnostic
+        else f"tp{par.tp_size}.pp{par.pp_size}.pcp{par.pcp_size}.dcp{par.dcp_size}"
+    )
+    groups = ",".join(f"{g.group_id}:{g.tokens_per_block}:{len(g.layer_names)}" for g in cfg.groups)
+    layout = (
+        f"{FORMAT};page={page_bytes};tph={cfg.cache.tokens_per_hash};"
+        f"bpc={cfg.cache.blocks_per_chunk};groups={groups};par={parallel};"
+        f"replicated={int(cfg.replicated_layout)};"
+        f"canonical={cfg.kv_cache_layout if cfg.canonical_layout else '-'}"
+    )
+    return Namespace(
+        model=cfg.model.name, dtype=cfg.model.dtype, layout=layout,
+        chunk_tokens=cfg.groups[0].tokens_per_block * cfg.cache.blocks_per_chunk, salt=salt,
+    )
+
+
+@dataclass
+class _Job:
+    keys: list[OffloadKey]
+    is_load: bool
+    future: concurrent.futures.Future[list[bool]]
+    started: float
+
+
+class _StoreLookups(AsyncLookupManager):
+    """vLLM's non-blocking lookup state machine, answered by one batched `store.exists`."""
+
+    def __init__(self, tier: KvstashTier):
+        self._tier = tier  # set before the base class starts its thread
+        super().__init__(tier_type=tier.tier_type)
+
+    def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
+        # Runs on vLLM's lookup thread, so waiting here never blocks the scheduler; a
+        # timeout or store error raises, and the base class turns the batch into misses.
+        store_keys = self._tier.store_keys(keys)
+        return self._tier.io.call(lambda store: store.exists(store_keys), self._tier.timeout_s)
+
+
+class KvstashTier(SecondaryTierManager):
+    """Secondary tier over a kvstash store. Tier options (besides vLLM's `type`,
+    `module_path`, `backpressure`): `store` (a URL or a list of URLs, fastest first),
+    `salt` (isolates tenants sharing one store), `max_in_flight` (concurrent chunk I/O
+    per job), `timeout_s` (the deadline of one existence check)."""
+
+    medium: ClassVar[Medium] = Medium.STORAGE
+
+    def __init__(
+        self,
+        offloading_spec: OffloadingSpec,
+        primary_kv_view: memoryview,
+        tier_type: str,
+        store: StoreSpec = "",
+        salt: str = "",
+        max_in_flight: int = 16,
+        timeout_s: float = 5.0,
+        backpressure_detector: BackpressureDetector | None = None,
+    ):
+        super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        if not store:
+            raise ValueError(f"secondary tier {tier_type!r} needs a 'store' URL (e.g. file:///mnt/kv)")
+        self.ns = tier_namespace(offloading_spec, self.block_size_bytes, salt)
+        self.timeout_s = float(timeout_s)
+        self._pages = primary_kv_view.cast("B")
+        self._max_in_flight = int(max_in_flight)
+        self._jobs: dict[JobId, _Job] = {}
+        self.io = StoreLoop.shared(store)
+        self._lookups = _StoreLookups(self)
+        log.info("vLLM offloading tier %s on %s, namespace %s", tier_type, self.io.store, self.ns.id)
+
+    def store_keys(self, keys: Sequence[OffloadKey]) -> list[str]:
+        return keys_from_block_hashes([bytes(k) for k in keys], self.ns)
+
+    def _page(self, slot: Any) -> memoryview:
+        start = int(slot) * self.block_size_bytes
+        return self._pages[start : start + self.block_size_bytes]
+
+    # -- lookups -------------------------------------------------------------------------
+
+    @override
+    def lookup(self, key: OffloadKey, req_context: ReqContext) -> LookupResult:
+        found = self._lookups.lookup(key, req_context)
+        if found is None:
+            return LookupResult.RETRY
+        return LookupResult.HIT if found else LookupResult.MISS
+
+    @override
+    def on_new_request(self, req_context: ReqContext) -> RequestOffloadingContext:
+        return RequestOffloadingContext()
+
+    @override
+    def on_request_finished(self, req_context: ReqContext) -> None:
+        self._lookups.cleanup(req_context.req_id)
+
+    @override
+    def on_schedule_end(self, context: ScheduleEndContext) -> None:
+        self._lookups.flush()
+
+    # -- transfers -----------------------------------------------------------------------
+
+    @override
+    def submit_store(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        pages = [self._page(c) for c in job_metadata.chunk_ids]
+        store_keys = self.store_keys(keys)
+        self._start(job_metadata.job_id, keys, False,
+                    lambda store: self._write(store, store_keys, pages))
+
+    @override
+    def submit_load(self, job_metadata: TransferJob) -> None:
+        keys = list(job_metadata.keys)
+        pages = [self._page(c) for c in job_metadata.chunk_ids]
+        store_keys = self.store_keys(keys)
+        self._start(job_metadata.job_id, keys, True,
+                    lambda store: self._read(store, store_keys, pages))
+
+    def _start(self, job_id: JobId, keys: list[OffloadKey], is_load: bool, fn: Any) -> None:
+        self._jobs[job_id] = _Job(keys, is_load, self.io.submit(fn), time.monotonic())
+
+    async def _each(self, work: Any, n: int) -> list[bool]:
+        """Run `work(i)` for i < n, at most `max_in_flight` at a time; False where it raised."""
+        gate = asyncio.Semaphore(self._max_in_flight)
+
+        async def one(i: int) -> bool:
+            async with gate:
+                try:
+                    return await work(i)
+                except Exception as exc:  # noqa: BLE001 - a failed page is a failed job
+                    log.warning("vLLM tier page I/O on %s failed: %s", self.io.store, exc)
+                    return False
+
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+    async def _write(self, store: Store, keys: list[str], pages: list[memoryview]) -> list[bool]:
+        present = await store.exists(keys)
+        meta = {"engine": FORMAT}
+
+        async def write(i: int) -> bool:
+            if present[i]:
+                return True
+            # The slot stays pinned until this job is reported, so it is read in place.
+            blob = await asyncio.to_thread(encode_chunk, keys[i], (), pages[i], meta)
+            await store.put(keys[i], blob)
+            return True
+
+        return await self._each(write, len(keys))
+
+    async def _read(self, store: Store, keys: list[str], pages: list[memoryview]) -> list[bool]:
+        async def read(i: int) -> bool:
+            header = await store.get_into(keys[i], pages[i])
+            return header is not None and header.payload_len == len(pages[i])
+
+        return await self._each(read, len(keys))
+
+    @override
+    def get_finished_jobs(self) -> Iterable[JobResult]:
+        results = []
+        for job_id in [j for j, job in self._jobs.items() if job.future.done()]:
+            job = self._jobs.pop(job_id)
+            try:
+                ok = job.future.result()
+            except Exception as exc:  # noqa: BLE001 - e.g. the existence check of a store job
+                log.warning("vLLM tier job %s on %s failed: %s", job_id, self.io.store, exc)
+                ok = [False] * len(job.keys)
+            done = [k for k, good in zip(job.keys, ok, strict=True) if good]
+            success = len(done) == len(job.keys)
+            if job.is_load and not success:
+                # Without this the scheduler would see the cached HIT again and retry
+                # the same doomed promotion forever.
+                self._lookups.mark_miss([k for k, good in zip(job.keys, ok, strict=True) if not good])
+            results.append(JobResult(
+                job_id=job_id, success=success,
+                successful_keys=tuple(done) if job.is_load and done and not success else None,
+                transfer_time=time.monotonic() - job.started,
+                transfer_bytes=len(done) * self.block_size_bytes,
+            ))
+        return results
+
+    @override
+    def has_pending_work(self) -> bool:
+        return bool(self._jobs)
+
+    @override
+    def drain_jobs(self) -> None:
+        concurrent.futures.wait([job.future for job in self._jobs.values()])
+
+    @override
+    def shutdown(self) -> None:
+        self._lookups.shutdown()
+        self.drain_jobs()
+        self._jobs.clear()
+        # vLLM unmaps the primary region after its tiers shut down; an export left on
+        # it would keep the shared-memory file mapped.
+        self._pages.release()
+        self.io.release()
