@@ -105,12 +105,11 @@ def parse_range(header: str, total: int) -> tuple[int, int]:
             raise LookupError("empty suffix range")
         return max(total - suffix, 0), total
     start = int(first)
-    stop = total if last == "" else int(last) + 1
-    if stop <= start:
+    if last != "" and int(last) < start:
         raise ValueError(f"malformed Range header {header!r}: end before start")
     if start >= total:
         raise LookupError(f"range starts at {start}, chunk has {total} bytes")
-    return start, min(stop, total)
+    return start, total if last == "" else min(int(last) + 1, total)
 
 
 class Tenancy:

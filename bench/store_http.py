@@ -1,0 +1,150 @@
+"""Baselines for `kvstash bench store --store http://HOST:PORT` (a running kvserver).
+
+1. The same backend used in-process: the server's own store URL (from GET /v1/stats),
+   opened here and measured with the same chunk sizes, count and concurrency; its GET is
+   `get_into` a preallocated buffer (a memory store's `get` hands out its own bytes object,
+   which no transport can match).
+2. A plain loopback socket stream: one thread per connection on each side, `sendall` of
+   the same number of bytes per chunk and `recv_into` a preallocated buffer. No HTTP, no
+   verification: the practical limit for any Python client and server on this machine.
+
+Extras: `prefix_len` latency for 512 present keys (one batched lookup), p50 and p99.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import socket
+import statistics
+import threading
+import time
+import uuid
+from typing import Any
+
+import httpx
+
+from storage.codec import HEADER_SIZE
+from storage.options import StoreURL
+
+LOOKUP_KEYS = 512
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--lookup-rounds", type=int, default=200,
+                   help="http://: timed 512-key lookups for the latency percentiles (default 200)")
+
+
+def _token(url: str) -> str | None:
+    u = StoreURL(url)
+    return u.take("token") or os.environ.get("KVSTASH_TOKEN")
+
+
+async def backend_url(url: str) -> str:
+    """The kvserver's store URL, as its stats report it (tenant fragment dropped)."""
+    u = StoreURL(url)
+    token = _token(url)
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    async with httpx.AsyncClient(timeout=10) as client:
+        r = await client.get(f"{u.scheme}://{u.netloc}{u.path.rstrip('/')}/v1/stats", headers=headers)
+        r.raise_for_status()
+        stats = r.json()
+    return stats["url"].split("#", 1)[0]
+
+
+def raw_stream_gbps(size: int, count: int, concurrency: int, rounds: int) -> float:
+    """Median GB/s of `count` transfers of `size` bytes over `concurrency` loopback sockets."""
+    data = os.urandom(size)
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def sender(conn: socket.socket) -> None:
+        with conn:
+            while conn.recv(1):
+                conn.sendall(data)
+
+    def accept() -> None:
+        for _ in range(concurrency):
+            conn, _ = listener.accept()
+            threading.Thread(target=sender, args=(conn,), daemon=True).start()
+
+    acceptor = threading.Thread(target=accept, daemon=True)
+    acceptor.start()
+    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(concurrency)]
+    acceptor.join()
+    buffers = [memoryview(bytearray(size)) for _ in range(concurrency)]
+    shares = [count // concurrency + (i < count % concurrency) for i in range(concurrency)]
+
+    def receive(i: int) -> None:
+        sock, view = clients[i], buffers[i]
+        for _ in range(shares[i]):
+            sock.sendall(b"g")
+            got = 0
+            while got < size:
+                got += sock.recv_into(view[got:])
+
+    times = []
+    try:
+        for _ in range(rounds):
+            threads = [threading.Thread(target=receive, args=(i,)) for i in range(concurrency)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            times.append(time.perf_counter() - t0)
+    finally:
+        for c in clients:
+            c.close()
+        listener.close()
+    return size * count / statistics.median(times) / 1e9
+
+
+async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
+                    concurrency: int) -> list[dict[str, Any]]:
+    from bench.store import measure_store
+
+    rounds = getattr(args, "rounds", 3)
+    backend = await backend_url(url)
+    tiers = backend.split(" -> ")  # a tiered server reports "fast -> slow"
+    local = await measure_store(tiers if len(tiers) > 1 else backend, size, count, concurrency, rounds)
+    raw = await asyncio.to_thread(raw_stream_gbps, size + HEADER_SIZE, count, concurrency, rounds)
+    return [
+        {"name": f"same backend in-process ({StoreURL(backend).redacted()})",
+         "put_gbps": local["put_gbps"], "get_gbps": local["get_into_gbps"]},
+        {"name": "raw loopback socket stream into a preallocated buffer",
+         "put_gbps": None, "get_gbps": raw},
+    ]
+
+
+async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    from hashing import Namespace, chunk_keys
+    from storage import encode_chunk, open_store
+
+    ns = Namespace(model="bench/lookup", dtype="uint8", layout="raw", chunk_tokens=4,
+                   salt=uuid.uuid4().hex)
+    tokens = list(range(4 * LOOKUP_KEYS))
+    keys = chunk_keys(tokens, ns)
+    store = open_store(url)
+    try:
+        await asyncio.gather(*(
+            store.put(k, encode_chunk(k, tokens[4 * i : 4 * i + 4], b"x" * 64))
+            for i, k in enumerate(keys)
+        ))
+        times = []
+        for _ in range(getattr(args, "lookup_rounds", 200)):
+            t0 = time.perf_counter()
+            n = await store.prefix_len(keys)
+            times.append(time.perf_counter() - t0)
+            if n != LOOKUP_KEYS:
+                raise RuntimeError(f"{store}: lookup saw {n} of {LOOKUP_KEYS} keys")
+        for k in keys:
+            await store.delete(k)
+    finally:
+        await store.close()
+    times.sort()
+    return {
+        "lookup_512_p50_ms": times[len(times) // 2] * 1e3,
+        "lookup_512_p99_ms": times[min(len(times) - 1, int(len(times) * 0.99))] * 1e3,
+    }

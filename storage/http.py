@@ -1,0 +1,612 @@
+"""`http://host:port?token=...` — a kvserver as a store, over pooled raw HTTP/1.1 connections.
+
+Why not httpx: a chunk is tens of MiB, and a generic client hands the body over in small
+`bytes` pieces that must be copied again into the caller's buffer. Here `get_into` reads
+the response head into a small buffer and then `recv_into`s the payload straight into the
+caller's memory, and `put` sends the caller's buffer as is. Lookups are one POST for
+thousands of keys.
+
+Threading contract: one event loop at a time (sockets carry over between loops, so a
+store may outlive an `asyncio.run`). Like every store, the hot path (`get`, `get_into`,
+`exists`, `prefix_len`) answers "miss" on any failure: refused, reset, timeout, HTTP
+error, or a body that fails verification; the connection involved is dropped, never
+reused. After `breaker_failures` failures in a row the breaker opens and the hot path
+misses at once, without I/O, for `breaker_cooldown`; then one request probes the server.
+
+Options: `token` (else $KVSTASH_TOKEN), `timeout` (per request, default 10s),
+`connect_timeout` (1s), `pool` (connections, default 16), `verify` (re-check payload
+checksums here, default true), `breaker_failures` (3), `breaker_cooldown` (2s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import logging
+import os
+import socket
+import ssl
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+from urllib.parse import quote, urlsplit
+
+from storage.base import Store, check_blob, check_key
+from storage.codec import (
+    HEADER_SIZE,
+    MAX_HEADER_SIZE,
+    ChunkError,
+    ChunkHeader,
+    decode_chunk,
+    decode_header,
+)
+from storage.errors import ConfigError, InvalidChunk, StoreFull, StoreUnavailable
+from storage.options import StoreURL, parse_bool, parse_seconds
+
+log = logging.getLogger("kvstash.storage.http")
+
+OCTETS = "application/octet-stream"
+_HEAD_BUF = 64 * 1024
+_MAX_HEAD = _HEAD_BUF
+# Pooled connections idle longer than this are closed rather than reused; kvserver keeps
+# idle connections for 75 s, so the client normally closes first.
+_IDLE_S = 30.0
+# Keys per lookup request: well under the server's default limit (65536), large enough
+# that a 64k-token prompt is one request.
+LOOKUP_BATCH = 8192
+
+
+class _HttpError(Exception):
+    """A response the operation cannot use; `status` 0 means no response at all."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(f"{status}: {message}" if status else message)
+        self.status = status
+        self.message = message
+
+
+class _Connection:
+    """One HTTP/1.1 connection with a small read-ahead buffer for response heads.
+
+    `reusable` turns True only once a response has been read to its end, so a connection
+    abandoned mid-body (error, timeout, cancellation) is closed instead of pooled.
+    """
+
+    def __init__(self, sock: socket.socket | None, loop: asyncio.AbstractEventLoop):
+        self.sock = sock
+        self.loop = loop
+        self.buf = bytearray(_HEAD_BUF)
+        self.view = memoryview(self.buf)
+        self.start = self.end = 0
+        self.idle_since = time.monotonic()
+        self.reused = False
+        self.reusable = False
+        self.answered = False  # a response head arrived on this connection
+
+    async def sendall(self, data: Any) -> None:
+        await self.loop.sock_sendall(self.sock, data)
+
+    async def recv_into(self, view: memoryview) -> int:
+        return await self.loop.sock_recv_into(self.sock, view)
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+
+    async def _fill(self) -> None:
+        if self.start == self.end:
+            self.start = self.end = 0
+        elif self.end == len(self.buf):
+            n = self.end - self.start
+            self.buf[:n] = self.buf[self.start : self.end]
+            self.start, self.end = 0, n
+        if self.end == len(self.buf):
+            raise _HttpError(0, "response head too large")
+        n = await self.recv_into(self.view[self.end :])
+        if n == 0:
+            raise ConnectionResetError("server closed the connection")
+        self.end += n
+
+    async def read_head(self) -> tuple[int, dict[str, str]]:
+        while True:
+            i = self.buf.find(b"\r\n\r\n", self.start, self.end)
+            if i >= 0:
+                break
+            await self._fill()
+        lines = bytes(self.buf[self.start : i]).decode("latin-1").split("\r\n")
+        self.start = i + 4
+        self.answered = True
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+            raise _HttpError(0, f"not an HTTP response: {lines[0][:80]!r}")
+        headers = {}
+        for line in lines[1:]:
+            name, _, value = line.partition(":")
+            headers[name.strip().lower()] = value.strip()
+        return int(parts[1]), headers
+
+    async def read_into(self, view: memoryview) -> None:
+        """Fill `view` exactly: buffered bytes first, then straight from the socket."""
+        have = min(self.end - self.start, view.nbytes)
+        if have:
+            view[:have] = self.view[self.start : self.start + have]
+            self.start += have
+        while have < view.nbytes:
+            n = await self.recv_into(view[have:])
+            if n == 0:
+                raise ConnectionResetError("server closed the connection mid-body")
+            have += n
+
+    async def read_exact(self, n: int) -> bytearray:
+        out = bytearray(n)
+        await self.read_into(memoryview(out))
+        return out
+
+    async def read_body(self, headers: dict[str, str], limit: int = 1 << 26) -> bytes:
+        """A small whole body (JSON, errors); chunked or with Content-Length."""
+        if headers.get("transfer-encoding", "").lower() == "chunked":
+            parts = [p async for p in self.iter_chunked()]
+            return b"".join(parts)
+        n = _content_length(headers)
+        if n > limit:
+            raise _HttpError(0, f"response body of {n} bytes is larger than expected")
+        return bytes(await self.read_exact(n))
+
+    async def _read_line(self) -> bytes:
+        while True:
+            i = self.buf.find(b"\r\n", self.start, self.end)
+            if i >= 0:
+                line = bytes(self.buf[self.start : i])
+                self.start = i + 2
+                return line
+            await self._fill()
+
+    async def iter_chunked(self) -> AsyncIterator[bytes]:
+        while True:
+            size_line = await self._read_line()
+            try:
+                size = int(size_line.split(b";")[0], 16)
+            except ValueError:
+                raise _HttpError(0, f"bad chunk size line {size_line[:40]!r}") from None
+            if size == 0:
+                while await self._read_line():  # trailers end with an empty line
+                    pass
+                return
+            yield bytes(await self.read_exact(size))
+            if await self._read_line() != b"":
+                raise _HttpError(0, "chunked body is missing a CRLF")
+
+
+class _TlsConnection(_Connection):
+    """https:// through asyncio streams: TLS decrypts into its own buffers anyway."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 loop: asyncio.AbstractEventLoop):
+        super().__init__(None, loop)
+        self.reader, self.writer = reader, writer
+
+    async def sendall(self, data: Any) -> None:
+        self.writer.write(data)
+        await self.writer.drain()
+
+    async def recv_into(self, view: memoryview) -> int:
+        data = await self.reader.read(view.nbytes)
+        view[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def _content_length(headers: dict[str, str]) -> int:
+    value = headers.get("content-length", "")
+    if not value.isdigit():
+        raise _HttpError(0, f"response without a usable Content-Length ({value!r})")
+    return int(value)
+
+
+def _bits(present_b64: str, count: int) -> list[bool]:
+    bits = base64.b64decode(present_b64)
+    if len(bits) * 8 < count:
+        raise _HttpError(0, "lookup bitmap is shorter than the key list")
+    return [bool(bits[i >> 3] >> (i & 7) & 1) for i in range(count)]
+
+
+class HttpStore(Store):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        token: str | None = None,
+        timeout: float = 10.0,
+        connect_timeout: float = 1.0,
+        pool: int = 16,
+        verify: bool = True,
+        breaker_failures: int = 3,
+        breaker_cooldown: float = 2.0,
+        url: str | None = None,
+    ):
+        super().__init__()
+        parts = urlsplit(base_url)
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme not in ("http", "https") or not parts.hostname or port == -1 or parts.username:
+            raise ConfigError(f"{url or base_url}: expected http[s]://HOST[:PORT][/prefix]")
+        self.tls = parts.scheme == "https"
+        self.host = parts.hostname
+        self.port = port or (443 if self.tls else 80)
+        self.host_header = parts.netloc
+        self.prefix = parts.path.rstrip("/")
+        self.url = url or base_url
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self.pool_size = pool
+        self.verify = verify
+        self.breaker_failures = breaker_failures
+        self.breaker_cooldown = breaker_cooldown
+        token = token if token is not None else os.environ.get("KVSTASH_TOKEN")
+        if token and not (token.isascii() and token.isprintable() and " " not in token):
+            raise ConfigError(f"{self.url}: the token must be printable ASCII without spaces")
+        self._auth = f"Authorization: Bearer {token}\r\n" if token else ""
+        self._idle: list[_Connection] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._slots: asyncio.Semaphore | None = None
+        self._failures = 0
+        self._open_until = 0.0
+        self._warned: set[int] = set()
+
+    @classmethod
+    def from_url(cls, u: StoreURL) -> HttpStore:
+        opts = {
+            "token": u.take("token"),
+            "timeout": u.take("timeout", parse_seconds, 10.0),
+            "connect_timeout": u.take("connect_timeout", parse_seconds, 1.0),
+            "pool": u.take("pool", int, 16),
+            "verify": u.take("verify", parse_bool, True),
+            "breaker_failures": u.take("breaker_failures", int, 3),
+            "breaker_cooldown": u.take("breaker_cooldown", parse_seconds, 2.0),
+        }
+        u.finish()
+        if opts["pool"] < 1 or opts["breaker_failures"] < 1:
+            raise ConfigError(f"{u.redacted()}: pool and breaker_failures must be >= 1")
+        base = f"{u.scheme}://{u.netloc}{u.path}"
+        return cls(base, url=u.redacted(), **opts)
+
+    # -- connections ---------------------------------------------------------------------
+
+    def _bind_loop(self) -> asyncio.AbstractEventLoop:
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            # Plain sockets survive a new loop; TLS streams and the semaphore do not.
+            self._idle = [c for c in self._idle if not isinstance(c, _TlsConnection)]
+            for c in self._idle:
+                c.loop = loop
+            self._loop = loop
+            self._slots = asyncio.Semaphore(self.pool_size)
+        return loop
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop) -> _Connection:
+        if self.tls:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(self.host, self.port, ssl=ssl.create_default_context()),
+                self.connect_timeout,
+            )
+            return _TlsConnection(reader, writer, loop)
+        infos = await loop.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)
+        family, _, _, _, addr = infos[0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            await asyncio.wait_for(loop.sock_connect(sock, addr), self.connect_timeout)
+        except BaseException:
+            sock.close()
+            raise
+        return _Connection(sock, loop)
+
+    def _take_idle(self) -> _Connection | None:
+        now = time.monotonic()
+        while self._idle:
+            c = self._idle.pop()
+            if now - c.idle_since < _IDLE_S:
+                c.reused = True
+                return c
+            c.close()
+        return None
+
+    async def _exchange(self, op: Any) -> Any:
+        """Run `op(conn)` on a pooled connection; retry once on a fresh one when a reused
+        connection turns out to have been closed by the server while idle."""
+        loop = self._bind_loop()
+        assert self._slots is not None
+        async with self._slots:
+            for attempt in (0, 1):
+                conn = self._take_idle() if attempt == 0 else None
+                if conn is None:
+                    conn = await self._connect(loop)
+                conn.reusable = conn.answered = False
+                try:
+                    result = await op(conn)
+                except (ConnectionResetError, BrokenPipeError) as exc:
+                    conn.close()
+                    if conn.reused and attempt == 0 and not conn.answered:
+                        continue
+                    raise _HttpError(0, f"connection lost: {exc}") from None
+                except BaseException:
+                    conn.close()
+                    raise
+                if conn.reusable:
+                    conn.idle_since = time.monotonic()
+                    self._idle.append(conn)
+                else:
+                    conn.close()
+                return result
+        raise AssertionError("unreachable")
+
+    async def _call(self, op: Any) -> Any:
+        """`_exchange` under the request timeout and the circuit breaker."""
+        if time.monotonic() < self._open_until:
+            raise _HttpError(0, "circuit open: recent requests to the server failed")
+        try:
+            result = await asyncio.wait_for(self._exchange(op), self.timeout)
+        except (OSError, asyncio.TimeoutError, _HttpError) as exc:
+            if isinstance(exc, _HttpError) and exc.status and exc.status < 500:
+                raise
+            self._failures += 1
+            if self._failures >= self.breaker_failures:
+                self._open_until = time.monotonic() + self.breaker_cooldown
+                log.warning("%s: %d failures in a row, not trying for %.1fs: %s",
+                            self, self._failures, self.breaker_cooldown, exc)
+            if isinstance(exc, _HttpError):
+                raise
+            raise _HttpError(0, f"{type(exc).__name__}: {exc}") from None
+        self._failures = 0
+        return result
+
+    def _head(self, method: str, path: str, length: int | None = None,
+              ctype: str = OCTETS, extra: str = "") -> bytes:
+        body = f"Content-Length: {length}\r\nContent-Type: {ctype}\r\n" if length is not None else ""
+        return (f"{method} {self.prefix}{path} HTTP/1.1\r\nHost: {self.host_header}\r\n"
+                f"{self._auth}{body}{extra}\r\n").encode("latin-1")
+
+    @staticmethod
+    def _chunk_path(key: str) -> str:
+        return "/v1/chunks/" + quote(key, safe="/")
+
+    async def _error_of(self, conn: _Connection, status: int, headers: dict[str, str]) -> _HttpError:
+        """Read a small error body (keeping the connection) and turn it into an _HttpError."""
+        try:
+            body = await conn.read_body(headers, limit=1 << 20)
+            conn.reusable = headers.get("connection", "").lower() != "close"
+            message = json.loads(body).get("error", "") if body else ""
+        except (ValueError, AttributeError):
+            message = ""
+        return _HttpError(status, message or f"HTTP {status}")
+
+    def _note_failure(self, what: str, key: str, exc: _HttpError) -> None:
+        if exc.status in (401, 403) and exc.status not in self._warned:
+            self._warned.add(exc.status)
+            log.warning("%s: %s refused: %s (check the token)", self, what, exc)
+        else:
+            log.debug("%s: %s %s failed: %s", self, what, key, exc)
+
+    # -- the Store protocol --------------------------------------------------------------
+
+    async def put(self, key: str, blob: Any) -> bool:
+        check_blob(key, blob)
+        view = memoryview(blob).cast("B")
+
+        async def op(conn: _Connection) -> bool:
+            # Expect: 100-continue lets the server refuse (413, 401, 415) before a large
+            # body is sent; kvserver answers 100 once the route starts reading the body.
+            await conn.sendall(self._head("PUT", self._chunk_path(key), view.nbytes,
+                                          extra="Expect: 100-continue\r\n"))
+            status, headers = await conn.read_head()
+            if status != 100:
+                err = await self._error_of(conn, status, headers)
+                conn.reusable = False  # the server may still be waiting for the body
+                raise err
+            await conn.sendall(view)
+            status, headers = await conn.read_head()
+            if status in (200, 201):
+                await conn.read_body(headers)
+                conn.reusable = True
+                return status == 201
+            raise await self._error_of(conn, status, headers)
+
+        try:
+            wrote = await self._call(op)
+        except _HttpError as exc:
+            self.counters["put_errors"] += 1
+            if exc.status == 400:
+                raise InvalidChunk(f"{self}: server rejected {key}: {exc.message}") from None
+            if exc.status in (413, 507):
+                raise StoreFull(f"{self}: no room for {key}: {exc.message}") from None
+            raise StoreUnavailable(f"{self}: put {key} failed: {exc}") from None
+        if wrote:
+            self.counters["puts"] += 1
+            self.counters["bytes_written"] += view.nbytes
+        else:
+            self.counters["put_skipped"] += 1
+        return wrote
+
+    async def _get_response(self, conn: _Connection, key: str) -> int | None:
+        """Send a GET; the body's length on 200, None on 404 (body consumed)."""
+        await conn.sendall(self._head("GET", self._chunk_path(key)))
+        status, headers = await conn.read_head()
+        if status == 200:
+            return _content_length(headers)
+        err = await self._error_of(conn, status, headers)
+        if status == 404:
+            return None
+        raise err
+
+    def _count_get(self, size: int | None) -> None:
+        self.counters["gets"] += 1
+        if size is None:
+            self.counters["misses"] += 1
+        else:
+            self.counters["hits"] += 1
+            self.counters["bytes_read"] += size
+
+    def _count_failure(self, what: str, key: str, exc: Exception) -> None:
+        if isinstance(exc, ChunkError):
+            self.counters["corrupt"] += 1
+            log.warning("%s: %s of %s failed verification: %s", self, what, key, exc)
+        else:
+            self.counters["errors"] += 1
+            self._note_failure(what, key, exc)  # type: ignore[arg-type]
+
+    async def get(self, key: str) -> bytes | None:
+        check_key(key)
+
+        async def op(conn: _Connection) -> bytes | None:
+            length = await self._get_response(conn, key)
+            if length is None:
+                return None
+            blob = await conn.read_exact(length)
+            conn.reusable = True
+            if self.verify:
+                decode_chunk(blob, key)
+            else:
+                decode_header(blob, key)
+            return bytes(blob)
+
+        try:
+            blob = await self._call(op)
+        except (_HttpError, ChunkError) as exc:
+            self._count_failure("get", key, exc)
+            blob = None
+        self._count_get(None if blob is None else len(blob))
+        return blob
+
+    async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
+        check_key(key)
+        dst = memoryview(out).cast("B")
+
+        async def op(conn: _Connection) -> ChunkHeader | None:
+            length = await self._get_response(conn, key)
+            if length is None:
+                return None
+            if length < HEADER_SIZE:
+                raise ChunkError(f"body of {length} bytes is too short for a chunk")
+            head = await conn.read_exact(HEADER_SIZE)
+            header_len = int.from_bytes(head[12:16], "little")
+            if HEADER_SIZE < header_len <= min(MAX_HEADER_SIZE, length):
+                head += await conn.read_exact(header_len - HEADER_SIZE)
+            header = decode_header(head, key)
+            if header.total_len != length:
+                raise ChunkError(f"body is {length} bytes, header says {header.total_len}")
+            if dst.nbytes < header.payload_len:
+                return None  # the connection is dropped unread: cheaper than draining it
+            payload = dst[: header.payload_len]
+            await conn.read_into(payload)
+            conn.reusable = True
+            if self.verify:
+                header.verify_payload(payload)
+            return header
+
+        try:
+            header = await self._call(op)
+        except (_HttpError, ChunkError) as exc:
+            self._count_failure("get_into", key, exc)
+            header = None
+        self._count_get(None if header is None else header.total_len)
+        return header
+
+    async def _lookup(self, keys: Sequence[str], stop_at_gap: bool) -> tuple[int, list[bool]]:
+        body = json.dumps({"keys": list(keys), "stop_at_gap": stop_at_gap},
+                          separators=(",", ":")).encode()
+
+        async def op(conn: _Connection) -> tuple[int, list[bool]]:
+            await conn.sendall(self._head("POST", "/v1/lookup", len(body), "application/json") + body)
+            status, headers = await conn.read_head()
+            if status != 200:
+                raise await self._error_of(conn, status, headers)
+            answer = json.loads(await conn.read_body(headers))
+            conn.reusable = True
+            return int(answer["prefix_len"]), _bits(answer["present"], len(keys))
+
+        return await self._call(op)
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        for k in keys:
+            check_key(k)
+        out: list[bool] = []
+        try:
+            for i in range(0, len(keys), LOOKUP_BATCH):
+                out += (await self._lookup(keys[i : i + LOOKUP_BATCH], False))[1]
+        except (_HttpError, ValueError, KeyError) as exc:
+            self._count_failure("lookup", "", _HttpError(0, str(exc)))
+            return [False] * len(keys)
+        return out
+
+    async def prefix_len(self, keys: Sequence[str]) -> int:
+        for k in keys:
+            check_key(k)
+        n = 0
+        try:
+            for i in range(0, len(keys), LOOKUP_BATCH):
+                batch = keys[i : i + LOOKUP_BATCH]
+                got = (await self._lookup(batch, True))[0]
+                n += got
+                if got < len(batch):
+                    break
+        except (_HttpError, ValueError, KeyError) as exc:
+            self._count_failure("lookup", "", _HttpError(0, str(exc)))
+            return 0
+        return n
+
+    async def delete(self, key: str) -> bool:
+        check_key(key)
+
+        async def op(conn: _Connection) -> bool:
+            await conn.sendall(self._head("DELETE", self._chunk_path(key)))
+            status, headers = await conn.read_head()
+            if status == 204:  # no body by definition
+                conn.reusable = True
+                return True
+            err = await self._error_of(conn, status, headers)
+            if status == 404:
+                return False
+            raise err
+
+        try:
+            deleted = await self._call(op)
+        except _HttpError as exc:
+            raise StoreUnavailable(f"{self}: delete {key} failed: {exc}") from None
+        if deleted:
+            self.counters["deletes"] += 1
+        return deleted
+
+    async def list_keys(self) -> AsyncIterator[str]:
+        # The listing is read whole under the request timeout, then yielded.
+        async def op(conn: _Connection) -> list[str]:
+            await conn.sendall(self._head("GET", "/v1/keys"))
+            status, headers = await conn.read_head()
+            if status != 200:
+                raise await self._error_of(conn, status, headers)
+            text = (await conn.read_body(headers, limit=1 << 31)).decode("ascii")
+            conn.reusable = True
+            return text.split()
+
+        try:
+            keys = await self._call(op)
+        except _HttpError as exc:
+            raise StoreUnavailable(f"{self}: listing failed: {exc}") from None
+        for k in keys:
+            yield k
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            **super().stats(), "backend": "http", "pooled_connections": len(self._idle),
+            "breaker_open": time.monotonic() < self._open_until,
+        }
+
+    async def close(self) -> None:
+        for c in self._idle:
+            c.close()
+        self._idle.clear()
