@@ -1,0 +1,225 @@
+"""`kvstash bench gds`: verify every chunk-read path byte for byte and time it beside baselines.
+
+It writes `--count` chunk files of `--size-mib` MiB through `ChunkIO` (checked against the
+codec), then, in `--rounds` interleaved rounds (every path once per round, so a noisy
+neighbour slows all paths alike), reads every file with every path available here:
+
+- baseline: one thread, `open(..., buffering=0)`, `seek`, `readinto` the payload;
+- host (path 4): `ChunkIO.read_chunk` into a CPU tensor, verify=header and verify=checksum,
+  one request at a time and all files in flight at once;
+- O_DIRECT (host, direct=always) where the filesystem takes it: the disk, not the cache;
+- with CUDA: a plain `torch` H2D copy of the same bytes from pinned memory (baseline), and
+  each usable CUDA backend (torch-gds, kvikio, bounce) into device memory.
+
+Each path is verified against the reference payloads before it is timed; the exit status
+is 1 if any path returned wrong bytes. Reported GB/s is the median over rounds of
+(payload bytes of all files / time for the pass). Page-cached unless `--cold`, which drops
+these files from the page cache (posix_fadvise DONTNEED) before every pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from bench.report import table, write_json
+
+MiB = 1 << 20
+TARGET_RATIO = 1.5  # issue 6: host path >= 1.5x single-threaded readinto, page-cached 16 MiB
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dir", help="directory for the chunk files (default: a fresh temp dir)")
+    p.add_argument("--size-mib", type=float, default=16, help="payload size per chunk (16)")
+    p.add_argument("--count", type=int, default=8, help="chunk files (8)")
+    p.add_argument("--rounds", type=int, default=7, help="timed rounds, median reported (7)")
+    p.add_argument("--threads", type=int, default=0, help="ChunkIO I/O threads (0 = auto)")
+    p.add_argument("--cold", action="store_true", help="drop the files from the page cache before every pass")
+    p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
+
+
+class ReadPath:
+    """One way of reading file i into destination i, with how to check what it read."""
+
+    def __init__(self, name: str, read_all: Callable[[], None], check: Callable[[], bool],
+                 baseline: str | None = None):
+        self.name, self.read_all, self.check, self.baseline = name, read_all, check, baseline
+        self.gbps: list[float] = []
+        self.verified: bool | None = None
+
+
+def _drop_cache(paths: list[str]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def run(args: argparse.Namespace) -> int:
+    import numpy as np
+    import torch
+
+    from gds.buffers import host_view
+    from gds.chunkio import ChunkIO, IOConfig
+    from gds.probe import probe
+    from hashing import Namespace, chunk_keys
+    from storage.codec import decode_chunk
+
+    size = int(args.size_mib * MiB)
+    own_dir = args.dir is None
+    root = tempfile.mkdtemp(prefix="kvstash-bench-gds-") if own_dir else args.dir
+    os.makedirs(root, exist_ok=True)
+    caps = probe(root)
+    cfg = IOConfig(io_threads=args.threads, max_inflight=max(8, args.count))
+    ios: dict[str, ChunkIO] = {}
+
+    def chunk_io(**kw: Any) -> ChunkIO:
+        name = ",".join(f"{k}={v}" for k, v in sorted(kw.items()))
+        if name not in ios:
+            ios[name] = ChunkIO(IOConfig(**{**cfg.__dict__, **kw}), caps=caps)
+        return ios[name]
+
+    files: list[str] = []
+    try:
+        ns = Namespace(model="bench/gds", dtype="uint8", layout="bytes", chunk_tokens=16,
+                       rank=0, world_size=1, salt=str(time.time_ns()))
+        tokens = list(range(16 * args.count))
+        keys = chunk_keys(tokens, ns)
+        rng = np.random.default_rng(0)
+        refs = [rng.integers(0, 256, size, dtype=np.uint8) for _ in keys]
+        files = [os.path.join(root, f"{k.replace('/', '-')}.kv") for k in keys]
+        writer = chunk_io()
+        t0 = time.perf_counter()
+        for f, k, i in zip(files, keys, range(args.count), strict=True):
+            writer.submit_write(f, k, tokens[16 * i : 16 * (i + 1)], refs[i]).result()
+        write_s = time.perf_counter() - t0
+        for f, k, ref in zip(files, keys, refs, strict=True):
+            with open(f, "rb") as fh:
+                if not np.array_equal(np.frombuffer(decode_chunk(fh.read(), k).payload, np.uint8), ref):
+                    raise RuntimeError(f"{f}: written payload differs from the reference")
+        header_len = os.path.getsize(files[0]) - size
+
+        host = [torch.empty(size, dtype=torch.uint8) for _ in files]
+        host_views = [host_view(t) for t in host]
+        clear = list(host)
+
+        def check_host() -> bool:
+            return all(np.array_equal(t.numpy(), r) for t, r in zip(host, refs, strict=True))
+
+        def readinto() -> None:
+            for f, view in zip(files, host_views, strict=True):
+                with open(f, "rb", buffering=0) as fh:
+                    fh.seek(header_len)
+                    if fh.readinto(view) != size:
+                        raise RuntimeError(f"{f}: short read")
+
+        def one_by_one(io: ChunkIO, dests: list) -> Callable[[], None]:
+            def go() -> None:
+                for f, k, d in zip(files, keys, dests, strict=True):
+                    io.submit_chunk(f, d, key=k).result()
+            return go
+
+        def all_at_once(io: ChunkIO, dests: list) -> Callable[[], None]:
+            def go() -> None:
+                futures = [io.submit_chunk(f, d, key=k) for f, k, d in zip(files, keys, dests, strict=True)]
+                for fut in futures:
+                    fut.result()
+            return go
+
+        base = "readinto, 1 thread"
+        paths = [ReadPath(base, readinto, check_host)]
+        paths.append(ReadPath("host (path 4), verify=header", one_by_one(chunk_io(verify="header"), host), check_host, base))
+        paths.append(ReadPath("host (path 4), verify=checksum", one_by_one(chunk_io(verify="checksum"), host), check_host, base))
+        paths.append(ReadPath(f"host (path 4), verify=header, {args.count} in flight",
+                           all_at_once(chunk_io(verify="header"), host), check_host, base))
+        paths.append(ReadPath("host O_DIRECT (disk, not cache), verify=header",
+                           one_by_one(chunk_io(verify="header", direct="always"), host), check_host, base))
+
+        if caps.cuda:
+            from gds.probe import CUDA_BACKENDS
+
+            dev = [torch.empty(size, dtype=torch.uint8, device="cuda") for _ in files]
+            clear += dev
+            pinned = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in files]
+            for p, r in zip(pinned, refs, strict=True):
+                p.copy_(torch.from_numpy(r))
+
+            def check_dev() -> bool:
+                return all(np.array_equal(d.cpu().numpy(), r) for d, r in zip(dev, refs, strict=True))
+
+            def h2d() -> None:
+                for d, p in zip(dev, pinned, strict=True):
+                    d.copy_(p, non_blocking=True)
+                torch.cuda.synchronize()
+
+            cuda_base = "torch H2D copy from pinned memory"
+            paths.append(ReadPath(cuda_base, h2d, check_dev))
+            usable = {"torch-gds": caps.torch_gds, "kvikio": caps.kvikio, "bounce": True}
+            for name in CUDA_BACKENDS:
+                if usable[name]:
+                    for verify in ("header", "checksum"):
+                        io = chunk_io(verify=verify, cuda_backend=name)
+                        paths.append(ReadPath(f"cuda {name}, verify={verify}", one_by_one(io, dev), check_dev, cuda_base))
+                    io = chunk_io(verify="header", cuda_backend=name)
+                    paths.append(ReadPath(f"cuda {name}, verify=header, {args.count} in flight",
+                                       all_at_once(io, dev), check_dev, cuda_base))
+
+        for p in paths:
+            for d in clear:
+                d.zero_()
+            p.read_all()
+            p.verified = p.check()
+        total = size * len(files)
+        for _ in range(args.rounds):
+            for p in paths:
+                if args.cold or "O_DIRECT" in p.name:
+                    _drop_cache(files)
+                t = time.perf_counter()
+                p.read_all()
+                p.gbps.append(total / (time.perf_counter() - t) / 1e9)
+        # Leave the files cached for whoever runs next (and O_DIRECT rows dropped them).
+        readinto()
+
+        med = {p.name: statistics.median(p.gbps) for p in paths}
+        rows = []
+        for p in paths:
+            ratio = med[p.name] / med[p.baseline] if p.baseline else None
+            rows.append({"path": p.name, "gbps": med[p.name], "min": min(p.gbps), "max": max(p.gbps),
+                         "vs": p.baseline, "ratio": ratio, "verified": p.verified})
+        print(f"{len(files)} chunks x {args.size_mib:g} MiB in {root} "
+              f"({'cold' if args.cold else 'page-cached'}), median of {args.rounds} rounds; "
+              f"write {total / write_s / 1e9:.2f} GB/s (fsync)")
+        print(table(["path", "GB/s", "min", "max", "x baseline", "verified"],
+                    [[r["path"], r["gbps"], r["min"], r["max"], r["ratio"], r["verified"]] for r in rows]))
+        ratio = med[paths[1].name] / med[base]
+        verdict = "meets" if ratio >= TARGET_RATIO else "BELOW"
+        print(f"host path vs single-threaded readinto: {ratio:.2f}x ({verdict} the {TARGET_RATIO}x target)")
+        stats = chunk_io().stats()
+        print(f"backends: {stats['backends']}; filesystems: {stats['filesystems']}")
+        if caps.notes:
+            print("probe: " + "; ".join(caps.notes))
+        write_json(args.json, {
+            "command": "bench gds", "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
+            "dir": root, "cold": args.cold, "write_gbps": total / write_s / 1e9,
+            "host_vs_readinto": ratio, "rows": rows, "stats": stats,
+        })
+        return 0 if all(p.verified for p in paths) else 1
+    finally:
+        for io in ios.values():
+            io.close()
+        if own_dir:
+            shutil.rmtree(root, ignore_errors=True)
+        else:
+            for f in files:
+                try:
+                    os.unlink(f)
+                except OSError:
+                    pass

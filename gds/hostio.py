@@ -1,0 +1,191 @@
+"""Blocking reads and writes of one file range in host memory: page cache first, O_DIRECT else.
+
+Read modes (`direct=`):
+
+- "auto": ask the page cache first (`preadv(RWF_NOWAIT)` returns only bytes already cached,
+  at memcpy speed); whatever it lacks is read with O_DIRECT, so a cold chunk costs one DMA
+  into the destination and does not evict the hot set. Where the kernel cannot tell
+  (tmpfs answers EOPNOTSUPP) the read is buffered.
+- "always": O_DIRECT for every aligned byte, even when cached (cold-read benchmarking).
+- "never": plain buffered reads.
+
+O_DIRECT needs the file offset, the length and the buffer address 4 KiB-aligned. A range
+that is aligned in the file but whose buffer is not (torch CPU tensors are 64-byte aligned)
+is read buffered; unaligned heads and tails around an aligned body are read buffered too.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+from gds.buffers import ALIGN, address
+from gds.errors import IO, MISSING, NO_SPACE, SHORT, ReadError, WriteError
+from gds.fsprobe import DirectIOSupport
+
+DIRECT_MODES = ("auto", "always", "never")
+_MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
+_HAS_NOWAIT = hasattr(os, "RWF_NOWAIT")
+
+
+def read_error(path: str, exc: OSError) -> ReadError:
+    reason = MISSING if exc.errno in _MISSING_ERRNOS else IO
+    return ReadError(path, reason, exc.strerror or str(exc))
+
+
+def write_error(path: str, exc: OSError) -> WriteError:
+    reason = NO_SPACE if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG) else IO
+    return WriteError(path, reason, exc.strerror or str(exc))
+
+
+class OpenFile:
+    """One file with a buffered descriptor and, opened on first need, an O_DIRECT one."""
+
+    def __init__(self, path: str, fd: int, flags: int, support: DirectIOSupport):
+        self.path = path
+        self.fd = fd
+        self.flags = flags
+        self.support = support
+        st = os.fstat(fd)
+        self.dev = st.st_dev
+        self.size = st.st_size
+        self._direct_fd: int | None = None
+        self._direct_tried = False
+        self._lock = threading.Lock()
+
+    @classmethod
+    def for_read(cls, path: str, support: DirectIOSupport) -> OpenFile:
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as exc:
+            raise read_error(path, exc) from None
+        return cls(path, fd, os.O_RDONLY, support)
+
+    def direct_fd(self) -> int | None:
+        with self._lock:
+            if not self._direct_tried:
+                self._direct_tried = True
+                self._direct_fd = self.support.open_direct(self.path, self.dev, self.flags)
+            return self._direct_fd
+
+    def refuse_direct(self) -> None:
+        self.support.refuse(self.dev)
+        with self._lock:
+            if self._direct_fd is not None:
+                os.close(self._direct_fd)
+                self._direct_fd = None
+
+    def close(self) -> None:
+        for fd in (self.fd, self._direct_fd):
+            if fd is not None:
+                os.close(fd)
+        self._direct_fd = None
+
+    def __enter__(self) -> OpenFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _pread_loop(fd: int, view: memoryview, offset: int, stop_unaligned: bool = False) -> int:
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+        if stop_unaligned and n % ALIGN:
+            break  # end of file inside a block: the next direct read would be misaligned
+    return done
+
+
+def _read_cached(f: OpenFile, view: memoryview, offset: int) -> tuple[int, bool]:
+    """Bytes the page cache already holds, from the start; and whether the kernel could say."""
+    fs = f.support.filesystem(f.dev)
+    if not _HAS_NOWAIT or fs.nowait is False:
+        return 0, False
+    done = 0
+    try:
+        while done < view.nbytes:
+            n = os.preadv(f.fd, [view[done:]], offset + done, os.RWF_NOWAIT)
+            if n == 0:
+                break
+            done += n
+    except BlockingIOError:
+        pass
+    except OSError as exc:
+        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+            raise
+        fs.nowait = False
+        return done, False
+    fs.nowait = True
+    return done, True
+
+
+def _read_direct(f: OpenFile, view: memoryview, offset: int) -> int:
+    """Read the aligned body of the range with O_DIRECT (and its short head buffered)."""
+    head = -offset % ALIGN
+    if view.nbytes - head < ALIGN or (address(view) + head) % ALIGN:
+        return 0
+    dfd = f.direct_fd()
+    if dfd is None:
+        return 0
+    if head and _pread_loop(f.fd, view[:head], offset) < head:
+        return 0
+    body = (view.nbytes - head) // ALIGN * ALIGN
+    try:
+        return head + _pread_loop(dfd, view[head : head + body], offset + head, True)
+    except OSError as exc:
+        if exc.errno != errno.EINVAL:
+            raise
+        f.refuse_direct()  # the filesystem took the flag but not the read: buffered from now
+        return head
+
+
+def read_range(f: OpenFile, view: memoryview, offset: int, mode: str = "auto") -> None:
+    """Fill `view` with the file's bytes at `offset`; ReadError if the file ends first."""
+    try:
+        done = 0
+        use_direct = mode == "always"
+        if mode == "auto":
+            done, use_direct = _read_cached(f, view, offset)
+        if use_direct and done < view.nbytes:
+            done += _read_direct(f, view[done:], offset + done)
+        if done < view.nbytes:
+            done += _pread_loop(f.fd, view[done:], offset + done)
+    except OSError as exc:
+        raise read_error(f.path, exc) from None
+    if done < view.nbytes:
+        raise ReadError(f.path, SHORT, f"{offset + done} of {offset + view.nbytes} bytes present")
+
+
+def _pwrite_loop(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        done += os.pwritev(fd, [view[done:]], offset + done)
+
+
+def write_range(f: OpenFile, view: memoryview, offset: int, direct: bool) -> None:
+    """Write `view` at `offset`: the aligned body with O_DIRECT when asked and allowed."""
+    try:
+        head = -offset % ALIGN
+        body = (view.nbytes - head) // ALIGN * ALIGN if view.nbytes > head else 0
+        dfd = None
+        if direct and body and (address(view) + head) % ALIGN == 0:
+            dfd = f.direct_fd()
+        if dfd is None:
+            _pwrite_loop(f.fd, view, offset)
+            return
+        _pwrite_loop(f.fd, view[:head], offset)
+        try:
+            _pwrite_loop(dfd, view[head : head + body], offset + head)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            f.refuse_direct()
+            _pwrite_loop(f.fd, view[head : head + body], offset + head)
+        _pwrite_loop(f.fd, view[head + body :], offset + head + body)
+    except OSError as exc:
+        raise write_error(f.path, exc) from None
