@@ -171,27 +171,37 @@ def start_writer(store: str, seed: int, start: int, count: int, size: int,
     )
 
 
-def crash_writer(proc: subprocess.Popen, after_acks: int, delay_s: float) -> list[int]:
-    """Let the writer acknowledge `after_acks` puts, wait `delay_s` (landing somewhere in
-    the next put), SIGKILL it, and return every index it acknowledged."""
-    lines = []
+def wait_for_acks(proc: subprocess.Popen, count: int) -> list[str]:
+    """Read the writer's lines until it has acknowledged `count` puts (or exited)."""
+    lines: list[str] = []
     assert proc.stdout is not None
-    while sum(line.startswith("ok ") for line in lines) < after_acks:
+    while sum(line.startswith("ok ") for line in lines) < count:
         line = proc.stdout.readline()
         if not line:
             break
         lines.append(line)
-    time.sleep(delay_s)
+    return lines
+
+
+def kill_writer(proc: subprocess.Popen, lines: list[str]) -> list[int]:
+    """SIGKILL the writer wherever it is; every index it acknowledged (`lines` so far too)."""
     with contextlib.suppress(ProcessLookupError):
         proc.send_signal(signal.SIGKILL)
     out, _err = proc.communicate(timeout=30)
-    lines.extend(out.splitlines())
     acked = []
-    for line in lines:
+    for line in [*lines, *out.splitlines()]:
         parts = line.split()
         if len(parts) == 3 and parts[0] == "ok":
             acked.append(int(parts[1]))
     return acked
+
+
+def crash_writer(proc: subprocess.Popen, after_acks: int, delay_s: float) -> list[int]:
+    """Let the writer acknowledge `after_acks` puts, wait `delay_s` (landing somewhere in
+    the next put), SIGKILL it, and return every index it acknowledged."""
+    lines = wait_for_acks(proc, after_acks)
+    time.sleep(delay_s)
+    return kill_writer(proc, lines)
 
 
 async def _writer_main(args: argparse.Namespace) -> int:

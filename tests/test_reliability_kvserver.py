@@ -1,0 +1,246 @@
+"""kvserver and the http:// store under faults and load: processes SIGKILLed mid-put, the
+server lost and restarted under a live client, damaged chunks behind the server, and many
+concurrent clients. The server runs as a real `kvstash serve` process on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+from bench.faults import (
+    chunk_files,
+    chunk_for,
+    corrupt_file,
+    kill_writer,
+    percentiles,
+    rss_bytes,
+    start_writer,
+    verify_blob,
+    wait_for_acks,
+)
+from connector import KVConnector
+from connector.layout import ChunkLayout
+from hashing import Namespace
+from storage.errors import StoreError, StoreUnavailable
+from storage.file import TMP_MARK, FileStore, _chunk_path
+from storage.http import HttpStore
+from tests.reliability_fixtures import server_process_fixture  # noqa: F401
+
+SEED = 48
+MiB = 1024 * 1024
+
+
+def visible_chunks_verify(root: Path) -> int:
+    """Assert every published chunk file under `root` verifies; return how many there are."""
+    n = 0
+    for path in chunk_files(root):
+        if TMP_MARK in path.name or ".quarantine" in path.parts:
+            continue
+        key = f"{path.parent.parent.parent.name}/{path.stem}"
+        assert verify_blob(key, path.read_bytes()), f"visible chunk {path} does not verify"
+        n += 1
+    return n
+
+
+async def test_client_killed_mid_upload_stores_nothing_partial(tmp_path: Path, server_process):
+    root = tmp_path / "store"
+    server = server_process(["--store", f"file://{root}"])
+    rng = random.Random(SEED)
+    acked: list[int] = []
+    for round_ in range(2):
+        proc = start_writer(server.url, SEED, round_ * 1000, 1000, 4 * MiB)
+        lines = wait_for_acks(proc, 2)
+        time.sleep(rng.uniform(0.0, 0.03))
+        acked += kill_writer(proc, lines)
+
+    assert visible_chunks_verify(root) >= len(acked)
+    client = HttpStore(server.url)
+    for i in acked:
+        key, blob = chunk_for(SEED, i, 4 * MiB)
+        assert await client.get(key) == blob, f"acknowledged put {i} was lost"
+    await client.close()
+
+
+async def test_kvserver_killed_mid_put_loses_no_acknowledged_chunk(tmp_path: Path, server_process):
+    root = tmp_path / "store"
+    server = server_process(["--store", f"file://{root}"])
+    rng = random.Random(SEED + 1)
+    acked: list[int] = []
+    for round_ in range(2):
+        proc = start_writer(server.url, SEED, round_ * 1000, 1000, 4 * MiB)
+        lines = wait_for_acks(proc, 2)
+        time.sleep(rng.uniform(0.0, 0.03))
+        server.kill()
+        acked += kill_writer(proc, lines)
+        server.start()
+
+    assert visible_chunks_verify(root) >= len(acked)
+    store = FileStore(root)
+    for i in acked:
+        key, blob = chunk_for(SEED, i, 4 * MiB)
+        assert await store.get(key) == blob, f"acknowledged put {i} was lost"
+
+
+async def test_damage_behind_the_server_is_a_miss_for_the_client(tmp_path: Path, server_process):
+    root = tmp_path / "store"
+    server = server_process(["--store", f"file://{root}"])
+    client = HttpStore(server.url)
+    rng = np.random.default_rng(SEED)
+    chunks = [chunk_for(SEED, i, 64 * 1024) for i in range(6)]
+    for key, blob in chunks:
+        await client.put(key, blob)
+    for (key, _), how in zip(chunks, ["flip_header", "flip_payload", "truncate_payload",
+                                      "replace", "zero", "empty"], strict=True):
+        corrupt_file(_chunk_path(root, key), how, rng, chunk_for(SEED, 99, 64 * 1024)[1])
+    for key, blob in chunks:
+        assert await client.get(key) is None
+        assert await client.get_into(key, bytearray(len(blob))) is None
+    stats = (await asyncio.to_thread(_stats, server.url))
+    assert stats["corrupt"] == len(chunks)
+    for key, blob in chunks:  # healed by the next writer
+        assert await client.put(key, blob) is True
+        assert await client.get(key) == blob
+    await client.close()
+
+
+def _stats(url: str) -> dict:
+    import httpx
+
+    return httpx.get(f"{url}/v1/stats", timeout=5).json()
+
+
+LAYOUT = ChunkLayout(layers=2, kv_heads=2, head_dim=16, chunk_tokens=16, dtype="float16")
+NS = Namespace(model="kvstash/soak", dtype="float16", layout=LAYOUT.name, chunk_tokens=16)
+
+
+class Staging:
+    """A load target for the connector: staging buffers, and what was placed."""
+
+    def __init__(self, n: int):
+        self.bufs = [bytearray(LAYOUT.payload_nbytes) for _ in range(n)]
+        self.placed: list[int] = []
+
+    def staging(self, i: int) -> bytearray:
+        return self.bufs[i]
+
+    def place(self, i: int) -> None:
+        self.placed.append(i)
+
+
+def payload_of(tokens: np.ndarray, i: int) -> bytes:
+    return np.random.default_rng([int(tokens[0]), i]).bytes(LAYOUT.payload_nbytes)
+
+
+def test_engine_sees_misses_while_kvserver_is_down_and_hits_again_after_restart(
+    tmp_path: Path, server_process
+):
+    """The engine's view (KVConnector over http://): no exception at any point, misses
+    during the outage, hits again after the restart without touching the client."""
+    root = tmp_path / "store"
+    server = server_process(["--store", f"file://{root}"])
+    tokens = np.random.default_rng(SEED).integers(0, 32000, 8 * 16, dtype=np.uint32)
+    conn = KVConnector(f"{server.url}?timeout=1s&breaker_cooldown=0.2s", NS, layout=LAYOUT,
+                       lookup_timeout_s=1.0, bypass_s=(0.1, 0.5))
+    try:
+        assert conn.save(tokens, lambda i: payload_of(tokens, i)) == 8
+        assert conn.flush(timeout=10)
+        assert conn.lookup(tokens) == len(tokens)
+
+        server.kill()
+        for _ in range(10):
+            assert conn.lookup(tokens) == 0
+            assert conn.load(tokens, len(tokens), Staging(8), deadline_s=0.5) == 0
+            other = tokens[::-1].copy()
+            conn.save(other, lambda i, t=other: payload_of(t, i))
+            time.sleep(0.05)
+        assert conn.flush(timeout=10)
+        assert conn.stats()["save_errors"] + conn.stats()["save_drops"] > 0
+
+        server.start()
+        deadline = time.monotonic() + 15
+        while conn.lookup(tokens) != len(tokens) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert conn.lookup(tokens) == len(tokens)
+        target = Staging(8)
+        assert conn.load(tokens, len(tokens), target) == len(tokens)
+        assert [bytes(b) for b in target.bufs] == [payload_of(tokens, i) for i in range(8)]
+    finally:
+        conn.close()
+
+
+async def test_http_store_answers_miss_while_down_and_raises_only_typed_errors(
+    tmp_path: Path, server_process
+):
+    server = server_process(["--store", f"file://{tmp_path / 'store'}"])
+    client = HttpStore(server.url, timeout=1.0, breaker_cooldown=0.2)
+    key, blob = chunk_for(SEED, 0)
+    await client.put(key, blob)
+    server.kill()
+    for i in range(5):
+        assert await client.get(key) is None
+        assert await client.exists([key]) == [False]
+        assert await client.prefix_len([key]) == 0
+        assert await client.get_into(key, bytearray(len(blob))) is None
+        try:
+            await client.put(*chunk_for(SEED, 100 + i))
+        except StoreError as exc:
+            assert isinstance(exc, StoreUnavailable)
+    server.start()
+    deadline = time.monotonic() + 15
+    while await client.get(key) is None and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert await client.get(key) == blob
+    assert await client.put(*chunk_for(SEED, 200)) is True
+    await client.close()
+
+
+async def test_many_concurrent_clients_get_no_errors_and_server_memory_stays_bounded(
+    tmp_path: Path, server_process
+):
+    server = server_process(["--store", f"file://{tmp_path / 'store'}"])
+    preload = [chunk_for(SEED, i, 256 * 1024) for i in range(32)]
+    seed_client = HttpStore(server.url)
+    for key, blob in preload:
+        await seed_client.put(key, blob)
+    await seed_client.close()
+    rss_before = rss_bytes(server.pid)
+
+    latencies: list[float] = []
+    failures: list[str] = []
+    deadline = time.monotonic() + 6.0
+
+    async def client(n: int) -> None:
+        store = HttpStore(server.url, pool=1)
+        r = random.Random(n)
+        for op in range(40):
+            if time.monotonic() > deadline:
+                break
+            started = time.perf_counter()
+            try:
+                if op % 4 == 3:
+                    key, blob = chunk_for(SEED + 1, n * 1000 + op, 64 * 1024)
+                    await store.put(key, blob)
+                elif op % 4 == 2:
+                    if await store.prefix_len([k for k, _ in preload]) != len(preload):
+                        failures.append("lookup missed a stored key")
+                else:
+                    key, blob = r.choice(preload)
+                    if await store.get(key) != blob:
+                        failures.append(f"get {key} was not the stored bytes")
+            except Exception as exc:  # noqa: BLE001 - every failure is counted, none expected
+                failures.append(repr(exc))
+            latencies.append(time.perf_counter() - started)
+        await store.close()
+
+    await asyncio.gather(*(client(n) for n in range(32)))
+    growth = rss_bytes(server.pid) - rss_before
+    summary = percentiles(latencies)
+    print(f"kvserver load: {summary['n']} requests, p50 {summary['p50_ms']:.1f} ms, "
+          f"p99 {summary['p99_ms']:.1f} ms, server RSS growth {growth / MiB:.0f} MiB")
+    assert failures == []
+    assert summary["n"] >= 32
+    assert growth < 256 * MiB
