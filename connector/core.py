@@ -92,14 +92,14 @@ class KVConnector:
         self._counters = dict.fromkeys(COUNTERS, 0)
         self._load_seconds = 0.0
         self._closed = False
+        if layout is not None:
+            self.bind_layout(layout)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvstash-connector", daemon=True
         )
         self._thread.start()
         self._writer = WriteBehindQueue(store, self._loop, self._count, save_queue_bytes)
-        if layout is not None:
-            self.bind_layout(layout)
 
     def __repr__(self) -> str:
         return f"<KVConnector {self.store} ns={self.ns.id}>"
