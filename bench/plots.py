@@ -70,13 +70,13 @@ def plan_chart(rows: Sequence[dict[str, Any]], path: Path, title: str,
 def ttft_bars(results: Sequence[dict[str, Any]], path: Path, title: str) -> None:
     """TTFT p50 and p90, cold (no cache) against warm (cache), one group per workload/store."""
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(results)), 4.2))
-    labels = [f"{r['workload']}\n{r['store_label']}" for r in results]
-    series = [("cold p50", "cold_p50_s"), ("cold p90", "cold_p90_s"),
-              ("warm p50", "warm_p50_s"), ("warm p90", "warm_p90_s")]
+    labels = [f"{r['workload']}\n{r['store'].split('://')[0]}" for r in results]
+    series = [("cold p50", "cold_p50_s", "#1f77b4"), ("cold p90", "cold_p90_s", "#aec7e8"),
+              ("warm p50", "warm_p50_s", "#ff7f0e"), ("warm p90", "warm_p90_s", "#ffbb78")]
     width = 0.8 / len(series)
-    for i, (name, field) in enumerate(series):
+    for i, (name, field, color) in enumerate(series):
         xs = [j + (i - 1.5) * width for j in range(len(results))]
-        ax.bar(xs, [1000 * r[field] for r in results], width, label=name)
+        ax.bar(xs, [1000 * r[field] for r in results], width, label=name, color=color)
     ax.set_xticks(range(len(results)), labels, fontsize=8)
     ax.set_ylabel("TTFT (ms)")
     ax.set_title(title, fontsize=9)

@@ -42,6 +42,7 @@ from typing import Any
 import numpy as np
 
 from bench.policies import POLICIES, EvictionPolicy, make_policy
+from bench.presets import PRESETS
 from bench.report import table, write_json
 from hashing import Namespace, keys_from_block_hashes
 from storage import encode_chunk, open_store
@@ -52,19 +53,19 @@ BLOCK_TOKENS = 512  # the Mooncake traces hash 512-token blocks
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.25, 0.5)
 DEFAULT_STORE = "memory://?capacity=1TiB"
 
-# KV bytes per token, 2 (K and V) x layers x kv_heads x head_dim x dtype bytes, from each
-# model's config.json; DeepSeek-V3 stores one MLA latent (512 + 64 rope dims) per layer.
+# KV bytes per token of real models without a preset, bf16: 2 (K and V) x layers x
+# kv_heads x head_dim x 2 bytes, from each model's config.json; DeepSeek-V3 stores one MLA
+# latent (512 + 64 rope dims) per layer.
 MODEL_KV_BYTES_PER_TOKEN = {
-    "llama-3.2-1b": 2 * 16 * 8 * 64 * 2,
     "llama-3-8b": 2 * 32 * 8 * 128 * 2,
     "qwen2.5-7b": 2 * 28 * 4 * 128 * 2,
     "llama-3-70b": 2 * 80 * 8 * 128 * 2,
     "deepseek-v3": 61 * (512 + 64) * 2,
 }
 # Prefill tokens/s measured on this project's 2-core CPU machine (shared/notes/probe.md:
-# 1.5B random-weight Llama, bf16, 4096 tokens in 18.6 s). Pass --prefill-tps or
-# --ttft-json for any other model or hardware.
-MEASURED_PREFILL_TPS = {"llama-3.2-1b": 220.0}
+# the llama-1.5b shape, bf16, 4096 tokens in 18.6 s). Pass --prefill-tps or --ttft-json
+# for any other model or hardware.
+MEASURED_PREFILL_TPS = {"llama-1.5b": 220.0}
 
 
 @dataclass(frozen=True)
@@ -192,16 +193,12 @@ def simulate(requests: Iterable[TraceRequest], policy: EvictionPolicy) -> Counts
 
 
 def kv_bytes_per_token(model: str) -> int:
-    """KV bytes per token of a model preset (bench.presets) or of a known real model."""
-    try:
-        from bench import presets  # the connector's random-weight presets, when present
-    except ImportError:
-        presets = None
-    if presets is not None and model in getattr(presets, "PRESETS", {}):
-        return int(presets.PRESETS[model].kv_bytes_per_token)
+    """KV bytes per token (bf16) of a random-weight preset (bench.presets) or a real model."""
+    if model in PRESETS:
+        return PRESETS[model].bytes_per_token("bfloat16")
     if model in MODEL_KV_BYTES_PER_TOKEN:
         return MODEL_KV_BYTES_PER_TOKEN[model]
-    known = sorted(MODEL_KV_BYTES_PER_TOKEN) + sorted(getattr(presets, "PRESETS", {}))
+    known = sorted(MODEL_KV_BYTES_PER_TOKEN) + sorted(PRESETS)
     raise ValueError(f"unknown model {model!r} (known: {', '.join(known)})")
 
 
