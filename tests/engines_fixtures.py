@@ -111,3 +111,68 @@ def corrupt_chunks(root: Path) -> int:
         path.write_bytes(bytes(data))
         n += 1
     return n
+
+
+class V1Engine:
+    """One vLLM engine's two connector halves (scheduler and one worker, TP=1) over CPU
+    tensors standing in for the paged GPU KV cache: 2 layers of [blocks, heads, block, K|V]."""
+
+    def __init__(self, store: str | list[str], num_blocks: int = 32, **extra: Any):
+        import torch
+        from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+        from connector.vllm_v1 import KvstashConnector
+
+        cfg = vllm_config(store, **extra)
+        self.scheduler = KvstashConnector(cfg, KVConnectorRole.SCHEDULER, None)
+        self.worker = KvstashConnector(cfg, KVConnectorRole.WORKER, None)
+        self.kv = {
+            f"layers.{i}.attn": torch.zeros(num_blocks, 2, BLOCK_SIZE, 16, dtype=torch.bfloat16)
+            for i in range(2)
+        }
+        self.worker.register_kv_caches(self.kv)
+
+    def lookup(self, request: Request, local_tokens: int = 0) -> tuple[int | None, bool]:
+        """Ask like vLLM's scheduler does, once per step, until the answer is not None."""
+        answers = []
+
+        def step() -> bool:
+            answers.append(self.scheduler.get_num_new_matched_tokens(request, local_tokens))
+            return answers[-1][0] is not None
+
+        wait_until(step)
+        assert answers[0] == (None, False), "the first lookup must not wait on the store"
+        return answers[-1]
+
+    def step(self, new_requests=(), block_ids=None, scheduled=None):
+        """One engine step: build metadata, run the worker around a forward, collect results."""
+        from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+        scheduled = scheduled or {}
+        out = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData.from_request(r, (block_ids[r.request_id],)) for r in new_requests
+            ],
+            scheduled_cached_reqs=CachedRequestData.make_empty(),
+            num_scheduled_tokens=scheduled,
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            scheduled_spec_decode_tokens={},
+            scheduled_encoder_inputs={},
+            finished_req_ids=set(),
+            free_encoder_mm_hashes=[],
+        )
+        meta = self.scheduler.build_connector_meta(out)
+        self.worker.bind_connector_metadata(meta)
+        self.worker.start_load_kv(None)
+        for name, kv in self.kv.items():  # the attention layers of the forward
+            self.worker.wait_for_layer_load(name)
+            self.worker.save_kv_layer(name, kv, None)
+        self.worker.wait_for_save()
+        _, recving = self.worker.get_finished(set())
+        errors = self.worker.get_block_ids_with_load_errors()
+        self.worker.clear_connector_metadata()
+        return meta, recving or set(), errors
+
+    def shutdown(self) -> None:
+        self.worker.shutdown()
+        self.scheduler.shutdown()

@@ -1,0 +1,484 @@
+"""`KvstashConnector`: a vLLM KV connector (V1 API) that loads prefix KV from a kvstash store and saves new KV to it.
+
+For vLLM versions without offloading tiers, and for loads straight into the paged KV
+cache; on vLLM >= 0.33 prefer `connector.vllm_tier` under vLLM's OffloadingConnector.
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvstashConnector",
+      "kv_connector_module_path": "connector.vllm_v1", "kv_role": "kv_both",
+      "kv_load_failure_policy": "recompute",
+      "kv_connector_extra_config": {"store": "file:///mnt/nfs/kv", "chunk_blocks": 16}}'
+
+A chunk is `chunk_blocks` consecutive vLLM blocks of every layer of one worker, keyed by
+vLLM's own hash of its last block (which chains over the whole prefix; never recomputed)
+inside a `Namespace` per worker rank (`connector_namespace`). Its header carries the
+chunk's token ids, so a load is verified against the request, and a fingerprint of the
+worker's KV layout, so a chunk saved with other shapes or dtypes is never placed.
+
+Scheduler side (engine core process): `get_num_new_matched_tokens` starts one batched
+existence check per request on the store loop and answers None ("ask again next step")
+until it resolves or `lookup_timeout_s` passes (then: no hit). Hits load asynchronously
+between steps (the request waits in WAITING_FOR_REMOTE_KVS, other requests keep running).
+`build_connector_meta` ships this step's loads and the chunks each request completes
+this step (prompt chunks only) to the workers.
+
+Worker side (one per GPU): `start_load_kv` submits the step's loads to the store loop;
+they read, verify and place chunks into the paged KV cache and are reported through
+`get_finished`. A chunk that is missing, corrupt or unreadable adds its blocks to
+`get_block_ids_with_load_errors`, which vLLM recomputes under
+`kv_load_failure_policy=recompute`. `save_kv_layer` copies each layer's new blocks into
+host buffers as the forward goes; `wait_for_save` hands them to a bounded write-behind
+queue, so neither the forward nor the scheduler ever waits on storage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xxhash
+from vllm.config import VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from connector.engine_io import StoreLoop
+from connector.writebehind import SaveJob, WriteBehindQueue
+from hashing import Namespace, keys_from_block_hashes
+from storage.base import Store
+
+if TYPE_CHECKING:
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvstash.connector.vllm")
+
+FORMAT = "vllm-v1"
+
+
+def connector_namespace(vllm_config: VllmConfig, rank: int, world_size: int) -> Namespace:
+    """The key space of one worker rank: model, cache dtype, block and chunk size, hash."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    model_config = vllm_config.model_config
+    cache = vllm_config.cache_config
+    model = extra.get("model") or (model_config.model if model_config else None)
+    if not model:
+        raise ValueError("kv_connector_extra_config needs 'model' when vLLM has no model config")
+    dtype = cache.cache_dtype
+    if dtype == "auto":
+        dtype = str(model_config.dtype).removeprefix("torch.") if model_config else "auto"
+    chunk_blocks = int(extra.get("chunk_blocks", 16))
+    layout = f"{FORMAT};block={cache.block_size};hash={cache.prefix_caching_hash_algo}"
+    return Namespace(
+        model=model, dtype=str(dtype), layout=layout,
+        chunk_tokens=cache.block_size * chunk_blocks, rank=rank, world_size=world_size,
+        salt=str(extra.get("salt", "")),
+    )
+
+
+@dataclass
+class ChunkRef:
+    """One chunk of one request. `block_hash` is vLLM's hash of its last block; `first`
+    skips blocks of a load that the GPU prefix cache already holds."""
+
+    block_hash: bytes
+    token_ids: list[int]
+    block_ids: list[int]
+    first: int = 0
+
+
+@dataclass
+class ReqChunks:
+    req_id: str
+    chunks: list[ChunkRef]
+
+
+@dataclass
+class KvstashMetadata(KVConnectorMetadata):
+    loads: list[ReqChunks] = field(default_factory=list)
+    saves: list[ReqChunks] = field(default_factory=list)
+
+
+@dataclass
+class _Req:
+    """Scheduler-side state of one request, from its first lookup to `request_finished`."""
+
+    request: Request
+    lookup: concurrent.futures.Future[int] | None = None
+    lookup_started: float = 0.0
+    hit_chunks: int | None = None
+    num_computed: int = 0
+    load_planned: bool = False
+    block_ids: list[int] = field(default_factory=list)
+    saved_chunks: int = 0
+
+
+@dataclass
+class _LayerLayout:
+    name: str
+    block_dim: int
+    block_shape: tuple[int, ...]
+    dtype: torch.dtype
+    block_nbytes: int
+
+
+async def _prefix_on_every_rank(store: Store, keys_by_rank: list[list[str]]) -> int:
+    """Chunks present for every worker rank (a chunk is only usable if all ranks have it)."""
+    found = await asyncio.gather(*(store.prefix_len(keys) for keys in keys_by_rank))
+    return min(found)
+
+
+class KvstashConnector(KVConnectorBase_V1):
+    """kvstash for vLLM's KV connector API. `kv_connector_extra_config`: `store` (URL or
+    list of URLs), `model` (when vLLM has no model config), `chunk_blocks` (vLLM blocks
+    per stored chunk, default 16), `salt`, `lookup_timeout_s` (default 2), `max_in_flight`
+    (chunk reads per load, default 8), `save_queue_bytes` (write-behind bound, 1 GiB)."""
+
+    _cache_hit_source = CacheHitSource.DISK
+
+    def __init__(
+        self, vllm_config: VllmConfig, role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ):
+        super().__init__(vllm_config, role, kv_cache_config)
+        extra = self._kv_transfer_config.kv_connector_extra_config
+        store = extra.get("store")
+        if not store:
+            raise ValueError("kv_connector_extra_config needs 'store' (e.g. file:///mnt/kv)")
+        self.block_size = vllm_config.cache_config.block_size
+        self.chunk_blocks = int(extra.get("chunk_blocks", 16))
+        self.chunk_tokens = self.block_size * self.chunk_blocks
+        self.lookup_timeout_s = float(extra.get("lookup_timeout_s", 2.0))
+        self.max_in_flight = int(extra.get("max_in_flight", 8))
+        par = vllm_config.parallel_config
+        self.rank, self.world_size = par.rank, par.world_size
+        self.ns_by_rank = [
+            connector_namespace(vllm_config, r, self.world_size) for r in range(self.world_size)
+        ]
+        self.io = StoreLoop.shared(store)
+        self.counters: dict[str, int] = {}
+        # scheduler side
+        self._reqs: dict[str, _Req] = {}
+        self._loads: list[ReqChunks] = []
+        # worker side
+        self._layers: list[_LayerLayout] = []
+        self._kv: dict[str, torch.Tensor] = {}
+        self._fingerprint = ""
+        self._chunk_nbytes = 0
+        self._loading: dict[str, tuple[ReqChunks, concurrent.futures.Future[set[int]]]] = {}
+        self._load_errors: set[int] = set()
+        self._save_buffers: list[torch.Tensor] = []
+        self._saved_layers: set[str] = set()
+        self._writer: WriteBehindQueue | None = None
+        if role == KVConnectorRole.WORKER:
+            self._writer = WriteBehindQueue(
+                self.io.store, self.io.loop, self._count,
+                int(extra.get("save_queue_bytes", 1024**3)),
+            )
+        log.info("kvstash vLLM connector (%s) on %s, rank %d/%d",
+                 role.name.lower(), self.io.store, self.rank, self.world_size)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # a cache: a dropped save is a future miss
+
+    def _count(self, **deltas: int) -> None:
+        for name, d in deltas.items():
+            self.counters[name] = self.counters.get(name, 0) + d
+
+    def _keys(self, chunks: list[ChunkRef], rank: int) -> list[str]:
+        return keys_from_block_hashes([c.block_hash for c in chunks], self.ns_by_rank[rank])
+
+    # ==================================================================================
+    # Scheduler side
+    # ==================================================================================
+
+    def _chunk_refs(self, st: _Req, start: int, stop: int, first_block: int = 0) -> list[ChunkRef]:
+        req, k = st.request, self.chunk_blocks
+        tokens = req.prompt_token_ids or []
+        return [
+            ChunkRef(
+                block_hash=bytes(req.block_hashes[(c + 1) * k - 1]),
+                token_ids=list(tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens]),
+                block_ids=st.block_ids[c * k : (c + 1) * k],
+                first=max(0, first_block - c * k),
+            )
+            for c in range(start, stop)
+        ]
+
+    def _hit_chunks(self, st: _Req) -> int | None:
+        """Chunks the store holds for this request; None while the check is in flight."""
+        if st.hit_chunks is not None:
+            return st.hit_chunks
+        if st.lookup is None:
+            req = st.request
+            # The last prompt token is always computed (its logits start decoding).
+            n = min(len(req.block_hashes) // self.chunk_blocks,
+                    (req.num_prompt_tokens - 1) // self.chunk_tokens)
+            if n <= 0:
+                st.hit_chunks = 0
+                return 0
+            refs = self._chunk_refs(st, 0, n)
+            keys = [self._keys(refs, r) for r in range(self.world_size)]
+            st.lookup = self.io.submit(lambda store: _prefix_on_every_rank(store, keys))
+            st.lookup_started = time.monotonic()
+            return None
+        if st.lookup.done():
+            try:
+                st.hit_chunks = st.lookup.result()
+            except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
+                log.warning("lookup on %s failed: %s", self.io.store, exc)
+                st.hit_chunks = 0
+        elif time.monotonic() - st.lookup_started > self.lookup_timeout_s:
+            st.lookup.cancel()
+            self._count(lookup_timeouts=1)
+            st.hit_chunks = 0
+        if st.hit_chunks is not None:
+            st.saved_chunks = max(st.saved_chunks, st.hit_chunks)  # already stored
+        return st.hit_chunks
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int,
+    ) -> tuple[int | None, bool]:
+        st = self._reqs.get(request.request_id)
+        if st is None:
+            st = self._reqs[request.request_id] = _Req(request)
+        st.num_computed = num_computed_tokens
+        if st.load_planned:
+            return 0, False
+        hit = self._hit_chunks(st)
+        if hit is None:
+            return None, False
+        extra = hit * self.chunk_tokens - num_computed_tokens
+        return (extra, True) if extra > 0 else (0, False)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
+    ) -> None:
+        st = self._reqs.get(request.request_id)
+        if st is None or num_external_tokens == 0 or st.load_planned:
+            return
+        st.block_ids = list(blocks.get_block_ids()[0])
+        first_block = st.num_computed // self.block_size
+        end_chunk = (st.num_computed + num_external_tokens) // self.chunk_tokens
+        chunks = self._chunk_refs(st, first_block // self.chunk_blocks, end_chunk, first_block)
+        self._loads.append(ReqChunks(request.request_id, chunks))
+        st.load_planned = True
+
+    def _plan_save(self, st: _Req, done_tokens: int, out: list[ReqChunks]) -> None:
+        req = st.request
+        limit = min(done_tokens, req.num_prompt_tokens,
+                    len(req.block_hashes) * self.block_size) // self.chunk_tokens
+        limit = min(limit, len(st.block_ids) // self.chunk_blocks)
+        if limit > st.saved_chunks:
+            out.append(ReqChunks(req.request_id, self._chunk_refs(st, st.saved_chunks, limit)))
+            st.saved_chunks = limit
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        scheduled = scheduler_output.num_scheduled_tokens
+        saves: list[ReqChunks] = []
+        for new in scheduler_output.scheduled_new_reqs:
+            st = self._reqs.get(new.req_id)
+            if st is not None:
+                st.block_ids = list(new.block_ids[0])
+                self._plan_save(st, new.num_computed_tokens + scheduled.get(new.req_id, 0), saves)
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            st = self._reqs.get(req_id)
+            if st is None:
+                continue
+            new_ids = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:
+                st.block_ids = list(new_ids[0]) if new_ids else []
+            elif new_ids:
+                st.block_ids.extend(new_ids[0])
+            self._plan_save(st, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), saves)
+        meta = KvstashMetadata(loads=self._loads, saves=saves)
+        self._loads = []
+        return meta
+
+    def request_finished(
+        self, request: Request, block_ids: list[int],
+    ) -> tuple[bool, dict[str, Any] | None]:
+        st = self._reqs.pop(request.request_id, None)
+        if st is not None and st.lookup is not None:
+            st.lookup.cancel()
+        # Saves copy their blocks to host memory inside the step, so blocks free at once.
+        return False, None
+
+    # ==================================================================================
+    # Worker side
+    # ==================================================================================
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        num_blocks = getattr(self._kv_cache_config, "num_blocks", None)
+        self._kv = dict(kv_caches)
+        self._layers = []
+        for name, kv in self._kv.items():
+            # vLLM >= 0.9 hands [num_blocks, ...] per layer; older FlashAttention
+            # layouts are (2, num_blocks, ...).
+            block_dim = 1 if num_blocks and kv.shape[0] != num_blocks and kv.shape[1] == num_blocks else 0
+            shape = tuple(kv.shape[:block_dim]) + tuple(kv.shape[block_dim + 1 :])
+            nbytes = int(np.prod(shape)) * kv.element_size()
+            self._layers.append(_LayerLayout(name, block_dim, shape, kv.dtype, nbytes))
+        described = repr([(x.name, x.block_dim, x.block_shape, str(x.dtype)) for x in self._layers])
+        self._fingerprint = xxhash.xxh3_64_hexdigest(described.encode())
+        self._chunk_nbytes = sum(x.block_nbytes for x in self._layers) * self.chunk_blocks
+
+    def _views(self, buf: torch.Tensor, n_blocks: int):
+        """(layer, kv, view) for each layer's share of a chunk buffer, in payload order."""
+        off = 0
+        for layer in self._layers:
+            nbytes = layer.block_nbytes * self.chunk_blocks
+            shape = list(layer.block_shape)
+            shape.insert(layer.block_dim, self.chunk_blocks)
+            view = buf[off : off + nbytes].view(layer.dtype).view(shape)
+            yield layer, self._kv[layer.name], view.narrow(layer.block_dim, 0, n_blocks)
+            off += nbytes
+
+    # -- loads ---------------------------------------------------------------------------
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvstashMetadata)
+        for req in meta.loads:
+            if req.req_id not in self._loading:
+                keys = self._keys(req.chunks, self.rank)
+                future = self.io.submit(lambda store, req=req, keys=keys: self._load(store, req, keys))
+                self._loading[req.req_id] = (req, future)
+
+    async def _load(self, store: Store, req: ReqChunks, keys: list[str]) -> set[int]:
+        """Read, verify and place every chunk of one request; the block ids that failed."""
+        gate = asyncio.Semaphore(self.max_in_flight)
+
+        async def one(chunk: ChunkRef, key: str) -> set[int]:
+            async with gate:
+                try:
+                    buf = torch.empty(self._chunk_nbytes, dtype=torch.uint8)
+                    header = await store.get_into(key, buf.numpy())
+                    if (
+                        header is not None
+                        and header.payload_len == self._chunk_nbytes
+                        and header.meta.get("kv") == self._fingerprint
+                        and header.matches_tokens(chunk.token_ids)
+                    ):
+                        await asyncio.to_thread(self._place, chunk, buf)
+                        self._count(loaded_chunks=1)
+                        return set()
+                except Exception as exc:  # noqa: BLE001 - a failed chunk is recomputed
+                    log.warning("loading %s from %s failed: %s", key, store, exc)
+                self._count(load_errors=1)
+                return set(chunk.block_ids[chunk.first :])
+
+        failed = await asyncio.gather(*(one(c, k) for c, k in zip(req.chunks, keys, strict=True)))
+        return set().union(*failed)
+
+    def _place(self, chunk: ChunkRef, buf: torch.Tensor) -> None:
+        """Copy a verified chunk into its blocks, skipping the ones computed locally."""
+        k = len(chunk.block_ids)
+        for layer, kv, view in self._views(buf, k):
+            idx = torch.tensor(chunk.block_ids[chunk.first :], device=kv.device)
+            src = view.narrow(layer.block_dim, chunk.first, k - chunk.first)
+            kv.index_copy_(layer.block_dim, idx, src.to(kv.device))
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        """Nothing to wait for: loads finish between steps, before their request runs."""
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        done = {req_id for req_id, (_, f) in self._loading.items() if f.done()}
+        for req_id in done:
+            req, future = self._loading.pop(req_id)
+            try:
+                self._load_errors |= future.result()
+            except Exception as exc:  # noqa: BLE001 - e.g. cancelled at shutdown
+                log.warning("load of %s failed: %s", req_id, exc)
+                self._load_errors |= {b for c in req.chunks for b in c.block_ids[c.first :]}
+        return None, done or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        # vLLM asks right after get_finished in the same step, so a request's failed
+        # blocks are reported no later than the step that reports it done.
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    # -- saves ---------------------------------------------------------------------------
+
+    def _gather(self, layer_name: str, kv_layer: torch.Tensor, saves: list[ReqChunks]) -> None:
+        if layer_name in self._saved_layers or layer_name not in self._kv:
+            return
+        if not self._save_buffers:
+            pin = kv_layer.is_cuda
+            self._save_buffers = [
+                torch.empty(self._chunk_nbytes, dtype=torch.uint8, pin_memory=pin)
+                for req in saves for _ in req.chunks
+            ]
+        chunks = [c for req in saves for c in req.chunks]
+        for buf, chunk in zip(self._save_buffers, chunks, strict=True):
+            for layer, _, view in self._views(buf, len(chunk.block_ids)):
+                if layer.name == layer_name:
+                    idx = torch.tensor(chunk.block_ids, device=kv_layer.device)
+                    view.copy_(kv_layer.index_select(layer.block_dim, idx), non_blocking=True)
+        self._saved_layers.add(layer_name)
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any,
+    ) -> None:
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            assert isinstance(meta, KvstashMetadata)
+            if meta.saves:
+                self._gather(layer_name, kv_layer, meta.saves)
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvstashMetadata)
+        if not meta.saves or self._writer is None:
+            return
+        for name, kv in self._kv.items():  # layers the forward did not hand to save_kv_layer
+            self._gather(name, kv, meta.saves)
+        if any(kv.is_cuda for kv in self._kv.values()):
+            torch.cuda.synchronize()
+        buffers = iter(self._save_buffers)
+        for req in meta.saves:
+            bufs = [next(buffers).numpy() for _ in req.chunks]
+            self._writer.submit(SaveJob(
+                keys=self._keys(req.chunks, self.rank),
+                tokens=[np.asarray(c.token_ids, dtype="<u4") for c in req.chunks],
+                first=0, payload=bufs.__getitem__, chunk_nbytes=self._chunk_nbytes,
+                meta={"engine": FORMAT, "kv": self._fingerprint},
+            ))
+        self._save_buffers, self._saved_layers = [], set()
+
+    def flush(self, timeout: float | None = 30.0) -> bool:
+        """Wait for queued saves to reach the store (tests, shutdown); False on timeout."""
+        if self._writer is None:
+            return True
+        try:
+            self.io.call(lambda store: self._writer.join(), timeout)
+        except concurrent.futures.TimeoutError:
+            return False
+        return True
+
+    def shutdown(self) -> None:
+        if self._writer is not None:
+            self.flush()
+            self.io.call(lambda store: self._writer.stop(), 30.0)
+            self._writer = None
+        for _, future in self._loading.values():
+            future.cancel()
+        self.io.release()
