@@ -138,11 +138,18 @@ class ChunkIO:
                 self._device[name] = backend
             return self._device[name]
 
-    def _device_backend_for(self, f: OpenFile) -> Any:
+    def _device_backend_name(self, f: OpenFile) -> str:
         name = self.cuda_backend or "bounce"
         if name != "bounce" and f.direct_fd() is None:
-            name = "bounce"  # cuFile needs O_DIRECT; this filesystem refuses it
-        return self._backend(name)
+            name = "bounce"  # cuFile needs O_DIRECT; this filesystem refuses it (or direct=never)
+        return name
+
+    def cuda_backend_for(self, path: str | os.PathLike) -> str | None:
+        """The backend a CUDA destination would be filled by from this file (None: no CUDA)."""
+        if self.cuda_backend is None:
+            return None
+        with OpenFile.for_read(os.fspath(path), self.support) as f:
+            return self._device_backend_name(f)
 
     # -- counters --------------------------------------------------------------------------
 
@@ -172,7 +179,7 @@ class ChunkIO:
                       checksum: int | None) -> None:
         if is_cuda(dest):
             flat = byte_tensor(dest)[:length]
-            backend = self._device_backend_for(f)
+            backend = self._backend(self._device_backend_name(f))
             backend.read(f, offset, flat, ready)
             got = self._slots().device_xxh3(flat) if checksum is not None else None
             self._count(**{f"bytes_{backend.name}": length})

@@ -28,7 +28,7 @@ class Filesystem:
     nowait: bool | None = None  # None until a read with RWF_NOWAIT told whether it works
 
 
-def _mount_of(dev: int) -> tuple[str, str]:
+def mount_of(dev: int) -> tuple[str, str]:
     """(fstype, mount point) for a device number, from /proc/self/mountinfo."""
     want = f"{os.major(dev)}:{os.minor(dev)}"
     try:
@@ -55,7 +55,7 @@ class DirectIOSupport:
         with self._lock:
             fs = self._fs.get(dev)
         if fs is None:
-            fstype, mount = _mount_of(dev)
+            fstype, mount = mount_of(dev)
             direct = False if (not self.enabled or fstype in _BUFFERED_ONLY) else None
             fs = Filesystem(dev, fstype, mount, direct)
             with self._lock:
