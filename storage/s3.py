@@ -181,6 +181,16 @@ class S3Options:
         )
 
 
+_SESSIONS: dict[str | None, AioSession] = {}
+
+
+def _session(profile: str | None) -> AioSession:
+    """One botocore session per profile: it caches the parsed S3 model (~0.4 s per load)."""
+    if profile not in _SESSIONS:
+        _SESSIONS[profile] = AioSession(profile=profile) if profile else AioSession()
+    return _SESSIONS[profile]
+
+
 @dataclass
 class _LoopClient:
     client: Any
@@ -213,7 +223,7 @@ class _Connection:
 
     async def _create(self) -> _LoopClient:
         o = self.opts
-        session = AioSession(profile=o.profile) if o.profile else AioSession()
+        session = _session(o.profile)
         stack = contextlib.AsyncExitStack()
         try:
             client = await stack.enter_async_context(session.create_client(

@@ -1,0 +1,203 @@
+"""The S3 store against real S3 servers on 127.0.0.1: moto and SeaweedFS, same tests for both."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+import boto3
+import pytest
+from botocore.config import Config
+
+from kvstash.cli import main as kvstash_main
+from storage import ConfigError, open_store
+from storage.s3 import S3Store
+from storage.s3_gc import plan_eviction
+from tests.s3_fixtures import ACCESS_KEY, BUCKET, SECRET_KEY, endpoint_of, with_prefix
+from tests.store_helpers import make_chunks
+
+pytest_plugins = ("tests.s3_fixtures",)
+
+MiB = 1024 * 1024
+
+
+def raw_client(url: str):
+    """A plain boto3 client on the same server, to look behind the store's back."""
+    return boto3.client(
+        "s3", endpoint_url=endpoint_of(url), region_name="us-east-1",
+        aws_access_key_id=ACCESS_KEY, aws_secret_access_key=SECRET_KEY,
+        config=Config(s3={"addressing_style": "path"}),
+    )
+
+
+def object_names(url: str, prefix: str) -> set[str]:
+    pages = raw_client(url).get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return {o["Key"] for page in pages for o in page.get("Contents", [])}
+
+
+@pytest.fixture
+async def store(s3_server_url):
+    s = open_store(s3_server_url)
+    yield s
+    await s.close()
+
+
+async def test_put_is_create_only_and_get_verifies(store, ns):
+    (key, _, blob), (absent, _, _) = make_chunks(ns, 2)
+    assert await store.put(key, blob) is True
+    assert await store.put(key, blob) is False
+    assert await store.get(key) == blob
+    assert await store.get(absent) is None
+    stats = store.stats()
+    assert (stats["puts"], stats["put_skipped"], stats["hits"], stats["misses"]) == (1, 1, 1, 1)
+    assert stats["conditional_put"] == "header"  # both servers enforce If-None-Match
+
+
+async def test_large_chunks_come_back_through_parallel_ranges(s3_server_url, ns):
+    """3.5 MiB with 1 MiB ranges: the first GET plus parallel ranged GETs, reassembled."""
+    store = open_store(with_prefix(s3_server_url, range_size="1MiB"))
+    (key, _, blob), = make_chunks(ns, 1, payload_size=3 * MiB + MiB // 2 + 123)
+    await store.put(key, blob)
+    assert await store.get(key) == blob
+    out = bytearray(4 * MiB)
+    header = await store.get_into(key, out)
+    assert header is not None and bytes(out[: header.payload_len]) == blob[header.header_len :]
+    assert await store.get_into(key, bytearray(MiB)) is None  # buffer too small: a miss
+    await store.close()
+
+
+async def test_multipart_put_above_the_threshold_is_create_only(s3_server_url, ns):
+    store = open_store(with_prefix(s3_server_url, multipart_threshold="6MiB", part_size="5MiB"))
+    (key, _, blob), = make_chunks(ns, 1, payload_size=11 * MiB)
+    assert await store.put(key, blob) is True
+    assert await store.put(key, blob) is False
+    assert await store.get(key) == blob
+    await store.close()
+
+
+async def test_corrupt_object_is_a_miss_and_is_deleted(store, s3_server_url, ns):
+    (key, _, blob), = make_chunks(ns, 1, payload_size=50_000)
+    name = store.prefix + key
+    damaged = bytearray(blob)
+    damaged[-7] ^= 0xFF
+    raw_client(s3_server_url).put_object(Bucket=BUCKET, Key=name, Body=bytes(damaged))
+    assert await store.get(key) is None
+    await store.flush()
+    assert store.stats()["corrupt"] == 1
+    assert name not in object_names(s3_server_url, store.prefix)
+    assert await store.put(key, blob) is True  # the slot is free again for a good copy
+
+
+async def test_truncated_object_is_a_miss(store, s3_server_url, ns):
+    (key, _, blob), = make_chunks(ns, 1, payload_size=50_000)
+    raw_client(s3_server_url).put_object(Bucket=BUCKET, Key=store.prefix + key, Body=blob[:-10])
+    assert await store.get_into(key, bytearray(60_000)) is None
+    assert store.stats()["corrupt"] == 1
+
+
+async def test_tenants_live_under_their_own_prefix(store, s3_server_url, ns):
+    (key, _, blob), = make_chunks(ns, 1)
+    acme = store.scoped("acme")
+    await acme.put(key, blob)
+    assert store.prefix + "tenants/acme/" + key in object_names(s3_server_url, store.prefix)
+    assert [k async for k in store.list_keys()] == []
+    assert [k async for k in acme.list_keys()] == [key]
+
+
+def test_one_store_serves_several_event_loops(s3_server_url, ns):
+    """One client per loop: a store opened once keeps working across asyncio.run calls."""
+    store = open_store(s3_server_url)
+    (key, _, blob), = make_chunks(ns, 1)
+    assert asyncio.run(store.put(key, blob)) is True
+    assert asyncio.run(store.get(key)) == blob
+
+    async def read_and_close():
+        try:
+            return await store.get(key)
+        finally:
+            await store.close()
+
+    assert asyncio.run(read_and_close()) == blob
+
+
+async def test_hits_refresh_the_access_marker(store, s3_server_url, ns):
+    (key, _, blob), = make_chunks(ns, 1)
+    await store.put(key, blob)
+    marker = f"{store.prefix}.atime/{key}"
+    assert marker not in object_names(s3_server_url, store.prefix)
+    await store.get(key)
+    await store.flush()
+    assert marker in object_names(s3_server_url, store.prefix)
+
+
+async def test_gc_evicts_the_least_recently_used_down_to_capacity(store, ns):
+    (a, _, blob_a), (b, _, blob_b), (c, _, blob_c) = make_chunks(ns, 3, payload_size=100_000)
+    await store.put(a, blob_a)
+    await store.put(b, blob_b)
+    await asyncio.sleep(1.1)  # S3 LastModified has one-second resolution
+    await store.get(a)  # a is now more recently used than b
+    await store.put(c, blob_c)
+    await store.flush()
+    result = await store.gc(2 * len(blob_a) + 10)
+    assert result["evicted"] == 1 and result["chunks"] == 2
+    assert await store.exists([a, b, c]) == [True, False, True]
+    assert (await store.gc(10 * MiB))["evicted"] == 0
+
+
+def test_kvstash_gc_command_trims_a_bucket(s3_server_url, ns, capsys):
+    url = with_prefix(s3_server_url)
+    store = open_store(url)
+    chunks = make_chunks(ns, 4, payload_size=10_000)
+
+    async def fill():
+        for k, _, b in chunks:
+            await store.put(k, b)
+        await store.close()
+
+    asyncio.run(fill())
+    assert kvstash_main(["gc", "--store", url, "--capacity", "30KiB"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["evicted"] == 2 and result["chunks"] == 2
+
+
+def test_eviction_plan_orders_by_last_use_and_drops_orphan_markers():
+    k = [f"{'a' * 16}/{i:032x}" for i in range(3)]
+    objects = [
+        (k[0], 100, 10.0), (k[1], 100, 20.0), (k[2], 100, 30.0),
+        (f".atime/{k[0]}", 0, 40.0),                # k0 was read last
+        (f"tenants/t1/.atime/{'b' * 16}/{0:032x}", 0, 5.0),  # its chunk is gone
+        (".kvstash/probe-1", 5, 1.0),                # never touched
+    ]
+    plan = plan_eviction(objects, capacity=150)
+    assert plan.evicted == 2 and plan.used_bytes == 100
+    assert set(plan.delete) == {k[1], k[2], f"tenants/t1/.atime/{'b' * 16}/{0:032x}"}
+
+
+@pytest.mark.parametrize("query, complaint", [
+    ("endpoint=127.0.0.1:9000", "endpoint"),
+    ("access_key=AKIA", "secret_key"),
+    ("retry_mode=fast", "retry_mode"),
+    ("range_size=4KiB", "range_size"),
+    ("colour=blue", "colour"),
+])
+def test_bad_options_fail_at_open_naming_the_setting(query, complaint):
+    with pytest.raises(ConfigError, match=complaint):
+        open_store(f"s3://bucket/prefix?{query}")
+
+
+async def test_secrets_never_reach_logs_or_errors(caplog, moto_s3_url, ns):
+    url = with_prefix(moto_s3_url) + "&session_token=TOPSECRETTOKEN"
+    caplog.set_level(logging.DEBUG, logger="kvstash")
+    with pytest.raises(ConfigError) as err:
+        open_store(url + "&colour=blue")
+    store = open_store(url)
+    (key, _, blob), = make_chunks(ns, 1)
+    await store.put(key, blob)
+    await store.get(key)
+    await store.close()
+    shown = " ".join([str(err.value), str(store), repr(store), json.dumps(store.stats()),
+                      *(r.getMessage() for r in caplog.records if r.name.startswith("kvstash"))])
+    for secret in (SECRET_KEY, "TOPSECRETTOKEN"):
+        assert secret not in shown
+    assert isinstance(store, S3Store)
