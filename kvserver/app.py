@@ -289,7 +289,11 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     @app.head(
         chunk_path, tags=["chunks"], status_code=200, response_class=Response,
         summary="Is the chunk stored? (no body)",
-        responses={200: {"description": "present"}, **_errors(400, 404, *auth_errors)},
+        responses={  # HEAD answers carry no body, so no media type is documented
+            200: {"description": "stored"}, 404: {"description": "not stored"},
+            **{code: {"description": "refused (see GET for the JSON error)"}
+               for code in (400, *auth_errors)},
+        },
     )
     async def head_chunk(ns_id: NsId, digest: Digest, s: TenantStore) -> Response:
         (present,) = await s.exists([f"{ns_id}/{digest}"])

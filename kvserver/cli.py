@@ -94,3 +94,20 @@ def run(args: argparse.Namespace) -> int:
     ))
     server.run(sockets=[sock])
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m kvserver.cli`: the same as `kvstash serve`, without loading other commands."""
+    parser = argparse.ArgumentParser(prog="kvstash serve", description="serve a store over HTTP")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvstash serve: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

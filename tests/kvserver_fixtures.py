@@ -68,14 +68,21 @@ def _read_banner(proc: subprocess.Popen, deadline: float) -> str:
 
 @contextlib.contextmanager
 def running_kvserver(*flags: str, env: dict[str, str] | None = None) -> Iterator[KvServer]:
-    """`kvstash serve --port 0 FLAGS...` until the block ends; yields its URL and process."""
+    """`kvstash serve --port 0 FLAGS...` until the block ends; yields its URL and process.
+
+    Runs `python -m kvserver.cli` (the same code as `kvstash serve`, without importing the
+    other commands) so a server test depends on nothing but the server."""
     log = tempfile.NamedTemporaryFile(prefix="kvserver-", suffix=".log", delete=False)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "kvstash.cli", "serve", "--host", "127.0.0.1", "--port", "0", *flags],
+        [sys.executable, "-m", "kvserver.cli", "--host", "127.0.0.1", "--port", "0", *flags],
         stdout=subprocess.PIPE, stderr=log, env={**os.environ, **(env or {})},
     )
     try:
-        banner = _read_banner(proc, time.monotonic() + START_TIMEOUT_S)
+        try:
+            banner = _read_banner(proc, time.monotonic() + START_TIMEOUT_S)
+        except RuntimeError as exc:
+            with open(log.name) as f:
+                raise RuntimeError(f"{exc}; its log ends with:\n{f.read()[-2000:]}") from None
         url = banner.split()[2]
         deadline = time.monotonic() + START_TIMEOUT_S
         while True:
