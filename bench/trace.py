@@ -219,15 +219,19 @@ def _find_number(doc: Any, name: str) -> float | None:
 
 
 def prefill_tokens_per_s(model: str, tps: float | None, ttft_json: str | None) -> float | None:
-    """Prefill speed: `--prefill-tps`, else `prefill_tokens_per_s` from a `bench ttft --json`
-    file, else the value measured here for the model, else None (no TTFT estimate)."""
+    """Prefill speed: `--prefill-tps`, else from a `bench ttft --json` result (a workload
+    run's `prefill_tokens_per_s`, or a single run's prompt_tokens / full_prefill_s), else
+    the value measured here for the model, else None (no TTFT estimate)."""
     if tps is not None:
         return tps
     if ttft_json:
-        found = _find_number(json.loads(Path(ttft_json).read_text()), "prefill_tokens_per_s")
+        doc = json.loads(Path(ttft_json).read_text())
+        found = _find_number(doc, "prefill_tokens_per_s")
+        if found is None and isinstance(doc, dict) and doc.get("full_prefill_s"):
+            found = doc["prompt_tokens"] / doc["full_prefill_s"]
         if found is None:
-            raise ValueError(f"{ttft_json}: no 'prefill_tokens_per_s' in this bench ttft result")
-        return found
+            raise ValueError(f"{ttft_json}: no prefill speed in this bench ttft result")
+        return float(found)
     return MEASURED_PREFILL_TPS.get(model)
 
 

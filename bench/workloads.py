@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+import tempfile
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -165,7 +165,6 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("workloads")
     g.add_argument("--workload", default=None,
                    help=f"run realistic workloads instead: {', '.join(WORKLOADS)} (comma-separated)")
-    g.add_argument("--seed", type=int, default=0, help="workload and weight seed (default 0)")
     g.add_argument("--always-load", action="store_true",
                    help="load every hit, whatever the connector's load-vs-recompute policy says")
     g.add_argument("--users", type=int, default=4, help="multi-turn: users (default 4)")
@@ -181,8 +180,9 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--passage-tokens", type=int, default=256, help="rag: tokens per passage")
     g.add_argument("--instruction-tokens", type=int, default=128, help="rag: shared instruction")
     g.add_argument("--question-tokens", type=int, default=64, help="tokens per question (default 64)")
+    _add_if_missing(p, "--seed", type=int, default=0, help="workload and weight seed")
     _add_if_missing(p, "--store", action="append", metavar="URL",
-                    help="store URL; repeat to compare stores")
+                    help="store URL; repeat to compare stores (default: a temporary directory)")
     _add_if_missing(p, "--model", default="llama-50m", help="model preset (bench.presets)")
     _add_if_missing(p, "--dtype", default="bfloat16", help="model dtype (default bfloat16)")
     _add_if_missing(p, "--chunk-tokens", type=int, default=256, help="tokens per chunk")
@@ -202,10 +202,11 @@ def _store_label(url: str) -> str:
     return f"{u.scheme}://{u.netloc}{u.path}"
 
 
-def _store_urls(args: argparse.Namespace) -> list[str]:
+def _store_urls(args: argparse.Namespace, scratch: Path) -> list[str]:
+    """`--store` (one URL, or several if repeatable), else a temporary file:// directory."""
     store = getattr(args, "store", None)
     if not store:
-        raise ValueError("--workload needs --store URL (e.g. file:///tmp/kvstash-bench)")
+        return [f"file://{scratch}"]
     return [store] if isinstance(store, str) else list(store)
 
 
@@ -217,9 +218,9 @@ def measure(
 
     `policy` is the connector's `LoadPolicy` (default: its adaptive load-vs-recompute one).
     """
-    import torch
     from tqdm import tqdm
 
+    from bench.ttft import timed_cached, timed_plain
     from connector import KVConnector
     from connector.hf import CachedPrefill, namespace_for
     from storage import open_store
@@ -229,38 +230,40 @@ def measure(
     prefill = CachedPrefill(model, connector)
     rows = []
     try:
-        with torch.no_grad():
-            model(torch.as_tensor(prompts[0].token_ids[:chunk_tokens])[None], logits_to_keep=1)
-            for i, p in enumerate(tqdm(prompts, desc="prompts", unit="req", leave=False,
-                                       disable=None if progress else True)):
-                ids = torch.as_tensor(p.token_ids)[None]
-                # Alternate which pass goes first so that drift in a shared CPU's load
-                # does not always favour one side.
-                order = ("cold", "warm") if i % 2 == 0 else ("warm", "cold")
-                timed: dict[str, float] = {}
-                logits: dict[str, torch.Tensor] = {}
-                for side in order:
-                    started = time.perf_counter()
-                    if side == "cold":
-                        out = model(ids, use_cache=True, logits_to_keep=1)
-                    else:
-                        out = prefill(ids, logits_to_keep=1)
-                    timed[side] = time.perf_counter() - started
-                    logits[side] = out.logits[0, -1].float()
-                    if side == "warm":
-                        hit = prefill.last_hit_tokens
-                        connector.flush()
-                rows.append({
-                    "source": p.source, "tokens": len(p), "hit_tokens": hit,
-                    "cold_s": timed["cold"], "warm_s": timed["warm"],
-                    "first_token_equal": bool(logits["cold"].argmax() == logits["warm"].argmax()),
-                    "max_abs_logit_diff": float((logits["cold"] - logits["warm"]).abs().max()),
-                })
+        timed_plain(model, _as_batch(prompts[0].token_ids[:chunk_tokens]))  # warm-up
+        for i, p in enumerate(tqdm(prompts, desc="prompts", unit="req", leave=False,
+                                   disable=None if progress else True)):
+            ids = _as_batch(p.token_ids)
+            # Alternate which pass goes first so that drift in a shared CPU's load does
+            # not always favour one side.
+            order = ("cold", "warm") if i % 2 == 0 else ("warm", "cold")
+            timed: dict[str, float] = {}
+            last: dict[str, Any] = {}
+            for side in order:
+                if side == "cold":
+                    timed[side], out = timed_plain(model, ids)
+                else:
+                    timed[side], out = timed_cached(prefill, ids)
+                    hit = prefill.last_hit_tokens
+                    connector.flush()
+                last[side] = out.logits[0, -1].float()
+            rows.append({
+                "source": p.source, "tokens": len(p), "hit_tokens": hit,
+                "cold_s": timed["cold"], "warm_s": timed["warm"],
+                "first_token_equal": bool(last["cold"].argmax() == last["warm"].argmax()),
+                "max_abs_logit_diff": float((last["cold"] - last["warm"]).abs().max()),
+            })
         stats = connector.stats()
         connector.run(_delete_namespace(connector.store, ns.id))
     finally:
         connector.close()
     return _summarize(rows, stats, store_url)
+
+
+def _as_batch(token_ids: np.ndarray) -> Any:
+    import torch
+
+    return torch.from_numpy(np.ascontiguousarray(token_ids))[None]
 
 
 async def _delete_namespace(store: Any, ns_id: str) -> None:
@@ -324,19 +327,20 @@ def run_workload(args: argparse.Namespace) -> int:
     for name in names:
         if name not in WORKLOADS:
             raise ValueError(f"unknown workload {name!r} (known: {', '.join(WORKLOADS)})")
-    urls = _store_urls(args)
     preset = get_preset(args.model)
     model = preset.build(args.dtype, seed=args.seed)
     results = []
-    for name in names:
-        prompts = generate(argparse.Namespace(**{**vars(args), "workload": name}), preset.vocab)
-        ideal = sum(reusable_tokens(prompts, args.chunk_tokens))
-        for url in urls:
-            print(f"{name}: {len(prompts)} prompts, {sum(map(len, prompts))} tokens, "
-                  f"through {_store_label(url)}")
-            result = measure(model, prompts, url, args.chunk_tokens, policy=_policy(args))
-            result.update(workload=name, ideal_hit_rate=ideal / result["tokens"])
-            results.append(result)
+    with tempfile.TemporaryDirectory(prefix="kvstash-workloads-") as scratch:
+        for name in names:
+            prompts = generate(argparse.Namespace(**{**vars(args), "workload": name}),
+                               preset.vocab)
+            ideal = sum(reusable_tokens(prompts, args.chunk_tokens))
+            for url in _store_urls(args, Path(scratch)):
+                print(f"{name}: {len(prompts)} prompts, {sum(map(len, prompts))} tokens, "
+                      f"through {_store_label(url)}")
+                result = measure(model, prompts, url, args.chunk_tokens, policy=_policy(args))
+                result.update(workload=name, ideal_hit_rate=ideal / result["tokens"])
+                results.append(result)
     ms = lambda s: None if s is None else 1000 * s  # noqa: E731
     print(table(
         ["workload", "store", "hit % (ideal)", "cold p50/p90 ms", "warm p50/p90 ms",

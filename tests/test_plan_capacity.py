@@ -72,6 +72,15 @@ def test_prefill_speed_can_come_from_a_bench_ttft_result(trace, tmp_path):
     assert sorted({r["capacity_chunks"] for r in result["rows"]}) == [16, 1024]
 
 
+def test_prefill_speed_of_a_single_bench_ttft_run(trace, tmp_path):
+    _, path = trace
+    ttft = tmp_path / "ttft.json"
+    ttft.write_text(json.dumps({"prompt_tokens": 4096, "full_prefill_s": 2.048}))
+    rc, result = plan(tmp_path, path, "--bandwidth", "5", "--ttft-json", str(ttft))
+    assert rc == 0
+    assert result["prefill_tokens_per_s"] == 2000.0
+
+
 def test_plan_without_a_prefill_speed_fails_with_one_line(trace, tmp_path, capsys):
     _, path = trace
     rc, _ = plan(tmp_path, path, "--bandwidth", "5")

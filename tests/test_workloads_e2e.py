@@ -51,11 +51,6 @@ def test_every_workload_hits_exactly_its_reusable_prefix_with_the_same_first_tok
     assert not list(store_dir.rglob("*.kv"))
 
 
-def test_a_workload_needs_a_store(tmp_path):
-    with pytest.raises(ValueError, match="--store"):
-        run_workload(parse("--workload", "rag", *TINY))
-
-
 def test_an_unknown_workload_is_named():
     with pytest.raises(ValueError, match="known: multi-turn"):
         run_workload(parse("--workload", "chat", "--store", "memory://", *TINY))
