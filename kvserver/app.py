@@ -319,7 +319,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             raise HTTPException(413, f"{n} keys exceed the lookup limit of {config.max_lookup_keys}")
         if req.stop_at_gap:
             prefix = await s.prefix_len(req.keys)
-            present = [True] * prefix
+            present = [True] * prefix + [False] * (n - prefix)
         else:
             present = await s.exists(req.keys)
             prefix = present.index(False) if False in present else n

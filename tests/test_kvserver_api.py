@@ -81,6 +81,7 @@ def test_lookup_gives_prefix_len_and_presence_bitmap(kvserver_url, ns):
         assert [i for i in range(20) if bits[i // 8] >> (i % 8) & 1] == stored
         r = c.post(f"{kvserver_url}/v1/lookup", json={"keys": keys, "stop_at_gap": True})
         assert r.json()["prefix_len"] == 3
+        assert base64.b64decode(r.json()["present"]) == b"\x07\x00\x00"
 
 
 def test_lookup_handles_thousands_of_keys_in_one_request(kvserver_url, ns):
