@@ -1,0 +1,298 @@
+"""`kvstash bench ttft`: time to first token of full prefill vs a cache hit vs the ideal, on a real model.
+
+One run, four measurements per repeat, interleaved so that a noisy machine hurts them alike:
+
+- full prefill: the plain model on the whole prompt (the baseline);
+- miss: the same prompt through `CachedPrefill` on a store that holds none of it (the
+  connector's cost when there is no reuse: one lookup, then queueing the saves);
+- hit: a second prompt sharing the first `--cached-tokens` tokens (then a different
+  suffix), through `CachedPrefill` after the miss's chunks were stored: lookup, load,
+  verify and place the prefix, compute the suffix;
+- ideal: the same suffix with the prefix KV already in memory in a ready cache object
+  (no lookup, no I/O, no copy): the floor a hit approaches.
+
+TTFT is the prefill call's wall time up to the last position's logits (`logits_to_keep=1`).
+Saves are flushed outside the timed regions, as an engine's decode time would cover them.
+Each repeat uses a fresh random prefix and each run a fresh namespace salt, so a store
+left over from an earlier run never turns a "miss" into a hit.
+
+The helpers (`build_rig`, `measure_ttft`, `timed_*`) are reused by `bench.workloads` and
+`bench.demo`. Nothing here imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from bench.presets import PRESETS, Preset, get_preset
+
+try:
+    from bench.workloads import add_workload_arguments, run_workload
+except ModuleNotFoundError:
+    add_workload_arguments = run_workload = None
+
+
+@dataclass
+class Rig:
+    """A preset model, a connector over a store, and the `CachedPrefill` in front of them."""
+
+    preset: Preset
+    dtype: str
+    model: Any
+    prefill: Any
+    store_url: str
+    build_s: float
+    scratch: Path | None = None  # a temporary store directory this rig removes on close
+
+    @property
+    def connector(self) -> Any:
+        return self.prefill.connector
+
+    def close(self) -> None:
+        self.connector.close()
+        if self.scratch is not None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def build_rig(
+    preset: str,
+    store_url: str | None = None,
+    *,
+    dtype: str = "bfloat16",
+    chunk_tokens: int = 256,
+    seed: int = 0,
+    salt: str | None = None,
+    **connector_kwargs: Any,
+) -> Rig:
+    """Build a preset's model (seeded random weights) and a `CachedPrefill` over `store_url`.
+
+    No `store_url`: a fresh temporary `file://` directory, removed by `Rig.close()`.
+    `salt` (default: random) scopes the namespace, so runs never see each other's chunks.
+    """
+    from connector import KVConnector
+    from connector.hf import CachedPrefill, namespace_for
+
+    p = get_preset(preset)
+    scratch = None
+    if store_url is None:
+        scratch = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
+        store_url = f"file://{scratch}"
+    started = time.perf_counter()
+    model = p.build(dtype, seed)
+    build_s = time.perf_counter() - started
+    ns = namespace_for(model, chunk_tokens, salt=uuid.uuid4().hex if salt is None else salt)
+    prefill = CachedPrefill(model, KVConnector(store_url, ns, **connector_kwargs))
+    return Rig(p, dtype, model, prefill, store_url, build_s, scratch)
+
+
+def random_prompt(n: int, vocab: int, rng: Any) -> Any:
+    """A (1, n) tensor of token ids from a numpy Generator."""
+    import torch
+
+    return torch.from_numpy(rng.integers(16, vocab, (1, n)))
+
+
+def timed_plain(model: Any, ids: Any) -> tuple[float, Any]:
+    """Seconds and output of the plain model on the whole prompt (no cache at all)."""
+    import torch
+
+    with torch.no_grad():
+        started = time.perf_counter()
+        out = model(ids, use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - started, out
+
+
+def timed_cached(prefill: Any, ids: Any) -> tuple[float, Any]:
+    """Seconds and output of one prefill through the cache (`prefill.last_hit_tokens` says
+    how much was loaded)."""
+    started = time.perf_counter()
+    out = prefill(ids, logits_to_keep=1)
+    return time.perf_counter() - started, out
+
+
+def timed_ideal(model: Any, prefix_cache: Any, prefix_tokens: int, suffix_ids: Any) -> tuple[float, Any]:
+    """Seconds and output of the suffix with the first `prefix_tokens` of `prefix_cache`
+    already in a ready cache object; building that object is not timed."""
+    import torch
+    from transformers import DynamicCache
+
+    kv = [(layer.keys[:, :, :prefix_tokens], layer.values[:, :, :prefix_tokens])
+          for layer in prefix_cache.layers]
+    cache = DynamicCache(ddp_cache_data=kv, config=model.config)
+    with torch.no_grad():
+        started = time.perf_counter()
+        out = model(suffix_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - started, out
+
+
+@dataclass
+class TtftSample:
+    full_s: float
+    miss_s: float
+    hit_s: float
+    ideal_s: float
+    hit_tokens: int
+    load_s: float
+    load_bytes: int
+    exact: bool
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def measure_once(rig: Rig, prompt_tokens: int, cached_tokens: int, rng: Any) -> TtftSample:
+    """One interleaved round of full / miss / hit / ideal on fresh random prompts."""
+    import torch
+
+    vocab = rig.preset.vocab
+    prefix = random_prompt(cached_tokens, vocab, rng)
+    first = random_prompt(prompt_tokens - cached_tokens, vocab, rng)
+    second = random_prompt(prompt_tokens - cached_tokens, vocab, rng)
+    second[0, 0] = (first[0, 0] + 1) % vocab  # the prompts share exactly the prefix
+    prompt_a = torch.cat([prefix, first], dim=1)
+    prompt_b = torch.cat([prefix, second], dim=1)
+    conn = rig.connector
+
+    full_s, full = timed_plain(rig.model, prompt_a)
+    miss_s, miss = timed_cached(rig.prefill, prompt_a)
+    if rig.prefill.last_hit_tokens:
+        raise RuntimeError("a fresh random prefix hit the store: namespace not fresh?")
+    conn.flush()
+    before = conn.stats()
+    hit_s, hit = timed_cached(rig.prefill, prompt_b)
+    after = conn.stats()
+    hit_tokens = rig.prefill.last_hit_tokens
+    conn.flush()
+    ideal_s, ideal = timed_ideal(rig.model, full.past_key_values, hit_tokens, prompt_b[:, hit_tokens:])
+    exact = bool(
+        torch.equal(miss.logits, full.logits) and torch.equal(hit.logits, ideal.logits)
+    )
+    return TtftSample(
+        full_s, miss_s, hit_s, ideal_s, hit_tokens,
+        load_s=after["load_seconds"] - before["load_seconds"],
+        load_bytes=after["hit_bytes"] - before["hit_bytes"],
+        exact=exact,
+    )
+
+
+def warm_up(rig: Rig, tokens: int = 256) -> None:
+    """One small forward pass, so thread pools and allocators are warm before timing."""
+    import numpy as np
+
+    timed_plain(rig.model, random_prompt(tokens, rig.preset.vocab, np.random.default_rng(1)))
+
+
+def measure_ttft(
+    rig: Rig, prompt_tokens: int, cached_tokens: int, repeat: int = 3, seed: int = 0
+) -> dict[str, Any]:
+    """Medians over `repeat` interleaved rounds, the ratios, and every sample."""
+    import numpy as np
+
+    n = rig.connector.chunk_tokens
+    if cached_tokens % n or not 0 < cached_tokens < prompt_tokens:
+        raise ValueError(
+            f"--cached-tokens must be a multiple of the chunk size ({n}) and below --prompt-tokens"
+        )
+    rng = np.random.default_rng(seed)
+    warm_up(rig)
+    samples = [measure_once(rig, prompt_tokens, cached_tokens, rng) for _ in range(repeat)]
+
+    def med(name: str) -> float:
+        return statistics.median(getattr(s, name) for s in samples)
+
+    full, miss, hit, ideal = med("full_s"), med("miss_s"), med("hit_s"), med("ideal_s")
+    load_s, load_bytes = med("load_s"), med("load_bytes")
+    return {
+        "model": rig.preset.name,
+        "params": rig.preset.params,
+        "dtype": rig.dtype,
+        "bytes_per_token": rig.preset.bytes_per_token(rig.dtype),
+        "prompt_tokens": prompt_tokens,
+        "cached_tokens": cached_tokens,
+        "chunk_tokens": n,
+        "store": rig.store_url,
+        "repeat": repeat,
+        "full_prefill_s": full,
+        "miss_s": miss,
+        "hit_s": hit,
+        "ideal_s": ideal,
+        "hit_tokens": min(s.hit_tokens for s in samples),
+        "speedup_vs_full": full / hit,
+        "load_overhead_vs_ideal": (hit - ideal) / ideal,
+        "miss_cost_vs_full": (miss - full) / full,
+        "load_s": load_s,
+        "load_bytes": load_bytes,
+        "load_gbps": load_bytes / load_s / 1e9 if load_s else 0.0,
+        "exact": all(s.exact for s in samples),
+        "samples": [s.__dict__ for s in samples],
+        "connector": rig.connector.stats(),
+    }
+
+
+def format_report(r: dict[str, Any]) -> str:
+    from storage.options import format_size
+
+    full = r["full_prefill_s"]
+    rows = [
+        ("full prefill (baseline, no cache)", r["full_prefill_s"], "1.00x"),
+        ("miss through the connector", r["miss_s"],
+         f"{full / r['miss_s']:.2f}x  (connector cost {r['miss_cost_vs_full']:+.1%})"),
+        (f"hit ({r['hit_tokens']} tokens loaded)", r["hit_s"],
+         f"{r['speedup_vs_full']:.2f}x  (load overhead {r['load_overhead_vs_ideal']:+.1%} of ideal)"),
+        ("ideal (prefix KV already in memory)", r["ideal_s"], f"{full / r['ideal_s']:.2f}x"),
+    ]
+    lines = [
+        f"model {r['model']} ({r['params'] / 1e6:.0f}M params, {r['dtype']}, "
+        f"{format_size(r['bytes_per_token'])}/token), prompt {r['prompt_tokens']} tokens, "
+        f"{r['cached_tokens']} cached, chunks of {r['chunk_tokens']}, store {r['store']}, "
+        f"median of {r['repeat']}",
+        f"{'path':<38} {'TTFT':>9}  vs full prefill",
+    ]
+    lines += [f"{name:<38} {secs:>8.3f}s  {ratio}" for name, secs, ratio in rows]
+    lines.append(
+        f"load: {format_size(r['load_bytes'])} in {r['load_s'] * 1e3:.1f} ms "
+        f"({r['load_gbps']:.2f} GB/s incl. verify and placement); "
+        f"logits exact: {'yes' if r['exact'] else 'NO'}"
+    )
+    return "\n".join(lines)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-50m", choices=sorted(PRESETS),
+                   help="model preset, random weights (default llama-50m)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                   help="model and KV dtype (default bfloat16)")
+    p.add_argument("--store", metavar="URL",
+                   help="store URL (default: a temporary file:// directory, removed after)")
+    p.add_argument("--prompt-tokens", type=int, default=4096, help="prompt length (default 4096)")
+    p.add_argument("--cached-tokens", type=int, default=3584,
+                   help="shared prefix stored before the hit (default 3584)")
+    p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
+    p.add_argument("--repeat", type=int, default=3, help="interleaved rounds; medians (default 3)")
+    p.add_argument("--json", metavar="PATH", type=Path, help="also write the results as JSON")
+    if add_workload_arguments is not None:
+        add_workload_arguments(p)  # adds --seed too
+    else:
+        p.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if run_workload is not None and getattr(args, "workload", None):
+        return run_workload(args)
+    rig = build_rig(args.model, args.store, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
+                    seed=args.seed)
+    try:
+        result = measure_ttft(rig, args.prompt_tokens, args.cached_tokens, args.repeat, args.seed)
+    finally:
+        rig.close()
+    print(format_report(result))
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    return 0 if result["exact"] else 1
