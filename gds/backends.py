@@ -24,9 +24,11 @@ from typing import Any
 
 import xxhash
 
-from gds.buffers import aligned_empty
+from gds.buffers import ALIGN, aligned_empty
 from gds.errors import IO, SHORT, ReadError
 from gds.hostio import OpenFile, read_range
+
+MIN_PIECE = 256 * 1024
 
 
 def spans(length: int, piece_bytes: int) -> list[tuple[int, int]]:
@@ -58,8 +60,14 @@ class HostBackend:
 
     name = "host"
 
-    def __init__(self, pool: Executor, piece_bytes: int, mode: str):
-        self.pool, self.piece_bytes, self.mode = pool, piece_bytes, mode
+    def __init__(self, pool: Executor, piece_bytes: int, mode: str, threads: int):
+        self.pool, self.piece_bytes, self.mode, self.threads = pool, piece_bytes, mode, threads
+
+    def piece_for(self, length: int) -> int:
+        """`piece_bytes`, or smaller so a range under threads x piece_bytes still spreads
+        over every thread; never under MIN_PIECE, where a hand-off costs more than it saves."""
+        even = -(-length // self.threads)
+        return min(self.piece_bytes, max(MIN_PIECE, -(-even // ALIGN) * ALIGN))
 
     def read(self, f: OpenFile, offset: int, view: memoryview,
              hasher: xxhash.xxh3_64 | None = None) -> None:
@@ -69,7 +77,8 @@ class HostBackend:
         def digest(a: int, b: int, _: Any) -> None:
             hasher.update(view[a:b])
 
-        run_pieces(self.pool, work, view.nbytes, self.piece_bytes, digest if hasher else None)
+        run_pieces(self.pool, work, view.nbytes, self.piece_for(view.nbytes),
+                   digest if hasher else None)
 
 
 class Slot:

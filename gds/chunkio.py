@@ -105,7 +105,7 @@ class ChunkIO:
         self._pool = ThreadPoolExecutor(threads, "kvstash-gds-io")
         self._requests = ThreadPoolExecutor(self.config.max_inflight, "kvstash-gds-req")
         self.support = DirectIOSupport(self.config.direct != "never")
-        self.host = HostBackend(self._pool, self.config.piece_bytes, self.config.direct)
+        self.host = HostBackend(self._pool, self.config.piece_bytes, self.config.direct, threads)
         self._device_lock = threading.Lock()
         self._device: dict[str, Any] = {}
         self._counters: Counter[str] = Counter()
@@ -165,8 +165,8 @@ class ChunkIO:
 
     @staticmethod
     def _ready_event(dest: Any) -> Any:
-        """An event on the caller's current stream: work queued before the submit (say the
-        allocation that produced `dest`) must finish before anything writes into it."""
+        """An event on the caller's current stream: work queued before the submit (the kernels
+        that last used `dest`'s memory, or that produced a payload) must finish first."""
         if not is_cuda(dest):
             return None
         import torch
@@ -296,12 +296,14 @@ class ChunkIO:
                     raise write_error(str(tmp), exc) from None
 
     def _write_sync(self, path: str, key: str, token_ids: Any, payload: Any,
-                    meta: dict | None) -> bool:
+                    meta: dict | None, ready: Any) -> bool:
         final = Path(path)
         if final.exists():
             self._count(writes_skipped=1)
             return False
         try:
+            if ready is not None:
+                ready.synchronize()  # the producer's kernels have written the payload
             view = self._host_payload(payload)
             try:
                 header = encode_header(key, token_ids, view, meta)
@@ -332,7 +334,8 @@ class ChunkIO:
                      meta: dict | None = None) -> Future:
         """Write `payload` (a tensor or buffer) as the chunk file `path`, create-only and
         atomic (tmp in the same directory, fsync, link) -> Future[bool]."""
-        return self._requests.submit(self._write_sync, os.fspath(path), key, token_ids, payload, meta)
+        return self._requests.submit(self._write_sync, os.fspath(path), key, token_ids, payload,
+                                     meta, self._ready_event(payload))
 
     async def write(self, path: str | os.PathLike, key: str, token_ids: Any, payload: Any,
                     meta: dict | None = None) -> bool:
