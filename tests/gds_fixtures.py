@@ -37,7 +37,8 @@ def write_chunk(directory: Path, ns: Namespace, index: int, data: np.ndarray,
 
 def cpu_io(**config) -> ChunkIO:
     """A ChunkIO as on a host without CUDA (the capabilities are injected, not probed)."""
-    return ChunkIO(IOConfig(piece_bytes=PIECE, **config), caps=Capabilities(notes=("injected",)))
+    config = {"piece_bytes": PIECE, **config}
+    return ChunkIO(IOConfig(**config), caps=Capabilities(notes=("injected",)))
 
 
 def shm_directory() -> Iterator[Path]:
