@@ -1,16 +1,30 @@
-"""Stateless over the backend: two kvservers on one shared file:// directory serve each
-other's chunks, as several replicas behind a load balancer would."""
+"""Stateless over the backend: two kvservers on one shared file:// directory or s3://
+prefix (a real moto server on loopback) serve each other's chunks, as several replicas
+behind a load balancer would."""
 
 from __future__ import annotations
 
+import pytest
+
 from storage import open_store
+from tests import s3_fixtures
 from tests.kvserver_fixtures import running_kvserver
 from tests.store_helpers import make_chunks
 
+moto_endpoint = s3_fixtures.moto_endpoint
+moto_s3_url = s3_fixtures.moto_s3_url
 
-async def test_two_servers_on_one_directory_serve_each_others_chunks(tmp_path, ns):
+
+@pytest.fixture(params=["file", "s3"])
+def shared_backend(request, tmp_path) -> str:
+    if request.param == "file":
+        return f"file://{tmp_path}/shared"
+    return s3_fixtures.with_prefix(request.getfixturevalue("moto_s3_url"))
+
+
+async def test_two_servers_on_one_backend_serve_each_others_chunks(shared_backend, ns):
     chunks = make_chunks(ns, 6, payload_size=50_000)
-    root = f"file://{tmp_path}/shared"
+    root = shared_backend
     with running_kvserver("--store", root) as one, running_kvserver("--store", root) as two:
         a, b = open_store(one.url), open_store(two.url)
         try:
