@@ -211,5 +211,5 @@ def test_no_more_than_max_inflight_requests_run_at_once(tmp_path, ns, monkeypatc
 def test_ranges_under_threads_times_piece_still_spread_over_every_thread():
     with cpu_io(io_threads=2, piece_bytes=4 << 20) as chunk_io:
         assert chunk_io.host.piece_for(16 << 20) == 4 << 20
-        assert chunk_io.host.piece_for(1 << 20) == 512 * KiB  # two pieces, one per thread
-        assert chunk_io.host.piece_for(100 * KiB) == 256 * KiB  # one piece: not worth a split
+        assert chunk_io.host.piece_for(6 << 20) == 3 << 20  # two pieces, one per thread
+        assert chunk_io.host.piece_for(1 << 20) == 1 << 20  # one piece: not worth a split
