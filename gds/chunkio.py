@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
 import secrets
 import socket
@@ -46,7 +47,7 @@ from gds.backends import (
     run_pieces,
 )
 from gds.buffers import ALIGN, byte_tensor, host_view, is_cuda, nbytes
-from gds.errors import CORRUPT, SHORT, TOO_SMALL, ChunkIOError, ReadError, WriteError
+from gds.errors import CORRUPT, IO, SHORT, TOO_SMALL, ChunkIOError, ReadError, WriteError
 from gds.fsprobe import DirectIOSupport
 from gds.hostio import DIRECT_MODES, OpenFile, read_range, write_error, write_range
 from gds.probe import Capabilities, choose_cuda_backend, probe
@@ -58,6 +59,8 @@ from storage.codec import (
     decode_header,
     encode_header,
 )
+
+log = logging.getLogger("kvstash.gds")
 
 MiB = 1 << 20
 TMP_MARK = ".tmp."
@@ -108,6 +111,7 @@ class ChunkIO:
         self.host = HostBackend(self._pool, self.config.piece_bytes, self.config.direct, threads)
         self._device_lock = threading.Lock()
         self._device: dict[str, Any] = {}
+        self._no_cufile: set[int] = set()  # filesystems (st_dev) where a cuFile read failed
         self._counters: Counter[str] = Counter()
         self._count_lock = threading.Lock()
 
@@ -140,9 +144,25 @@ class ChunkIO:
 
     def _device_backend_name(self, f: OpenFile) -> str:
         name = self.cuda_backend or "bounce"
-        if name != "bounce" and f.direct_fd() is None:
+        if name != "bounce" and (f.dev in self._no_cufile or f.direct_fd() is None):
             name = "bounce"  # cuFile needs O_DIRECT; this filesystem refuses it (or direct=never)
         return name
+
+    def _read_device(self, f: OpenFile, offset: int, dest: Any, ready: Any) -> str:
+        name = self._device_backend_name(f)
+        try:
+            self._backend(name).read(f, offset, dest, ready)
+            return name
+        except ReadError as exc:
+            if name == "bounce" or exc.reason != IO:
+                raise
+            # cuFile failed where O_DIRECT works (say NFS without RDMA and compat mode off):
+            # serve this read, and every later one on this filesystem, through bounce buffers.
+            log.warning("%s failed on %s, using bounce buffers there: %s", name, f.path, exc)
+            self._no_cufile.add(f.dev)
+            self._count(cufile_fallbacks=1)
+        self._backend("bounce").read(f, offset, dest, ready)
+        return "bounce"
 
     def cuda_backend_for(self, path: str | os.PathLike) -> str | None:
         """The backend a CUDA destination would be filled by from this file (None: no CUDA)."""
@@ -179,10 +199,9 @@ class ChunkIO:
                       checksum: int | None) -> None:
         if is_cuda(dest):
             flat = byte_tensor(dest)[:length]
-            backend = self._backend(self._device_backend_name(f))
-            backend.read(f, offset, flat, ready)
+            name = self._read_device(f, offset, flat, ready)
             got = self._slots().device_xxh3(flat) if checksum is not None else None
-            self._count(**{f"bytes_{backend.name}": length})
+            self._count(**{f"bytes_{name}": length})
         else:
             view = host_view(dest)[:length]
             hasher = xxhash.xxh3_64() if checksum is not None else None

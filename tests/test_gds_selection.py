@@ -12,9 +12,13 @@ import sys
 
 import numpy as np
 import pytest
+import torch
 
 from gds import Capabilities, ChunkIO, IOConfig, choose_cuda_backend, probe
+from gds.backends import BounceSlots
+from gds.errors import IO, ReadError
 from gds.fsprobe import mount_of
+from gds.hostio import OpenFile
 from tests.gds_fixtures import cpu_io, payload, shm_directory, write_chunk
 
 NONE = Capabilities()
@@ -110,3 +114,33 @@ def test_the_probe_without_torch_reports_it(monkeypatch):
     """torch's absence is simulated by hiding the module from the import system."""
     monkeypatch.setitem(sys.modules, "torch", None)
     assert probe() == Capabilities(notes=("torch is not installed",))
+
+
+class _BrokenCuFile:
+    """Stands in for a cuFile backend whose reads fail (no GPU here to make a real one fail)."""
+
+    name = "torch-gds"
+    calls = 0
+
+    def read(self, f, offset, dest, ready=None):
+        self.calls += 1
+        raise ReadError(f.path, IO, "cuFile read: CU_FILE_DRIVER_NOT_INITIALIZED")
+
+
+def test_a_failing_cufile_read_is_served_by_bounce_and_not_tried_again_there(tmp_path):
+    """The bounce slots are plain host memory and the destination a CPU tensor: the
+    pipeline is the same one a CUDA destination takes, minus the side stream."""
+    data = payload(3 * 64 * 1024 + 5)
+    path = tmp_path / "raw.bin"
+    path.write_bytes(data.tobytes())
+    with ChunkIO(IOConfig(piece_bytes=64 * 1024), caps=EVERYTHING) as io:
+        broken = _BrokenCuFile()
+        io._device.update({"torch-gds": broken, "slots": BounceSlots(2, 64 * 1024, pinned=False)})
+        for _ in range(2):
+            dest = torch.zeros(data.size, dtype=torch.uint8)
+            with OpenFile.for_read(str(path), io.support) as f:
+                assert io._read_device(f, 0, dest, None) == "bounce"
+            assert np.array_equal(dest.numpy(), data)
+        assert broken.calls == 1
+        assert io.stats()["counters"]["cufile_fallbacks"] == 1
+        assert io.cuda_backend_for(path) == "bounce"
