@@ -3,8 +3,9 @@
 Why not httpx: a chunk is tens of MiB, and a generic client hands the body over in small
 `bytes` pieces that must be copied again into the caller's buffer. Here `get_into` reads
 the response head into a small buffer and then `recv_into`s the payload straight into the
-caller's memory, and `put` sends the caller's buffer as is. Lookups are one POST for
-thousands of keys.
+caller's memory, and `put` sends the caller's buffer as is (its header is checked here,
+its payload checksum by the server, which verifies every body it stores). Lookups are one
+POST for thousands of keys.
 
 Threading contract: one event loop at a time (sockets carry over between loops, so a
 store may outlive an `asyncio.run`). Like every store, the hot path (`get`, `get_into`,
@@ -32,7 +33,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from storage.base import Store, check_blob, check_key
+from storage.base import Store, check_key
 from storage.codec import (
     HEADER_SIZE,
     MAX_HEADER_SIZE,
@@ -396,8 +397,17 @@ class HttpStore(Store):
     # -- the Store protocol --------------------------------------------------------------
 
     async def put(self, key: str, blob: Any) -> bool:
-        check_blob(key, blob)
+        check_key(key)
         view = memoryview(blob).cast("B")
+        # Header, key and length are checked here, so a wrong blob costs no round trip; the
+        # payload checksum is left to the server, which verifies every body it stores.
+        try:
+            header = decode_header(view, key)
+        except ChunkError as exc:
+            raise InvalidChunk(f"rejected chunk for {key}: {exc}") from None
+        if header.total_len != view.nbytes:
+            raise InvalidChunk(f"rejected chunk for {key}: {view.nbytes} bytes, header says "
+                               f"{header.total_len}")
 
         async def op(conn: _Connection) -> bool:
             # Expect: 100-continue lets the server refuse (413, 401, 415) before a large
