@@ -29,7 +29,7 @@ import statistics
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -144,7 +144,8 @@ class TtftSample:
     load_s: float
     load_bytes: int
     exact: bool
-    extra: dict[str, Any] = field(default_factory=dict)
+    miss_connector_s: float  # lookup + queueing saves, on the engine thread
+    hit_connector_s: float   # lookup + load + placement + queueing saves
 
 
 def measure_once(rig: Rig, prompt_tokens: int, cached_tokens: int, rng: Any) -> TtftSample:
@@ -162,6 +163,7 @@ def measure_once(rig: Rig, prompt_tokens: int, cached_tokens: int, rng: Any) -> 
 
     full_s, full = timed_plain(rig.model, prompt_a)
     miss_s, miss = timed_cached(rig.prefill, prompt_a)
+    miss_connector_s = rig.prefill.last_timings["cache"] + rig.prefill.last_timings["save"]
     if rig.prefill.last_hit_tokens:
         raise RuntimeError("a fresh random prefix hit the store: namespace not fresh?")
     conn.flush()
@@ -169,6 +171,7 @@ def measure_once(rig: Rig, prompt_tokens: int, cached_tokens: int, rng: Any) -> 
     hit_s, hit = timed_cached(rig.prefill, prompt_b)
     after = conn.stats()
     hit_tokens = rig.prefill.last_hit_tokens
+    hit_connector_s = rig.prefill.last_timings["cache"] + rig.prefill.last_timings["save"]
     conn.flush()
     ideal_s, ideal = timed_ideal(rig.model, full.past_key_values, hit_tokens, prompt_b[:, hit_tokens:])
     exact = bool(
@@ -179,6 +182,8 @@ def measure_once(rig: Rig, prompt_tokens: int, cached_tokens: int, rng: Any) -> 
         load_s=after["load_seconds"] - before["load_seconds"],
         load_bytes=after["hit_bytes"] - before["hit_bytes"],
         exact=exact,
+        miss_connector_s=miss_connector_s,
+        hit_connector_s=hit_connector_s,
     )
 
 
@@ -209,6 +214,7 @@ def measure_ttft(
 
     full, miss, hit, ideal = med("full_s"), med("miss_s"), med("hit_s"), med("ideal_s")
     load_s, load_bytes = med("load_s"), med("load_bytes")
+    miss_conn, hit_conn = med("miss_connector_s"), med("hit_connector_s")
     return {
         "model": rig.preset.name,
         "params": rig.preset.params,
@@ -230,6 +236,10 @@ def measure_ttft(
         "load_s": load_s,
         "load_bytes": load_bytes,
         "load_gbps": load_bytes / load_s / 1e9 if load_s else 0.0,
+        "miss_connector_s": miss_conn,
+        "miss_connector_vs_full": miss_conn / full,
+        "hit_connector_s": hit_conn,
+        "hit_connector_vs_ideal": hit_conn / ideal,
         "exact": all(s.exact for s in samples),
         "samples": [s.__dict__ for s in samples],
         "connector": rig.connector.stats(),
@@ -260,6 +270,11 @@ def format_report(r: dict[str, Any]) -> str:
         f"load: {format_size(r['load_bytes'])} in {r['load_s'] * 1e3:.1f} ms "
         f"({r['load_gbps']:.2f} GB/s incl. verify and placement); "
         f"logits exact: {'yes' if r['exact'] else 'NO'}"
+    )
+    lines.append(
+        f"connector time on the engine thread: miss {r['miss_connector_s'] * 1e3:.1f} ms "
+        f"({r['miss_connector_vs_full']:.2%} of full prefill), hit {r['hit_connector_s'] * 1e3:.1f} ms "
+        f"({r['hit_connector_vs_ideal']:.2%} of ideal)"
     )
     return "\n".join(lines)
 

@@ -236,7 +236,11 @@ class KVConnector:
         """
         layout = self._require_layout()
         n = self.chunk_tokens
-        tokens = token_array(token_ids)
+        try:
+            tokens = token_array(token_ids)
+        except ValueError as exc:
+            log.warning("load skipped: %s", exc)
+            return 0
         n_chunks = min(max(num_tokens, 0), len(tokens)) // n
         if n_chunks == 0 or self._bypassed():
             return 0

@@ -120,6 +120,9 @@ class CachedPrefill:
         connector.bind_layout(self.layout)
         self.last_hit_tokens = 0
         self.last_cached_tokens = 0
+        # Wall seconds of the last call: "cache" (lookup, load, placement), "compute" (the
+        # model), "save" (queueing the new chunks). cache + save is the connector's own cost.
+        self.last_timings: dict[str, float] = {}
 
     def _load(self, ids: torch.Tensor, max_tokens: int) -> tuple[int, DynamicCache | None]:
         conn = self.connector
@@ -136,6 +139,7 @@ class CachedPrefill:
     @torch.no_grad()
     def __call__(self, input_ids: Any, **kwargs: Any) -> Any:
         self.last_hit_tokens = self.last_cached_tokens = 0
+        self.last_timings = {}
         ids = torch.as_tensor(input_ids)
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
@@ -143,17 +147,20 @@ class CachedPrefill:
             return self.model(ids, use_cache=True, **kwargs)
         n = self.connector.chunk_tokens
         total = ids.shape[1]
+        t0 = time.perf_counter()
         hit, cache = 0, None
         try:
             hit, cache = self._load(ids, (total - 1) // n * n)
         except Exception:  # noqa: BLE001 - the cache may make a request faster, never fail it
             log.exception("cache load failed; computing the whole prompt")
             hit, cache = 0, None
-        started = time.perf_counter()
+        t1 = time.perf_counter()
         out = self.model(ids[:, hit:], past_key_values=cache, use_cache=True, **kwargs)
-        self.connector.observe_prefill(total - hit, time.perf_counter() - started)
+        t2 = time.perf_counter()
+        self.connector.observe_prefill(total - hit, t2 - t1)
         self.last_hit_tokens = hit
         self._save(ids, out.past_key_values, hit)
+        self.last_timings = {"cache": t1 - t0, "compute": t2 - t1, "save": time.perf_counter() - t2}
         return out
 
     def _save(self, ids: torch.Tensor, cache: Any, hit: int) -> None:
