@@ -38,6 +38,7 @@ from typing_extensions import override
 from vllm.v1.kv_offload.base import (
     LookupResult,
     Medium,
+    OffloadingEvent,
     OffloadingSpec,
     OffloadKey,
     ReqContext,
@@ -105,7 +106,9 @@ class KvstashTier(SecondaryTierManager):
     """Secondary tier over a kvstash store. Tier options (besides vLLM's `type`,
     `module_path`, `backpressure`): `store` (a URL or a list of URLs, fastest first),
     `salt` (isolates tenants sharing one store), `max_in_flight` (concurrent chunk I/O
-    per job), `timeout_s` (the deadline of one existence check)."""
+    per job), `timeout_s` (the deadline of one existence check), `enable_kv_events`
+    (publish BlockStored with medium STORAGE for pages this tier wrote, so KV-aware
+    routers index storage hits; needs vLLM's --kv-events-config too)."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
@@ -118,6 +121,7 @@ class KvstashTier(SecondaryTierManager):
         salt: str = "",
         max_in_flight: int = 16,
         timeout_s: float = 5.0,
+        enable_kv_events: bool = False,
         backpressure_detector: BackpressureDetector | None = None,
     ):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
@@ -128,6 +132,10 @@ class KvstashTier(SecondaryTierManager):
         self._pages = primary_kv_view.cast("B")
         self._max_in_flight = int(max_in_flight)
         self._jobs: dict[JobId, _Job] = {}
+        self._events: list[OffloadingEvent] | None = (
+            [] if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
+            else None
+        )
         self.io = StoreLoop.shared(store)
         self._lookups = _StoreLookups(self)
         log.info("vLLM offloading tier %s on %s, namespace %s", tier_type, self.io.store, self.ns.id)
@@ -232,6 +240,8 @@ class KvstashTier(SecondaryTierManager):
                 # Without this the scheduler would see the cached HIT again and retry
                 # the same doomed promotion forever.
                 self._lookups.mark_miss([k for k, good in zip(job.keys, ok, strict=True) if not good])
+            if self._events is not None and done and not job.is_load:
+                self._events.append(OffloadingEvent(keys=done, medium=self.medium, removed=False))
             results.append(JobResult(
                 job_id=job_id, success=success,
                 successful_keys=tuple(done) if job.is_load and done and not success else None,
@@ -239,6 +249,13 @@ class KvstashTier(SecondaryTierManager):
                 transfer_bytes=len(done) * self.block_size_bytes,
             ))
         return results
+
+    @override
+    def take_events(self) -> Iterable[OffloadingEvent]:
+        if self._events is None:
+            return ()
+        events, self._events = self._events, []
+        return events
 
     @override
     def has_pending_work(self) -> bool:

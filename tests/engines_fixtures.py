@@ -50,7 +50,7 @@ def make_request(prompt: list[int], req_id: str | None = None) -> Request:
 
 def offloading_config(
     store: str | list[str], page_bytes_per_block: int = 8192, blocks_per_chunk: int = 1,
-    salt: str = "",
+    salt: str = "", kv_events: bool = False,
 ) -> OffloadingConfig:
     """What vLLM's `build_offloading_config` produces for a 2-layer model, TP=1."""
     return OffloadingConfig(
@@ -58,13 +58,13 @@ def offloading_config(
             tokens_per_block=BLOCK_SIZE, layer_names=("layers.0.attn", "layers.1.attn"), group_id=0,
         ),),
         worker_kv_bytes_per_block=page_bytes_per_block,
-        enable_kv_cache_events=False,
+        enable_kv_cache_events=kv_events,
         extra_config={
             "spec_name": "TieringOffloadingSpec",
             "cpu_bytes_to_use": 64 * page_bytes_per_block * blocks_per_chunk,
             "secondary_tiers": [{
                 "type": "KvstashTier", "module_path": "connector.vllm_tier",
-                "store": store, "salt": salt, "timeout_s": 10,
+                "store": store, "salt": salt, "timeout_s": 10, "enable_kv_events": kv_events,
             }],
         },
         engine_id=uuid.uuid4().hex,  # a fresh CPU region: a new engine process

@@ -16,6 +16,7 @@ pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-engines.
 
 from vllm.v1.kv_offload.base import (  # noqa: E402
     LookupResult,
+    Medium,
     ReqContext,
     ScheduleEndContext,
     make_offload_key,
@@ -172,6 +173,19 @@ def test_other_namespace_never_sees_the_pages(tmp_path):
         finally:
             reader.shutdown()
         assert answers == [LookupResult.MISS] * len(keys)
+
+
+def test_written_pages_are_announced_as_storage_events(tmp_path):
+    keys = [make_offload_key(h, 0) for h in make_request(list(range(48))).block_hashes]
+    writer = new_manager(f"file://{tmp_path}/kv", kv_events=True)
+    try:
+        offload(writer, keys)
+        with writer.lock:
+            events = [e for e in writer.take_events() if e.medium is Medium.STORAGE]
+    finally:
+        writer.shutdown()
+    assert [k for e in events for k in e.keys] == keys
+    assert not any(e.removed for e in events)
 
 
 def test_store_url_is_required():
