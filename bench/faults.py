@@ -6,9 +6,9 @@ not only for a valid checksum; corruption of stored chunks (bit flips in header 
 payload, truncation, replacement by another valid chunk); a writer process to SIGKILL
 mid-put; a small-filesystem mount; process RSS; latency percentiles.
 
-`python -m bench.faults writer --store URL ...` is the writer the crash scenarios kill:
-it prints one `ok <index> <key>` line per acknowledged put, so the parent knows which
-writes were promised durable. `python -m bench.faults fuzz-codec --runs N` runs the chunk
+`python -m bench.faults writer --store URL ...` (driven by `Writer`) is the process the
+crash scenarios kill: it prints one `ok <index> <key>` line per acknowledged put, so the
+parent knows which writes were promised durable. `python -m bench.faults fuzz-codec --runs N` runs the chunk
 decoder under atheris (coverage-guided) when it is installed.
 """
 
@@ -18,9 +18,11 @@ import argparse
 import asyncio
 import contextlib
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -160,48 +162,71 @@ def fill_disk(path: Path, block: int = 64 * 1024) -> int:
             written += n or 0
 
 
-def start_writer(store: str, seed: int, start: int, count: int, size: int,
-                 env: dict[str, str] | None = None) -> subprocess.Popen:
-    """A separate writer process (to be killed mid-put); read its stdout for acks."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "bench.faults", "writer", "--store", store, "--seed", str(seed),
-         "--start", str(start), "--count", str(count), "--size", str(size)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-        env={**os.environ, **(env or {})},
-    )
+class Writer:
+    """`python -m bench.faults writer` in its own process, to be SIGKILLed mid-put.
+
+    Its stdout is read raw (no Python buffering) so that `wait_for_acks` can wait with a
+    deadline, and only complete `ok` lines count as acknowledged.
+    """
+
+    def __init__(self, store: str, seed: int, start: int, count: int, size: int):
+        self._err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.faults", "writer", "--store", store, "--seed",
+             str(seed), "--start", str(start), "--count", str(count), "--size", str(size)],
+            stdout=subprocess.PIPE, stderr=self._err, bufsize=0,
+        )
+        self._out = b""
+
+    def _acks(self) -> list[int]:
+        acked = []
+        for line in self._out.split(b"\n")[:-1]:  # the last piece may be a partial line
+            parts = line.split()
+            if len(parts) == 3 and parts[0] == b"ok":
+                acked.append(int(parts[1]))
+        return acked
+
+    def stderr_tail(self) -> str:
+        self._err.seek(0)
+        return self._err.read().decode(errors="replace")[-2000:]
+
+    def wait_for_acks(self, count: int, timeout_s: float = 30.0) -> None:
+        """Block until the writer has acknowledged `count` puts; raise if it cannot."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout_s
+        while len(self._acks()) < count:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                why = f"{self._out[-300:]!r} {self.stderr_tail()}"
+                self.kill()
+                raise TimeoutError(f"writer acknowledged {len(self._acks())} of {count} puts "
+                                   f"in {timeout_s}s: {why}")
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                piece = os.read(fd, 65536)
+                if not piece:
+                    raise RuntimeError(f"writer exited early: {self.stderr_tail()}")
+                self._out += piece
+
+    def kill(self) -> list[int]:
+        """SIGKILL the writer wherever it is; every index it acknowledged."""
+        with contextlib.suppress(ProcessLookupError):
+            self.proc.send_signal(signal.SIGKILL)
+        rest, _ = self.proc.communicate(timeout=30)
+        self._out += rest or b""
+        self._err.close()
+        return self._acks()
 
 
-def wait_for_acks(proc: subprocess.Popen, count: int) -> list[str]:
-    """Read the writer's lines until it has acknowledged `count` puts (or exited)."""
-    lines: list[str] = []
-    assert proc.stdout is not None
-    while sum(line.startswith("ok ") for line in lines) < count:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-    return lines
-
-
-def kill_writer(proc: subprocess.Popen, lines: list[str]) -> list[int]:
-    """SIGKILL the writer wherever it is; every index it acknowledged (`lines` so far too)."""
-    with contextlib.suppress(ProcessLookupError):
-        proc.send_signal(signal.SIGKILL)
-    out, _err = proc.communicate(timeout=30)
-    acked = []
-    for line in [*lines, *out.splitlines()]:
-        parts = line.split()
-        if len(parts) == 3 and parts[0] == "ok":
-            acked.append(int(parts[1]))
-    return acked
-
-
-def crash_writer(proc: subprocess.Popen, after_acks: int, delay_s: float) -> list[int]:
-    """Let the writer acknowledge `after_acks` puts, wait `delay_s` (landing somewhere in
-    the next put), SIGKILL it, and return every index it acknowledged."""
-    lines = wait_for_acks(proc, after_acks)
+def crash_writer(store: str, seed: int, start: int, size: int, after_acks: int,
+                 delay_s: float) -> list[int]:
+    """Start a writer, let it acknowledge `after_acks` puts, wait `delay_s` (landing
+    somewhere in the next put), SIGKILL it, and return every index it acknowledged."""
+    writer = Writer(store, seed, start, 100_000, size)
+    writer.wait_for_acks(after_acks)
     time.sleep(delay_s)
-    return kill_writer(proc, lines)
+    return writer.kill()
 
 
 async def _writer_main(args: argparse.Namespace) -> int:

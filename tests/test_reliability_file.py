@@ -19,7 +19,6 @@ from bench.faults import (
     corrupt_file,
     crash_writer,
     fill_disk,
-    start_writer,
     verify_blob,
 )
 from storage.errors import StoreError, StoreFull
@@ -35,8 +34,8 @@ async def test_writer_killed_mid_put_leaves_no_partial_chunk_and_loses_no_ack(tm
     rng = random.Random(SEED)
     acked: list[int] = []
     for round_ in range(5):
-        proc = start_writer(url, SEED, start=round_ * 1000, count=1000, size=2 * 1024 * 1024)
-        acked += crash_writer(proc, after_acks=2, delay_s=rng.uniform(0.0, 0.02))
+        acked += crash_writer(url, SEED, start=round_ * 1000, size=2 * 1024 * 1024,
+                              after_acks=2, delay_s=rng.uniform(0.0, 0.02))
 
     store = FileStore(root)
     listed = {k async for k in store.list_keys()}

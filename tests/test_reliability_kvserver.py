@@ -12,15 +12,14 @@ from pathlib import Path
 import numpy as np
 
 from bench.faults import (
+    Writer,
     chunk_files,
     chunk_for,
     corrupt_file,
-    kill_writer,
+    crash_writer,
     percentiles,
     rss_bytes,
-    start_writer,
     verify_blob,
-    wait_for_acks,
 )
 from connector import KVConnector
 from connector.layout import ChunkLayout
@@ -52,10 +51,8 @@ async def test_client_killed_mid_upload_stores_nothing_partial(tmp_path: Path, s
     rng = random.Random(SEED)
     acked: list[int] = []
     for round_ in range(2):
-        proc = start_writer(server.url, SEED, round_ * 1000, 1000, 4 * MiB)
-        lines = wait_for_acks(proc, 2)
-        time.sleep(rng.uniform(0.0, 0.03))
-        acked += kill_writer(proc, lines)
+        acked += crash_writer(server.url, SEED, round_ * 1000, 4 * MiB, after_acks=2,
+                              delay_s=rng.uniform(0.0, 0.03))
 
     assert visible_chunks_verify(root) >= len(acked)
     client = HttpStore(server.url)
@@ -71,11 +68,11 @@ async def test_kvserver_killed_mid_put_loses_no_acknowledged_chunk(tmp_path: Pat
     rng = random.Random(SEED + 1)
     acked: list[int] = []
     for round_ in range(2):
-        proc = start_writer(server.url, SEED, round_ * 1000, 1000, 4 * MiB)
-        lines = wait_for_acks(proc, 2)
+        writer = Writer(server.url, SEED, round_ * 1000, 1000, 4 * MiB)
+        writer.wait_for_acks(2)
         time.sleep(rng.uniform(0.0, 0.03))
         server.kill()
-        acked += kill_writer(proc, lines)
+        acked += writer.kill()
         server.start()
 
     assert visible_chunks_verify(root) >= len(acked)
