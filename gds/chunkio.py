@@ -46,7 +46,7 @@ from gds.backends import (
     TorchGdsBackend,
     run_pieces,
 )
-from gds.buffers import ALIGN, byte_tensor, host_view, is_cuda, nbytes
+from gds.buffers import ALIGN, aligned_buffer, byte_tensor, host_view, is_cuda, nbytes
 from gds.errors import CORRUPT, IO, SHORT, TOO_SMALL, ChunkIOError, ReadError, WriteError
 from gds.fsprobe import DirectIOSupport
 from gds.hostio import DIRECT_MODES, OpenFile, read_range, write_error, write_range
@@ -114,6 +114,7 @@ class ChunkIO:
         self._no_cufile: set[int] = set()  # filesystems (st_dev) where a cuFile read failed
         self._counters: Counter[str] = Counter()
         self._count_lock = threading.Lock()
+        self._local = threading.local()
 
     # -- backends for CUDA destinations, built on first use --------------------------------
 
@@ -223,11 +224,21 @@ class ChunkIO:
         self._count(reads=1, bytes_read=length)
         return length
 
+    def _header_buffer(self, size: int) -> memoryview:
+        """Aligned, so a cold header is read with O_DIRECT too: a buffered read would start
+        readahead and pull the payload through the page cache after all."""
+        if size > HEADER_SIZE:
+            return aligned_buffer(size)
+        buf = getattr(self._local, "header", None)
+        if buf is None:
+            buf = self._local.header = aligned_buffer(HEADER_SIZE)
+        return buf[:size]
+
     def _read_header(self, f: OpenFile, key: str | None) -> ChunkHeader:
         size = min(f.size, HEADER_SIZE)
         while True:
-            head = memoryview(bytearray(size))
-            read_range(f, head, 0, "never")
+            head = self._header_buffer(size)
+            read_range(f, head, 0, self.config.direct)
             try:
                 return decode_header(head, key)
             except ChunkError as exc:

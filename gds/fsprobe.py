@@ -25,7 +25,7 @@ class Filesystem:
     fstype: str
     mount: str
     direct: bool | None  # None until the first file on it was opened with O_DIRECT
-    nowait: bool | None = None  # None until a read with RWF_NOWAIT told whether it works
+    cachestat: bool | None = None  # None until cachestat(2) was tried here
 
 
 def mount_of(dev: int) -> tuple[str, str]:
@@ -83,6 +83,6 @@ class DirectIOSupport:
     def stats(self) -> dict[str, dict]:
         with self._lock:
             return {
-                fs.mount: {"fstype": fs.fstype, "direct": fs.direct, "nowait": fs.nowait}
+                fs.mount: {"fstype": fs.fstype, "direct": fs.direct, "cachestat": fs.cachestat}
                 for fs in self._fs.values()
             }
