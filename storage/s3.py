@@ -7,7 +7,8 @@ markers for gc under `<scope>/.atime/` (see storage/s3_gc.py).
 Hot path. One long-lived aiobotocore client per event loop (created on first use in
 that loop), a connection pool of `pool` sockets and at most `inflight` requests at once.
 A GET is never preceded by a HEAD: 404/403 is the miss. The first GET asks for the first
-`range_size` bytes; its Content-Range gives the object size, and the rest is fetched as
+1.25 x `range_size` bytes (default 16 MiB, so a 16 MiB payload plus its 4 KiB header is
+one request); its Content-Range gives the object size, and the rest is fetched as
 parallel ranged GETs while the first body streams, straight into the destination buffer
 (`get_into` writes the payload into the caller's buffer). Every blob is verified (header
 and xxh3 payload checksum) and a corrupt object is deleted and counted as a miss.
@@ -98,7 +99,7 @@ class S3Options:
     connect_timeout: float = 2.0
     read_timeout: float = 5.0
     timeout: float = 30.0
-    range_size: int = 8 * MiB
+    range_size: int = 16 * MiB
     multipart_threshold: int = 64 * MiB
     part_size: int = 16 * MiB
     checksum: str = "when_required"
@@ -143,7 +144,7 @@ class S3Options:
             connect_timeout=u.take("connect_timeout", parse_seconds, 2.0),
             read_timeout=u.take("read_timeout", parse_seconds, 5.0),
             timeout=u.take("timeout", parse_seconds, 30.0),
-            range_size=u.take("range_size", parse_size, 8 * MiB),
+            range_size=u.take("range_size", parse_size, 16 * MiB),
             multipart_threshold=u.take("multipart_threshold", parse_size, 64 * MiB),
             part_size=u.take("part_size", parse_size, 16 * MiB),
             checksum=choice("checksum", ("when_required", "when_supported"), "when_required"),
@@ -276,19 +277,39 @@ class _TooSmall(Exception):
     """The caller's buffer cannot hold the payload: a miss."""
 
 
+async def _cancel(tasks: list[asyncio.Task]) -> None:
+    """Cancel and reap sibling range reads (after a failure; a no-op once they are done)."""
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 def _header_len(head: Any) -> int:
     """The header-length field of a chunk header (bytes 12..16), to finish a long header."""
     return int.from_bytes(bytes(head[12:16]), "little")
 
 
-async def _read_exact(body: Any, dest: memoryview) -> None:
-    pos, n = 0, dest.nbytes
-    while pos < n:
-        piece = await body.read(min(n - pos, _READ_PIECE))
-        if not piece:
-            raise ChunkError(f"object ended after {pos} of {n} bytes")
-        dest[pos : pos + len(piece)] = piece
-        pos += len(piece)
+class _BodyReader:
+    """Streams a response body into caller memory, one network chunk at a time (no joins)."""
+
+    def __init__(self, body: Any):
+        self._content = body.raw_stream.content
+        self._rest: memoryview | None = None
+
+    async def read_into(self, dest: memoryview) -> None:
+        pos, n = 0, dest.nbytes
+        while pos < n:
+            if self._rest is not None:
+                piece, self._rest = self._rest, None
+            else:
+                piece = memoryview(await self._content.readany())
+                if not piece.nbytes:
+                    raise ChunkError(f"object ended after {pos} of {n} bytes")
+            take = min(piece.nbytes, n - pos)
+            dest[pos : pos + take] = piece[:take]
+            if take < piece.nbytes:
+                self._rest = piece[take:]
+            pos += take
 
 
 class S3Store(Store):
@@ -355,76 +376,101 @@ class S3Store(Store):
 
     # -- reads ---------------------------------------------------------------------------
 
-    async def _read_range(self, name: str, start: int, dest: memoryview) -> None:
-        end = start + dest.nbytes - 1
+    async def _get_range(self, name: str, start: int, end: int, dest: memoryview) -> None:
+        """Bytes [start, end) of an object, written into `dest`."""
         async with self._op("get range") as client:
             resp = await client.get_object(Bucket=self.opts.bucket, Key=name,
-                                           Range=f"bytes={start}-{end}")
-            if not (resp.get("ContentRange") or "").startswith(f"bytes {start}-{end}/"):
-                raise ChunkError(f"asked for bytes {start}-{end}, got {resp.get('ContentRange')}")
+                                           Range=f"bytes={start}-{end - 1}")
+            if not (resp.get("ContentRange") or "").startswith(f"bytes {start}-{end - 1}/"):
+                raise ChunkError(f"asked for bytes {start}-{end - 1}, got {resp.get('ContentRange')}")
             async with resp["Body"] as body:
-                await _read_exact(body, dest)
+                await _BodyReader(body).read_into(dest)
 
-    async def _read_object(self, key: str, out: memoryview | None) -> tuple[ChunkHeader, Any]:
-        """Fetch and verify one chunk: (header, whole blob) or, with `out`, (header, out).
+    def _first_range(self) -> str:
+        # 1.25x the range size, so a chunk just over a round size (payload + 4 KiB header)
+        # is still one request.
+        return f"bytes=0-{self.opts.range_size * 5 // 4 - 1}"
 
-        Raises `_Missing`, StoreUnavailable or ChunkError (the object is corrupt).
+    async def _read_blob(self, key: str) -> tuple[ChunkHeader, bytearray]:
+        """The whole verified blob, in one buffer allocated once the first GET's
+        Content-Range gives the size; the other ranges start at once and land in place
+        while the first body streams. (One fresh buffer per get: this VM's page faults
+        made a join of buffered pieces cost as much as the network read itself.)
+        Raises `_Missing`, StoreUnavailable, ClientError or ChunkError (a corrupt object).
         """
-        name, opts = self._name(key), self.opts
+        name, opts, loop = self._name(key), self.opts, asyncio.get_running_loop()
         async with self._op("get") as client:
-            resp = await client.get_object(Bucket=opts.bucket, Key=name,
-                                           Range=f"bytes=0-{opts.range_size - 1}")
-            total = _object_size(resp)
-            first = int(resp["ContentLength"])
+            resp = await client.get_object(Bucket=opts.bucket, Key=name, Range=self._first_range())
+            total, first = _object_size(resp), int(resp["ContentLength"])
+            blob = bytearray(total)
+            view = memoryview(blob)
+            tasks = [loop.create_task(self._get_range(name, s, e, view[s:e]))
+                     for s, e in (_split(first, total, opts.range_size) if first < total else [])]
+            try:
+                async with resp["Body"] as body:
+                    await _BodyReader(body).read_into(view[:first])
+                header = decode_header(view[:first], key)
+                if total != header.total_len:
+                    raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+                await asyncio.gather(*tasks)
+            finally:
+                await _cancel(tasks)
+        if opts.verify:
+            header.verify_payload(view[header.header_len :])
+        return header, blob
+
+    async def _read_into(self, key: str, out: memoryview) -> ChunkHeader:
+        """Stream the payload into `out`; the header is parsed first so that every later
+        byte lands in place. Raises like `_read_blob`, and `_TooSmall`.
+        """
+        name, opts, loop = self._name(key), self.opts, asyncio.get_running_loop()
+        async with self._op("get") as client:
+            resp = await client.get_object(Bucket=opts.bucket, Key=name, Range=self._first_range())
+            total, first = _object_size(resp), int(resp["ContentLength"])
             async with resp["Body"] as body:
+                reader = _BodyReader(body)
                 head = bytearray(min(first, HEADER_SIZE))
-                await _read_exact(body, memoryview(head))
+                await reader.read_into(memoryview(head))
                 try:
                     header = decode_header(head, key)
                 except ChunkError as exc:
                     if "truncated header" not in str(exc) or first < HEADER_SIZE:
                         raise
                     more = bytearray(min(first, _header_len(head)) - len(head))
-                    await _read_exact(body, memoryview(more))
+                    await reader.read_into(memoryview(more))
                     head += more
                     header = decode_header(head, key)
                 if total != header.total_len:
                     raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
-                hlen = header.header_len
-                if out is None:
-                    blob = bytearray(total)
-                    blob[: len(head)] = head
-                    payload = memoryview(blob)[hlen:]
-                else:
-                    if out.nbytes < header.payload_len:
-                        raise _TooSmall()
-                    blob = out
-                    payload = out[: header.payload_len]
-                tasks = [
-                    asyncio.get_running_loop().create_task(
-                        self._read_range(name, s, payload[s - hlen : e - hlen]))
-                    for s, e in (_split(first, total, opts.range_size) if first < total else [])
-                ]
+                if out.nbytes < header.payload_len:
+                    raise _TooSmall()
+                hlen, payload = header.header_len, out[: header.payload_len]
+                tasks = [loop.create_task(self._get_range(name, s, e, payload[s - hlen : e - hlen]))
+                         for s, e in (_split(first, total, opts.range_size) if first < total else [])]
                 try:
-                    await _read_exact(body, payload[len(head) - hlen : first - hlen])
+                    await reader.read_into(payload[len(head) - hlen : first - hlen])
                     await asyncio.gather(*tasks)
                 finally:
-                    for t in tasks:
-                        t.cancel()
-                    for t in tasks:
-                        with contextlib.suppress(BaseException):
-                            await t
+                    await _cancel(tasks)
         if opts.verify:
             header.verify_payload(payload)
-        return header, blob
+        return header
 
     async def _guarded_read(self, key: str, out: memoryview | None) -> tuple[ChunkHeader, Any] | None:
-        """`_read_object` with every failure turned into a counted miss."""
+        """A read with every failure turned into a counted miss: (header, blob or None)."""
         try:
-            got = await self._read_object(key, out)
+            if out is None:
+                got: tuple[ChunkHeader, Any] = await self._read_blob(key)
+            else:
+                got = (await self._read_into(key, out), None)
         except (_Missing, _TooSmall):
             return None
         except (StoreUnavailable, ClientError) as exc:
+            if isinstance(exc, ClientError) and _status(exc) == 416:
+                # "bytes=0-..." is unsatisfiable only for a 0-byte object: no chunk is empty,
+                # and left in place it would make create-only puts skip the key forever.
+                self._quarantine(key, "empty object")
+                return None
             self.counters["errors"] += 1
             log.debug("%s: get %s: %s", self, key, exc)
             return None
@@ -473,9 +519,10 @@ class S3Store(Store):
             self.counters["bytes_read"] += size
 
     async def get(self, key: str) -> bytes | None:
+        """The verified blob as a bytearray (filled in place: no copy after the network)."""
         check_key(key)
         got = await self._guarded_read(key, None)
-        blob = None if got is None else bytes(got[1])
+        blob = None if got is None else got[1]
         self._count_get(None if blob is None else len(blob))
         return blob
 
@@ -590,7 +637,11 @@ class S3Store(Store):
 
         done = False
         try:
-            ranges = _split(0, data.nbytes, self.opts.part_size)
+            # S3 refuses parts but the last under 5 MiB (EntityTooSmall), so parts are
+            # exactly part_size (>= 5 MiB) and the remainder goes last; _split's even
+            # division could make every part smaller than part_size.
+            ranges = [(s, min(s + self.opts.part_size, data.nbytes))
+                      for s in range(0, data.nbytes, self.opts.part_size)]
             parts = await asyncio.gather(*(part(i + 1, s, e) for i, (s, e) in enumerate(ranges)))
             extra = {"IfNoneMatch": "*"} if conditional else {}
             try:

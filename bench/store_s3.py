@@ -1,0 +1,121 @@
+"""S3 baselines for `kvstash bench store --store s3://...`, and the `--shape` option.
+
+Baselines: plain boto3 `put_object` / `get_object(...)["Body"].read()` of the same
+number of same-sized objects on the same server and bucket, one at a time (what a
+straightforward client does), once with boto3's defaults (CRC32 on put, validated on
+get) and once with checksums off (`when_required`, as the store runs). With
+`--shape LATENCY,BANDWIDTH` both the store and the baselines go through a
+latency + per-connection-bandwidth proxy (bench/s3shape.py) in its own process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from urllib.parse import urlsplit
+
+from storage.options import StoreURL
+from storage.s3 import S3Options
+
+HEADER = 4096
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--shape", metavar="LATENCY,BANDWIDTH",
+                   help="s3:// only: measure through a proxy adding LATENCY to every request "
+                        "and capping each connection at BANDWIDTH, e.g. 30ms,90MBps "
+                        "(published S3 per-connection figures)")
+
+
+def _with_endpoint(url: str, endpoint: str) -> str:
+    parts = urlsplit(url)
+    pairs = [p for p in parts.query.split("&") if p and not p.startswith("endpoint=")]
+    return parts._replace(query="&".join([f"endpoint={endpoint}", *pairs])).geturl()
+
+
+async def setup(args: argparse.Namespace, url: str) -> tuple[str, Callable[[], Awaitable[None]]]:
+    async def nothing() -> None:
+        return None
+
+    if not getattr(args, "shape", None):
+        return url, nothing
+    opts = S3Options.from_url(StoreURL(url))
+    if not opts.endpoint:
+        raise SystemExit("--shape needs an s3:// URL with endpoint=http://host:port")
+    upstream = urlsplit(opts.endpoint)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bench.s3shape", "--upstream",
+         f"{upstream.hostname}:{upstream.port or 80}", "--shape", args.shape],
+        stdout=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    line = await asyncio.to_thread(proc.stdout.readline)
+    if not line.startswith("listening "):
+        proc.kill()
+        raise SystemExit(f"the shaping proxy did not start: {line!r}")
+    port = int(line.split()[1])
+
+    async def stop() -> None:
+        proc.terminate()
+        await asyncio.to_thread(proc.wait, 10)
+
+    return _with_endpoint(url, f"http://127.0.0.1:{port}"), stop
+
+
+def _client(opts: S3Options, checksums: str):
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3", endpoint_url=opts.endpoint, region_name=opts.region,
+        aws_access_key_id=opts.access_key, aws_secret_access_key=opts.secret_key,
+        aws_session_token=opts.session_token,
+        config=Config(s3={"addressing_style": opts.addressing},
+                      request_checksum_calculation=checksums,
+                      response_checksum_validation=checksums),
+    )
+
+
+def _measure(opts: S3Options, checksums: str, size: int, count: int, rounds: int) -> tuple[float, float]:
+    """Sequential put then get of `count` objects; (put seconds, median get seconds)."""
+    client = _client(opts, checksums)
+    data = os.urandom(size + HEADER)
+    names = [f"{opts.prefix}.bench-baseline-{uuid.uuid4().hex[:8]}/{i:04d}" for i in range(count)]
+    try:
+        t0 = time.perf_counter()
+        for name in names:
+            client.put_object(Bucket=opts.bucket, Key=name, Body=data)
+        put_s = time.perf_counter() - t0
+        get_times = []
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            for name in names:
+                got = client.get_object(Bucket=opts.bucket, Key=name)["Body"].read()
+                if len(got) != len(data):
+                    raise RuntimeError(f"baseline read {len(got)} of {len(data)} bytes")
+            get_times.append(time.perf_counter() - t0)
+        return put_s, statistics.median(get_times)
+    finally:
+        for name in names:
+            client.delete_object(Bucket=opts.bucket, Key=name)
+        client.close()
+
+
+async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
+                    concurrency: int) -> list[dict]:
+    opts = S3Options.from_url(StoreURL(url))
+    rounds = getattr(args, "rounds", 3)
+    nbytes = (size + HEADER) * count
+    out = []
+    for name, checksums in (("boto3 sequential get/put_object", "when_supported"),
+                            ("boto3 sequential, checksums off", "when_required")):
+        put_s, get_s = await asyncio.to_thread(_measure, opts, checksums, size, count, rounds)
+        out.append({"name": name, "put_gbps": nbytes / put_s / 1e9, "get_gbps": nbytes / get_s / 1e9})
+    return out
