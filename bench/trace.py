@@ -47,7 +47,7 @@ from bench.report import table, write_json
 from hashing import Namespace, keys_from_block_hashes
 from storage import encode_chunk, open_store
 from storage.base import Store
-from storage.options import format_size, parse_size
+from storage.options import StoreURL, format_size, parse_size
 
 BLOCK_TOKENS = 512  # the Mooncake traces hash 512-token blocks
 DEFAULT_FRACTIONS = (0.05, 0.1, 0.25, 0.5)
@@ -414,10 +414,12 @@ async def run(args: argparse.Namespace) -> int:
     ws = working_set(requests)
     best_hits, best_total = best_achievable(requests)
     tps = prefill_tokens_per_s(args.model, args.prefill_tps, args.ttft_json)
+    shown = StoreURL(args.store).redacted()  # URLs may carry credentials
     print(f"trace {args.trace}: {len(requests)} requests, {best_total} blocks, working set "
           f"{ws} chunks = {format_size(ws * chunk_bytes)} of {args.model} KV "
           f"({format_size(chunk_bytes)} per 512-token chunk); replay payload "
-          f"{format_size(payload_bytes)} (scale {args.scale}) through {args.store}")
+          f"{format_size(payload_bytes)} (scale {Fraction(args.scale).limit_denominator(1 << 24)}) "
+          f"through {shown}")
 
     runs = [("unlimited", None)] + [(p, c) for c in _capacities(args, ws, chunk_bytes)
                                     for p in policies]
@@ -436,10 +438,13 @@ async def run(args: argparse.Namespace) -> int:
         await store.close()
 
     unlimited = results[0]
+    # One load bandwidth for every row, so the TTFT column compares capacities, not noise.
+    read_s = sum(r.read_s for r in results)
+    measured_gbps = sum(r.bytes_read for r in results) / read_s / 1e9 if read_s else 0.0
+    load_bw = (args.bandwidth or measured_gbps) * 1e9
     rows, out_runs = [], []
     for res in results:
         c = res.counts
-        load_bw = args.bandwidth * 1e9 if args.bandwidth else res.read_gbps * 1e9
         saved = (ttft_saved_s(c.hit_tokens, bpt, tps, load_bw) / c.requests
                  if tps and load_bw else None)
         cap = res.capacity_chunks
@@ -467,23 +472,25 @@ async def run(args: argparse.Namespace) -> int:
           f"{best_hits / best_total:.2%}; unlimited replay: {unlimited.counts.hit_blocks} "
           f"-> {'equal' if matches else 'MISMATCH'}")
     if tps:
-        print(f"TTFT estimate: prefill {tps:.0f} tokens/s, break-even load bandwidth "
-              f"{break_even_bandwidth(bpt, tps) / 1e9:.3g} GB/s")
+        print(f"TTFT estimate: prefill {tps:.0f} tokens/s, load {load_bw / 1e9:.3g} GB/s "
+              f"({'--bandwidth' if args.bandwidth else 'measured over the replay'}), "
+              f"break-even {break_even_bandwidth(bpt, tps) / 1e9:.3g} GB/s")
     if args.plot:
         from bench.plots import hit_rate_curve
 
         hit_rate_curve(
             out_runs, Path(args.plot),
-            title=f"{Path(args.trace).name}: {len(requests)} requests through {args.store}",
+            title=f"{Path(args.trace).name}: {len(requests)} requests through {shown}",
         )
         print(f"plot: {args.plot}")
     write_json(args.json, {
-        "command": "bench trace", "trace": str(args.trace), "store": args.store,
+        "command": "bench trace", "trace": str(args.trace), "store": shown,
         "model": args.model, "kv_bytes_per_token": bpt, "chunk_bytes": chunk_bytes,
         "scale": float(args.scale), "payload_bytes": payload_bytes, "requests": len(requests),
         "working_set_chunks": ws, "best_achievable_hit_blocks": best_hits,
         "total_blocks": best_total, "best_achievable_block_hit_rate": best_hits / best_total,
-        "unlimited_matches_best": matches, "prefill_tokens_per_s": tps, "runs": out_runs,
+        "unlimited_matches_best": matches, "prefill_tokens_per_s": tps,
+        "load_gbps": load_bw / 1e9, "read_gbps_measured": measured_gbps, "runs": out_runs,
     })
     disagreements = sum(r.disagreements for r in results)
     return 0 if matches and not disagreements else 1
