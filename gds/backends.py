@@ -70,15 +70,21 @@ class HostBackend:
         return min(self.piece_bytes, max(MIN_PIECE, -(-even // ALIGN) * ALIGN))
 
     def read(self, f: OpenFile, offset: int, view: memoryview,
-             hasher: xxhash.xxh3_64 | None = None) -> None:
-        def work(a: int, b: int) -> None:
-            read_range(f, view[a:b], offset + a, self.mode)
+             hasher: xxhash.xxh3_64 | None = None) -> int:
+        """Fill `view` -> how many of its bytes came by O_DIRECT."""
+        direct = 0
 
-        def digest(a: int, b: int, _: Any) -> None:
-            hasher.update(view[a:b])
+        def work(a: int, b: int) -> int:
+            return read_range(f, view[a:b], offset + a, self.mode)
 
-        run_pieces(self.pool, work, view.nbytes, self.piece_for(view.nbytes),
-                   digest if hasher else None)
+        def finished(a: int, b: int, direct_bytes: int) -> None:
+            nonlocal direct
+            direct += direct_bytes
+            if hasher:
+                hasher.update(view[a:b])
+
+        run_pieces(self.pool, work, view.nbytes, self.piece_for(view.nbytes), finished)
+        return direct
 
 
 class Slot:

@@ -206,9 +206,9 @@ class ChunkIO:
         else:
             view = host_view(dest)[:length]
             hasher = xxhash.xxh3_64() if checksum is not None else None
-            self.host.read(f, offset, view, hasher)
+            direct = self.host.read(f, offset, view, hasher)
             got = hasher.intdigest() if hasher else None
-            self._count(bytes_host=length)
+            self._count(bytes_host=length, bytes_host_direct=direct)
         if got != checksum:
             raise ReadError(f.path, CORRUPT, "payload checksum mismatch")
 

@@ -103,24 +103,26 @@ def _pread_loop(fd: int, view: memoryview, offset: int, stop_unaligned: bool = F
     return done
 
 
-def _read_direct(f: OpenFile, view: memoryview, offset: int) -> int:
-    """Read the aligned body of the range with O_DIRECT (and its short head buffered)."""
+def _read_direct(f: OpenFile, view: memoryview, offset: int) -> tuple[int, int]:
+    """Read the aligned body of the range with O_DIRECT (its short head buffered) ->
+    (bytes read from the start of the range, of which by O_DIRECT)."""
     head = -offset % ALIGN
     if view.nbytes - head < ALIGN or (address(view) + head) % ALIGN:
-        return 0
+        return 0, 0
     dfd = f.direct_fd()
     if dfd is None:
-        return 0
+        return 0, 0
     if head and _pread_loop(f.fd, view[:head], offset) < head:
-        return 0
+        return 0, 0
     body = (view.nbytes - head) // ALIGN * ALIGN
     try:
-        return head + _pread_loop(dfd, view[head : head + body], offset + head, True)
+        direct = _pread_loop(dfd, view[head : head + body], offset + head, True)
     except OSError as exc:
         if exc.errno != errno.EINVAL:
             raise
         f.refuse_direct()  # the filesystem took the flag but not the read: buffered from now
-        return head
+        direct = 0
+    return head + direct, direct
 
 
 class _CacheRange(ctypes.Structure):
@@ -152,21 +154,24 @@ def _all_cached(f: OpenFile, offset: int, length: int) -> bool | None:
     return stat.nr_cache >= pages
 
 
-def read_range(f: OpenFile, view: memoryview, offset: int, mode: str = "auto") -> None:
-    """Fill `view` with the file's bytes at `offset`; ReadError if the file ends first."""
+def read_range(f: OpenFile, view: memoryview, offset: int, mode: str = "auto") -> int:
+    """Fill `view` with the file's bytes at `offset` -> how many came by O_DIRECT.
+    ReadError if the file ends first."""
+    direct = 0
     try:
         done = 0
         use_direct = mode == "always"
         if mode == "auto":
             use_direct = _all_cached(f, offset, view.nbytes) is False
         if use_direct:
-            done += _read_direct(f, view[done:], offset + done)
+            done, direct = _read_direct(f, view, offset)
         if done < view.nbytes:
             done += _pread_loop(f.fd, view[done:], offset + done)
     except OSError as exc:
         raise read_error(f.path, exc) from None
     if done < view.nbytes:
         raise ReadError(f.path, SHORT, f"{offset + done} of {offset + view.nbytes} bytes present")
+    return direct
 
 
 def _pwrite_loop(fd: int, view: memoryview, offset: int) -> None:
