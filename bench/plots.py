@@ -14,6 +14,17 @@ import matplotlib.pyplot as plt  # noqa: E402  (the backend must be chosen first
 GiB = 1024**3
 
 
+def _size_axis(ax: Any) -> None:
+    """A log x axis of GiB labelled like sizes (500 GiB, 2 TiB), not powers of ten."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    ax.set_xscale("log")
+    ax.xaxis.set_major_formatter(FuncFormatter(
+        lambda x, _: f"{x / 1024:g} TiB" if x >= 1024 else f"{x:g} GiB"))
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("cache capacity (real KV size)")
+
+
 def _save(fig: Any, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
@@ -34,8 +45,7 @@ def hit_rate_curve(runs: Sequence[dict[str, Any]], path: Path, title: str) -> No
         if not r["capacity_chunks"]:
             ax.axhline(100 * r["block_hit_rate"], linestyle="--", color="grey",
                        label=f"unlimited ({100 * r['block_hit_rate']:.1f}%)")
-    ax.set_xscale("log")
-    ax.set_xlabel("cache capacity (GiB of real KV)")
+    _size_axis(ax)
     ax.set_ylabel("block hit rate (%)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, which="both", alpha=0.3)
@@ -58,8 +68,7 @@ def plan_chart(rows: Sequence[dict[str, Any]], path: Path, title: str,
     right.set_ylabel(f"mean TTFT saved per request (ms) at {bandwidth_gbps:g} GB/s")
     right.axhline(0, color="black", linewidth=0.8)
     for ax in (left, right):
-        ax.set_xscale("log")
-        ax.set_xlabel("cache capacity (GiB of real KV)")
+        _size_axis(ax)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
     fig.suptitle(f"{title}\nbreak-even load bandwidth {break_even_gbps:.3g} GB/s "
