@@ -26,7 +26,7 @@ import xxhash
 
 from gds.buffers import ALIGN, aligned_empty
 from gds.errors import IO, SHORT, ReadError
-from gds.hostio import OpenFile, read_range
+from gds.hostio import OpenFile, read_error, read_range
 
 MIN_PIECE = 1 << 20
 
@@ -198,7 +198,9 @@ class TorchGdsBackend:
         try:
             gds_file = torch.cuda.gds.GdsFile(f.path, os.O_RDONLY)
         except OSError as exc:
-            raise ReadError(f.path, IO, f"cuFile open: {exc.strerror}") from None
+            raise read_error(f.path, exc) from None  # say, evicted since we opened it
+        except RuntimeError as exc:
+            raise ReadError(f.path, IO, f"cuFile handle: {exc}") from None
         storage, base = dest.untyped_storage(), dest.storage_offset()
 
         def work(a: int, b: int) -> None:
