@@ -245,3 +245,27 @@ def test_auto_serves_cached_chunks_from_the_cache_and_cold_ones_with_o_direct(tm
         (cold,) = chunk_io.stats()["filesystems"].values()
     assert np.array_equal(dest.numpy(), data)
     assert cold["direct"] is True
+
+
+def test_concurrent_submitters_share_one_chunk_io_safely(tmp_path, ns):
+    chunks = [write_chunk(tmp_path, ns, i, payload(2 * PIECE + i, seed=i)) for i in range(4)]
+    errors = []
+
+    def reader(chunk_io):
+        try:
+            for _ in range(5):
+                for i, (path, key, _) in enumerate(chunks):
+                    dest = np.empty(2 * PIECE + i, np.uint8)
+                    chunk_io.submit_chunk(path, dest, key=key).result()
+                    assert np.array_equal(dest, payload(2 * PIECE + i, seed=i))
+        except Exception as exc:  # collected and re-raised on the test thread
+            errors.append(exc)
+
+    with cpu_io(max_inflight=3) as chunk_io:
+        threads = [threading.Thread(target=reader, args=(chunk_io,)) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert chunk_io.stats()["counters"]["chunk_reads"] == 4 * 5 * 4
+    assert errors == []
