@@ -45,8 +45,9 @@ def small_fs_fixture(tmp_path: Path) -> Iterator[Path]:
 class ServerProcess:
     """`kvstash serve` in its own process, so a test can SIGKILL it and start it again."""
 
-    def __init__(self, args: list[str], port: int, log_path: Path):
+    def __init__(self, args: list[str], port: int, log_path: Path, verbose: bool = False):
         self.args = args
+        self.verbose = verbose
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
@@ -55,7 +56,8 @@ class ServerProcess:
     def start(self, timeout_s: float = 30.0) -> None:
         log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvstash.cli", "serve", "--host", "127.0.0.1",
+            [sys.executable, "-m", "kvstash.cli", *(["-v"] if self.verbose else []), "serve",
+             "--host", "127.0.0.1",
              "--port", str(self.port), *self.args],
             stdout=log, stderr=subprocess.STDOUT,
         )
