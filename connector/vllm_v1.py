@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -168,6 +169,7 @@ class KvstashConnector(KVConnectorBase_V1):
         ]
         self.io = StoreLoop.shared(store)
         self.counters: dict[str, int] = {}
+        self._counters_lock = threading.Lock()  # bumped from the store loop and the engine
         # scheduler side
         self._reqs: dict[str, _Req] = {}
         self._loads: list[ReqChunks] = []
@@ -194,8 +196,9 @@ class KvstashConnector(KVConnectorBase_V1):
         return False  # a cache: a dropped save is a future miss
 
     def _count(self, **deltas: int) -> None:
-        for name, d in deltas.items():
-            self.counters[name] = self.counters.get(name, 0) + d
+        with self._counters_lock:
+            for name, d in deltas.items():
+                self.counters[name] = self.counters.get(name, 0) + d
 
     def _keys(self, chunks: list[ChunkRef], rank: int) -> list[str]:
         return keys_from_block_hashes([c.block_hash for c in chunks], self.ns_by_rank[rank])

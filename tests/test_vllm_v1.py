@@ -171,3 +171,38 @@ def test_metadata_is_picklable_for_the_worker_processes(store_url):
         engine.shutdown()
     again = pickle.loads(pickle.dumps(meta))
     assert isinstance(again, KvstashMetadata) and again.saves == meta.saves
+
+
+def test_chunks_evicted_between_lookup_and_load_are_recomputed(tmp_path):
+    import shutil
+
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_blocks=CHUNK_BLOCKS)
+    reader = V1Engine(url, chunk_blocks=CHUNK_BLOCKS)
+    try:
+        write_prompt(writer, list(range(7)))
+        req = make_request(PROMPT)
+        ext, _ = reader.lookup(req)
+        shutil.rmtree(tmp_path / "kv")  # another node's gc wins the race
+        reader.scheduler.update_state_after_alloc(req, blocks(range(10, 17)), ext)
+        errors = set()
+
+        def step():
+            _, done, errs = reader.step()
+            errors.update(errs)
+            return req.request_id in done
+
+        wait_until(step)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert ext == 6 * BLOCK_SIZE
+    assert errors == set(range(10, 16))
+
+
+def test_unreachable_store_is_a_miss_not_an_error():
+    engine = V1Engine("http://127.0.0.1:9", chunk_blocks=CHUNK_BLOCKS)  # nothing listens
+    try:
+        assert engine.lookup(make_request(PROMPT)) == (0, False)
+    finally:
+        engine.shutdown()
