@@ -54,6 +54,7 @@ class OpenFile:
         self.size = st.st_size
         self._direct_fd: int | None = None
         self._direct_tried = False
+        self._direct_refused = False
         self._lock = threading.Lock()
 
     @classmethod
@@ -69,14 +70,14 @@ class OpenFile:
             if not self._direct_tried:
                 self._direct_tried = True
                 self._direct_fd = self.support.open_direct(self.path, self.dev, self.flags)
-            return self._direct_fd
+            return None if self._direct_refused else self._direct_fd
 
     def refuse_direct(self) -> None:
+        """Stop using O_DIRECT here. The descriptor stays open until close(): another piece
+        may be reading through it, and a closed number can be reused by any open()."""
         self.support.refuse(self.dev)
         with self._lock:
-            if self._direct_fd is not None:
-                os.close(self._direct_fd)
-                self._direct_fd = None
+            self._direct_refused = True
 
     def close(self) -> None:
         for fd in (self.fd, self._direct_fd):
