@@ -2,11 +2,14 @@
 
 Real S3 answers after tens of milliseconds and streams ~85-90 MB/s per connection (AWS
 S3 performance guidelines), so clients win with concurrency; loopback has neither limit.
-Every byte a client sends reaches the server `latency` later (so each request waits that
-long for its first response byte), and each connection carries at most `bandwidth` bytes
-per second in each direction. It shapes bytes only and knows nothing of HTTP.
+Each burst of bytes a client sends (a request) reaches the server `latency` later, so
+every request waits that long for its first response byte; each connection carries at
+most `bandwidth` bytes per second in each direction. It shapes bytes and knows nothing
+of HTTP. Two blocking threads per connection move 1 MiB at a time with `recv_into` /
+`sendall` (the copies happen outside the GIL), so the proxy itself is not the bottleneck
+on a small machine.
 
-Run it as a process so its CPU use does not share the measured client's GIL:
+Run it as a process so that it does not share the measured client's GIL:
     python -m bench.s3shape --upstream 127.0.0.1:9000 --shape 30ms,90MBps
 prints `listening <port>` once ready and serves until killed.
 """
@@ -14,14 +17,15 @@ prints `listening <port>` once ready and serves until killed.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import contextlib
+import select
+import socket
+import threading
 import time
 
 from storage.options import parse_seconds, parse_size
 
-_READ = 256 * 1024
-_PACE = 256 * 1024
+_CHUNK = 1024 * 1024
 
 
 def parse_shape(text: str) -> tuple[float, float]:
@@ -35,59 +39,54 @@ def parse_shape(text: str) -> tuple[float, float]:
         raise ValueError(f"bad --shape {text!r}: expected LATENCY,BANDWIDTH like 30ms,90MBps") from None
 
 
-async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter, delay: float,
-                rate: float) -> None:
-    """Forward src to dst, each byte `delay` after it arrived, at most `rate` bytes/s."""
-    queue: asyncio.Queue[tuple[float, bytes] | None] = asyncio.Queue()
-
-    async def read() -> None:
-        try:
-            while data := await src.read(_READ):
-                queue.put_nowait((time.monotonic(), data))
-        finally:
-            queue.put_nowait(None)
-
-    reader = asyncio.ensure_future(read())
+def _pump(src: socket.socket, dst: socket.socket, delay: float, rate: float) -> None:
+    """Copy src to dst: a burst that starts after src was idle waits `delay`; at most `rate` B/s."""
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    next_free = 0.0
     try:
-        next_free = 0.0
-        while (item := await queue.get()) is not None:
-            arrived, data = item
-            wait = arrived + delay - time.monotonic()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            for i in range(0, len(data), _PACE):
-                piece = data[i : i + _PACE]
-                dst.write(piece)
-                await dst.drain()
-                now = time.monotonic()
-                next_free = max(now, next_free) + len(piece) / rate
-                if next_free > now:
-                    await asyncio.sleep(next_free - now)
+        while True:
+            idle = not select.select([src], [], [], 0)[0]
+            n = src.recv_into(buf)
+            if not n:
+                break
+            if idle and delay:
+                time.sleep(delay)
+            dst.sendall(view[:n])
+            now = time.monotonic()
+            next_free = max(now, next_free) + n / rate
+            if next_free > now:
+                time.sleep(next_free - now)
+    except OSError:
+        pass
     finally:
-        reader.cancel()
-        with contextlib.suppress(Exception):
-            dst.write_eof()
+        with contextlib.suppress(OSError):
+            dst.shutdown(socket.SHUT_WR)
 
 
-async def serve(upstream: tuple[str, int], latency: float, rate: float, port: int = 0) -> None:
-    async def handle(cr: asyncio.StreamReader, cw: asyncio.StreamWriter) -> None:
-        try:
-            ur, uw = await asyncio.open_connection(*upstream)
-        except OSError:
-            cw.close()
-            return
-        try:
-            await asyncio.gather(_pipe(cr, uw, latency, rate), _pipe(ur, cw, 0.0, rate))
-        except (ConnectionError, OSError):
-            pass
-        finally:
-            uw.close()
-            cw.close()
+def _connection(client: socket.socket, upstream: tuple[str, int], delay: float, rate: float) -> None:
+    try:
+        server = socket.create_connection(upstream)
+    except OSError:
+        client.close()
+        return
+    for s in (client, server):
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    back = threading.Thread(target=_pump, args=(server, client, 0.0, rate), daemon=True)
+    back.start()
+    _pump(client, server, delay, rate)
+    back.join()
+    client.close()
+    server.close()
 
-    server = await asyncio.start_server(handle, "127.0.0.1", port)
-    print(f"listening {server.sockets[0].getsockname()[1]}", flush=True)
-    async with server:
-        await server.serve_forever()
+
+def serve(upstream: tuple[str, int], latency: float, rate: float, port: int = 0) -> None:
+    listener = socket.create_server(("127.0.0.1", port), backlog=128)
+    print(f"listening {listener.getsockname()[1]}", flush=True)
+    while True:
+        client, _ = listener.accept()
+        threading.Thread(target=_connection, args=(client, upstream, latency, rate),
+                         daemon=True).start()
 
 
 def main() -> None:
@@ -99,7 +98,7 @@ def main() -> None:
     host, _, port = args.upstream.rpartition(":")
     latency, rate = parse_shape(args.shape)
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(serve((host, int(port)), latency, rate, args.port))
+        serve((host, int(port)), latency, rate, args.port)
 
 
 if __name__ == "__main__":

@@ -256,6 +256,13 @@ def _code(exc: ClientError) -> str:
     return str(exc.response.get("Error", {}).get("Code", ""))
 
 
+def _retried(exc: ClientError) -> bool:
+    """For a 412 on a create-only put: did botocore retry it? Then the attempt whose answer
+    was lost (a timeout, a dropped connection) most likely wrote the object: this call did.
+    """
+    return int(exc.response.get("ResponseMetadata", {}).get("RetryAttempts") or 0) > 0
+
+
 def _object_size(resp: dict[str, Any]) -> int:
     """Whole-object size from a (possibly ranged) GET response."""
     m = _CONTENT_RANGE.match(resp.get("ContentRange") or "")
@@ -612,7 +619,7 @@ class S3Store(Store):
             except ClientError as exc:
                 status = _status(exc)
                 if status == 412:
-                    return False
+                    return _retried(exc)
                 if status != 409 or delay is None:
                     raise StoreUnavailable(f"{self}: put: {status} {_code(exc)}") from None
             except _Missing:
@@ -651,7 +658,7 @@ class S3Store(Store):
                         MultipartUpload={"Parts": list(parts)}, **extra)
             except ClientError as exc:
                 if _status(exc) == 412:
-                    return False
+                    return _retried(exc)
                 raise StoreUnavailable(f"{self}: complete multipart: {_status(exc)} "
                                        f"{_code(exc)}") from None
             done = True
