@@ -74,6 +74,7 @@ PROBE_DIR = ".kvstash"
 _MISS_STATUS = (403, 404)
 _CONFLICT_RETRIES = (0.05, 0.1, 0.2, 0.4)
 _TOUCHED_MAX = 100_000
+_STALE_UPLOAD_S = 86_400.0
 _READ_PIECE = 4 * MiB
 _TRANSPORT_ERRORS = (BotoCoreError, aiohttp.ClientError, OSError, TimeoutError)
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
@@ -761,7 +762,26 @@ class S3Store(Store):
             "evicted": plan.evicted, "evicted_bytes": plan.evicted_bytes,
             "used_bytes": plan.used_bytes, "chunks": plan.chunks,
             "orphan_markers": plan.orphan_markers, "delete_failures": failed,
+            "aborted_uploads": await self._abort_stale_uploads(),
         }
+
+    async def _abort_stale_uploads(self) -> int:
+        """Abort multipart uploads under the prefix older than a day (crashed writers);
+        their parts take space but are invisible to listings. Best effort."""
+        cutoff, aborted = time.time() - _STALE_UPLOAD_S, 0
+        try:
+            async with self._op("list uploads") as client:
+                page = await client.list_multipart_uploads(Bucket=self.opts.bucket,
+                                                           Prefix=self.prefix)
+            for up in page.get("Uploads", []):
+                if up["Initiated"].timestamp() < cutoff:
+                    async with self._op("abort upload") as client:
+                        await client.abort_multipart_upload(
+                            Bucket=self.opts.bucket, Key=up["Key"], UploadId=up["UploadId"])
+                    aborted += 1
+        except (ClientError, _Missing, StoreUnavailable) as exc:
+            log.info("%s: skipped aborting stale multipart uploads: %s", self, exc)
+        return aborted
 
     async def _delete_many(self, names: list[str]) -> int:
         """Batch deletes (1000 per request); per-object deletes if the server lacks them."""
