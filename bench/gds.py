@@ -13,7 +13,8 @@ neighbour slows all paths alike), reads every file with every path available her
 
 Each path is verified against the reference payloads before it is timed; the exit status
 is 1 if any path returned wrong bytes. Reported GB/s is the median over rounds of
-(payload bytes of all files / time for the pass). Page-cached unless `--cold`, which drops
+(payload bytes of all files / time for the pass); a ratio is the median over rounds of the
+path's GB/s over its baseline's in the same round. Page-cached unless `--cold`, which drops
 these files from the page cache (posix_fadvise DONTNEED) before every pass.
 """
 
@@ -38,7 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dir", help="directory for the chunk files (default: a fresh temp dir)")
     p.add_argument("--size-mib", type=float, default=16, help="payload size per chunk (16)")
     p.add_argument("--count", type=int, default=8, help="chunk files (8)")
-    p.add_argument("--rounds", type=int, default=7, help="timed rounds, median reported (7)")
+    p.add_argument("--rounds", type=int, default=15, help="timed rounds, median reported (15)")
     p.add_argument("--threads", type=int, default=0, help="ChunkIO I/O threads (0 = auto)")
     p.add_argument("--cold", action="store_true", help="drop the files from the page cache before every pass")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
@@ -48,10 +49,18 @@ class ReadPath:
     """One way of reading file i into destination i, with how to check what it read."""
 
     def __init__(self, name: str, read_all: Callable[[], None], check: Callable[[], bool],
-                 baseline: str | None = None):
+                 baseline: str | None = None, io: Any = None):
         self.name, self.read_all, self.check, self.baseline = name, read_all, check, baseline
+        self.io = io
         self.gbps: list[float] = []
         self.verified: bool | None = None
+
+    def direct_share(self) -> float | None:
+        """The share of host-path bytes that came by O_DIRECT (None: not a host path)."""
+        counters = self.io.stats()["counters"] if self.io else {}
+        if not counters.get("bytes_host"):
+            return None
+        return counters.get("bytes_host_direct", 0) / counters["bytes_host"]
 
 
 def _drop_cache(paths: list[str]) -> None:
@@ -88,13 +97,12 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(root, exist_ok=True)
     caps = probe(root)
     cfg = IOConfig(io_threads=args.threads, max_inflight=max(8, args.count))
-    ios: dict[str, ChunkIO] = {}
+    ios: list[ChunkIO] = []
 
     def chunk_io(**kw: Any) -> ChunkIO:
-        name = ",".join(f"{k}={v}" for k, v in sorted(kw.items()))
-        if name not in ios:
-            ios[name] = ChunkIO(IOConfig(**{**cfg.__dict__, **kw}), caps=caps)
-        return ios[name]
+        """A ChunkIO of its own per path, so its counters describe that path alone."""
+        ios.append(ChunkIO(IOConfig(**{**cfg.__dict__, **kw}), caps=caps))
+        return ios[-1]
 
     files: list[str] = []
     try:
@@ -131,27 +139,34 @@ def run(args: argparse.Namespace) -> int:
                     if fh.readinto(view) != size:
                         raise RuntimeError(f"{f}: short read")
 
-        def one_by_one(io: ChunkIO, dests: list) -> Callable[[], None]:
+        def one_by_one(name: str, dests: list, check: Callable[[], bool], baseline: str,
+                       **kw: Any) -> ReadPath:
+            io = chunk_io(**kw)
+
             def go() -> None:
                 for f, k, d in zip(files, keys, dests, strict=True):
                     io.submit_chunk(f, d, key=k).result()
-            return go
+            return ReadPath(name, go, check, baseline, io)
 
-        def all_at_once(io: ChunkIO, dests: list) -> Callable[[], None]:
+        def all_at_once(name: str, dests: list, check: Callable[[], bool], baseline: str,
+                        **kw: Any) -> ReadPath:
+            io = chunk_io(**kw)
+
             def go() -> None:
                 futures = [io.submit_chunk(f, d, key=k) for f, k, d in zip(files, keys, dests, strict=True)]
                 for fut in futures:
                     fut.result()
-            return go
+            return ReadPath(f"{name}, {args.count} in flight", go, check, baseline, io)
 
         base = "readinto, 1 thread"
         paths = [ReadPath(base, readinto, check_host)]
-        paths.append(ReadPath("host (path 4), verify=header", one_by_one(chunk_io(verify="header"), host), check_host, base))
-        paths.append(ReadPath("host (path 4), verify=checksum", one_by_one(chunk_io(verify="checksum"), host), check_host, base))
-        paths.append(ReadPath(f"host (path 4), verify=header, {args.count} in flight",
-                           all_at_once(chunk_io(verify="header"), host), check_host, base))
-        paths.append(ReadPath("host O_DIRECT (disk, not cache), verify=header",
-                           one_by_one(chunk_io(verify="header", direct="always"), host), check_host, base))
+        paths += [
+            one_by_one("host (path 4), verify=header", host, check_host, base, verify="header"),
+            one_by_one("host (path 4), verify=checksum", host, check_host, base, verify="checksum"),
+            all_at_once("host (path 4), verify=header", host, check_host, base, verify="header"),
+            one_by_one("host O_DIRECT (disk, not cache), verify=header", host, check_host, base,
+                       verify="header", direct="always"),
+        ]
 
         if caps.cuda:
             from gds.probe import CUDA_BACKENDS
@@ -175,12 +190,14 @@ def run(args: argparse.Namespace) -> int:
             usable = {"torch-gds": caps.torch_gds, "kvikio": caps.kvikio, "bounce": True}
             for name in CUDA_BACKENDS:
                 if usable[name]:
-                    for verify in ("header", "checksum"):
-                        io = chunk_io(verify=verify, cuda_backend=name)
-                        paths.append(ReadPath(f"cuda {name}, verify={verify}", one_by_one(io, dev), check_dev, cuda_base))
-                    io = chunk_io(verify="header", cuda_backend=name)
-                    paths.append(ReadPath(f"cuda {name}, verify=header, {args.count} in flight",
-                                       all_at_once(io, dev), check_dev, cuda_base))
+                    paths += [
+                        one_by_one(f"cuda {name}, verify=header", dev, check_dev, cuda_base,
+                                   verify="header", cuda_backend=name),
+                        one_by_one(f"cuda {name}, verify=checksum", dev, check_dev, cuda_base,
+                                   verify="checksum", cuda_backend=name),
+                        all_at_once(f"cuda {name}, verify=header", dev, check_dev, cuda_base,
+                                    verify="header", cuda_backend=name),
+                    ]
 
         for p in paths:
             for d in clear:
@@ -207,20 +224,32 @@ def run(args: argparse.Namespace) -> int:
         hash_gbps = size / statistics.median(hash_s) / 1e9
         med = {p.name: statistics.median(p.gbps) for p in paths}
         rows = []
+        by_name = {p.name: p for p in paths}
+
+        def paired_ratio(p: ReadPath) -> float | None:
+            """Median over rounds of this path's GB/s over its baseline's in the same round:
+            neighbours' load changes between rounds more than within one."""
+            if not p.baseline:
+                return None
+            base_gbps = by_name[p.baseline].gbps
+            return statistics.median(x / b for x, b in zip(p.gbps, base_gbps, strict=True))
+
         for p in paths:
-            ratio = med[p.name] / med[p.baseline] if p.baseline else None
+            ratio = paired_ratio(p)
             rows.append({"path": p.name, "gbps": med[p.name], "min": min(p.gbps), "max": max(p.gbps),
-                         "vs": p.baseline, "ratio": ratio, "verified": p.verified})
+                         "vs": p.baseline, "ratio": ratio, "verified": p.verified,
+                         "direct_share": p.direct_share()})
         print(f"{len(files)} chunks x {args.size_mib:g} MiB in {root} "
               f"({'cold' if args.cold else 'page-cached'}), median of {args.rounds} rounds; "
               f"write {total / write_s / 1e9:.2f} GB/s (fsync)")
-        print(table(["path", "GB/s", "min", "max", "x baseline", "verified"],
-                    [[r["path"], r["gbps"], r["min"], r["max"], r["ratio"], r["verified"]] for r in rows]))
-        ratio = med[paths[1].name] / med[base]
+        print(table(["path", "GB/s", "min", "max", "x baseline", "O_DIRECT share", "verified"],
+                    [[r["path"], r["gbps"], r["min"], r["max"], r["ratio"], r["direct_share"],
+                      r["verified"]] for r in rows]))
+        ratio = paired_ratio(paths[1])
         verdict = "meets" if ratio >= TARGET_RATIO else "BELOW"
         print(f"host path vs single-threaded readinto: {ratio:.2f}x ({verdict} the {TARGET_RATIO}x target)")
         print(f"xxh3-64 of one payload in host memory (what verify=checksum adds): {hash_gbps:.1f} GB/s, 1 thread")
-        stats = chunk_io(verify="header").stats()
+        stats = paths[1].io.stats()
         print(f"backends: {stats['backends']}; filesystems: {stats['filesystems']}")
         if caps.notes:
             print("probe: " + "; ".join(caps.notes))
@@ -231,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
         })
         return 0 if all(p.verified for p in paths) else 1
     finally:
-        for io in ios.values():
+        for io in ios:
             io.close()
         if own_dir:
             shutil.rmtree(root, ignore_errors=True)
