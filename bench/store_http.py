@@ -8,6 +8,12 @@
    the same number of bytes per chunk and `recv_into` a preallocated buffer. No HTTP, no
    verification: the practical limit for any Python client and server on this machine.
 
+3. With `--lmcache HOST:PORT`: LMCache's legacy cache server (`python -m lmcache.v1.server
+   HOST PORT cpu`), the same sizes and concurrency, through a minimal client of its wire
+   protocol (a 186-byte request, a 36-byte reply, then the bytes) that receives into a
+   preallocated buffer: the best case for that server, better than its own `lm://`
+   connector, which allocates per chunk.
+
 Extras: `prefix_len` latency for 512 present keys (one batched lookup), p50 and p99.
 """
 
@@ -18,6 +24,7 @@ import asyncio
 import os
 import socket
 import statistics
+import struct
 import threading
 import time
 import uuid
@@ -29,11 +36,20 @@ from storage.codec import HEADER_SIZE
 from storage.options import StoreURL
 
 LOOKUP_KEYS = 512
+# LMCache legacy server protocol (lmcache/v1/protocol.py): request = command, length, memory
+# format, dtype, location, 4 shape dims (int32 each), then the key padded to 150 bytes;
+# reply = code, length, format, dtype, 4 shape dims, location.
+_LMC_REQUEST = struct.Struct("<9i150s")
+_LMC_REPLY = struct.Struct("<9i")
+_LMC_PUT, _LMC_GET, _LMC_EXIST = 1, 2, 3
+_LMC_BINARY, _LMC_UINT8, _LMC_OK = 4, 6, 200
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lookup-rounds", type=int, default=200,
                    help="http://: timed 512-key lookups for the latency percentiles (default 200)")
+    p.add_argument("--lmcache", metavar="HOST:PORT",
+                   help="http://: also measure a running LMCache legacy server on the same sizes")
 
 
 def _token(url: str) -> str | None:
@@ -51,6 +67,27 @@ async def backend_url(url: str) -> str:
         r.raise_for_status()
         stats = r.json()
     return stats["url"].split("#", 1)[0]
+
+
+def _timed_threads(fn, n: int) -> float:
+    """Seconds for `fn(0) .. fn(n-1)` in n threads; the first failure is re-raised."""
+    failures: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            fn(i)
+        except BaseException as exc:  # re-raised in the caller's thread
+            failures.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failures:
+        raise failures[0]
+    return time.perf_counter() - t0
 
 
 def raw_stream_gbps(size: int, count: int, concurrency: int, rounds: int) -> float:
@@ -84,21 +121,65 @@ def raw_stream_gbps(size: int, count: int, concurrency: int, rounds: int) -> flo
             while got < size:
                 got += sock.recv_into(view[got:])
 
-    times = []
     try:
-        for _ in range(rounds):
-            threads = [threading.Thread(target=receive, args=(i,)) for i in range(concurrency)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            times.append(time.perf_counter() - t0)
+        times = [_timed_threads(receive, concurrency) for _ in range(rounds)]
     finally:
         for c in clients:
             c.close()
         listener.close()
     return size * count / statistics.median(times) / 1e9
+
+
+def _recv_exact(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < view.nbytes:
+        n = sock.recv_into(view[got:])
+        if n == 0:
+            raise ConnectionError("LMCache server closed the connection")
+        got += n
+
+
+def lmcache_gbps(addr: str, size: int, count: int, concurrency: int,
+                 rounds: int) -> tuple[float, float]:
+    """(put GB/s, median get GB/s) of `count` objects of `size` bytes on an LMCache server."""
+    host, port = addr.rsplit(":", 1)
+    data = os.urandom(size)
+    tag = uuid.uuid4().hex[:12]
+    # The server strips spaces, not NULs, from the padded key.
+    keys = [f"kvstash-bench@1@0@{tag}{i:04x}@uint8".encode().ljust(150) for i in range(count)]
+    socks = [socket.create_connection((host, int(port))) for _ in range(concurrency)]
+    lanes = [keys[i::concurrency] for i in range(concurrency)]
+
+    def request(command: int, key: bytes, length: int = 0) -> bytes:
+        return _LMC_REQUEST.pack(command, length, _LMC_BINARY, _LMC_UINT8, 0, length, 0, 0, 0, key)
+
+    def put_lane(i: int) -> None:
+        for key in lanes[i]:
+            socks[i].sendall(request(_LMC_PUT, key, size))
+            socks[i].sendall(data)
+        # The server handles one connection in order: this reply means every put landed.
+        socks[i].sendall(request(_LMC_EXIST, lanes[i][-1] if lanes[i] else keys[0]))
+        _recv_exact(socks[i], memoryview(bytearray(_LMC_REPLY.size)))
+
+    buffers = [memoryview(bytearray(size)) for _ in range(concurrency)]
+    reply = [memoryview(bytearray(_LMC_REPLY.size)) for _ in range(concurrency)]
+
+    def get_lane(i: int) -> None:
+        for key in lanes[i]:
+            socks[i].sendall(request(_LMC_GET, key))
+            _recv_exact(socks[i], reply[i])
+            code, length = _LMC_REPLY.unpack(reply[i])[:2]
+            if code != _LMC_OK or length != size:
+                raise RuntimeError(f"LMCache GET answered {code} with {length} bytes")
+            _recv_exact(socks[i], buffers[i])
+
+    try:
+        put_s = _timed_threads(put_lane, concurrency)
+        get_s = statistics.median(_timed_threads(get_lane, concurrency) for _ in range(rounds))
+    finally:
+        for s in socks:
+            s.close()
+    return size * count / put_s / 1e9, size * count / get_s / 1e9
 
 
 async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
@@ -110,12 +191,18 @@ async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
     tiers = backend.split(" -> ")  # a tiered server reports "fast -> slow"
     local = await measure_store(tiers if len(tiers) > 1 else backend, size, count, concurrency, rounds)
     raw = await asyncio.to_thread(raw_stream_gbps, size + HEADER_SIZE, count, concurrency, rounds)
-    return [
+    rows = [
         {"name": f"same backend in-process ({StoreURL(backend).redacted()})",
          "put_gbps": local["put_gbps"], "get_gbps": local["get_into_gbps"]},
         {"name": "raw loopback socket stream into a preallocated buffer",
          "put_gbps": None, "get_gbps": raw},
     ]
+    if getattr(args, "lmcache", None):
+        put, get = await asyncio.to_thread(
+            lmcache_gbps, args.lmcache, size + HEADER_SIZE, count, concurrency, rounds)
+        rows.append({"name": f"LMCache legacy server ({args.lmcache})", "put_gbps": put,
+                     "get_gbps": get})
+    return rows
 
 
 async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:

@@ -244,9 +244,14 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         if ctype != OCTETS:
             raise HTTPException(415, f"chunk bodies are {OCTETS}, not {ctype!r}")
         try:
-            body = await read_body(request, config.max_chunk_bytes)
+            async with asyncio.timeout(config.body_timeout_s):
+                body = await read_body(request, config.max_chunk_bytes)
         except ClientDisconnect:
             raise HTTPException(400, "client disconnected before the body ended") from None
+        except TimeoutError:
+            raise HTTPException(
+                408, f"body not received within {config.body_timeout_s:g}s"
+            ) from None
         created = await s.put(f"{ns_id}/{digest}", body)
         if created:
             metrics.bytes_in.inc(len(body))
@@ -297,7 +302,10 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     )
     async def head_chunk(ns_id: NsId, digest: Digest, s: TenantStore) -> Response:
         (present,) = await s.exists([f"{ns_id}/{digest}"])
-        return Response(status_code=200 if present else 404)
+        response = Response(status_code=200 if present else 404)
+        # The chunk's size is not known without reading it: say nothing rather than "0".
+        del response.headers["content-length"]
+        return response
 
     @app.delete(
         chunk_path, tags=["chunks"], status_code=204, response_class=Response,
