@@ -192,11 +192,13 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
 
         Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 
-        def tenant_store(credentials: Credentials) -> Store:
+        # async: FastAPI runs a plain `def` dependency in a worker thread, which costs a
+        # thread hop on every request.
+        async def tenant_store(credentials: Credentials) -> Store:
             return tenancy.resolve(credentials)
     else:
 
-        def tenant_store() -> Store:
+        async def tenant_store() -> Store:
             return tenancy.root
 
     TenantStore = Annotated[Store, Depends(tenant_store)]
