@@ -61,7 +61,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from hashing import is_valid_key
 from storage.base import Store, check_blob, check_key, check_tenant
 from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, decode_header
-from storage.errors import ConfigError, StoreUnavailable
+from storage.errors import ConfigError, StoreError, StoreUnavailable
 from storage.options import StoreURL, parse_bool, parse_seconds, parse_size
 from storage.s3_breaker import CircuitBreaker
 from storage.s3_gc import marker_name, plan_eviction
@@ -351,6 +351,7 @@ class S3Store(Store):
         if not breaker.allow():
             raise StoreUnavailable(f"{self}: {what}: circuit breaker open")
         verdict: bool | None = True
+        failure = ""
         try:
             lc = await self._conn.client()
             async with asyncio.timeout(self.opts.timeout), lc.gate:
@@ -360,12 +361,12 @@ class S3Store(Store):
             if status in _MISS_STATUS:
                 raise _Missing() from None
             if status >= 500 or status == 429:
-                verdict = False
-                raise StoreUnavailable(f"{self}: {what}: {status} {_code(exc)}") from None
+                verdict, failure = False, f"{what}: {status} {_code(exc)}"
+                raise StoreUnavailable(f"{self}: {failure}") from None
             raise
         except _TRANSPORT_ERRORS as exc:
-            verdict = False
-            raise StoreUnavailable(f"{self}: {what}: {type(exc).__name__}: {exc}") from None
+            verdict, failure = False, f"{what}: {type(exc).__name__}: {exc}"
+            raise StoreUnavailable(f"{self}: {failure}") from None
         except asyncio.CancelledError:
             verdict = None
             raise
@@ -375,7 +376,11 @@ class S3Store(Store):
             elif verdict:
                 breaker.success()
             else:
+                opened = breaker.opened
                 breaker.failure()
+                if breaker.opened != opened:
+                    log.warning("%s: circuit breaker open (last failure: %s); reads are misses "
+                                "until a probe succeeds", self, failure)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -407,22 +412,26 @@ class S3Store(Store):
         Raises `_Missing`, StoreUnavailable, ClientError or ChunkError (a corrupt object).
         """
         name, opts, loop = self._name(key), self.opts, asyncio.get_running_loop()
-        async with self._op("get") as client:
-            resp = await client.get_object(Bucket=opts.bucket, Key=name, Range=self._first_range())
-            total, first = _object_size(resp), int(resp["ContentLength"])
-            blob = bytearray(total)
-            view = memoryview(blob)
-            tasks = [loop.create_task(self._get_range(name, s, e, view[s:e]))
-                     for s, e in (_split(first, total, opts.range_size) if first < total else [])]
-            try:
+        tasks: list[asyncio.Task] = []
+        try:
+            async with self._op("get") as client:
+                resp = await client.get_object(Bucket=opts.bucket, Key=name,
+                                               Range=self._first_range())
+                total, first = _object_size(resp), int(resp["ContentLength"])
+                blob = bytearray(total)
+                view = memoryview(blob)
+                tasks = [loop.create_task(self._get_range(name, s, e, view[s:e]))
+                         for s, e in (_split(first, total, opts.range_size) if first < total else [])]
                 async with resp["Body"] as body:
                     await _BodyReader(body).read_into(view[:first])
-                header = decode_header(view[:first], key)
-                if total != header.total_len:
-                    raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
-                await asyncio.gather(*tasks)
-            finally:
-                await _cancel(tasks)
+            header = decode_header(view[:first], key)
+            if total != header.total_len:
+                raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+            # Outside the first request's in-flight slot: with every slot held by a first
+            # request waiting for its own ranges, nothing could make progress.
+            await asyncio.gather(*tasks)
+        finally:
+            await _cancel(tasks)
         if opts.verify:
             header.verify_payload(view[header.header_len :])
         return header, blob
@@ -432,34 +441,36 @@ class S3Store(Store):
         byte lands in place. Raises like `_read_blob`, and `_TooSmall`.
         """
         name, opts, loop = self._name(key), self.opts, asyncio.get_running_loop()
-        async with self._op("get") as client:
-            resp = await client.get_object(Bucket=opts.bucket, Key=name, Range=self._first_range())
-            total, first = _object_size(resp), int(resp["ContentLength"])
-            async with resp["Body"] as body:
-                reader = _BodyReader(body)
-                head = bytearray(min(first, HEADER_SIZE))
-                await reader.read_into(memoryview(head))
-                try:
-                    header = decode_header(head, key)
-                except ChunkError as exc:
-                    if "truncated header" not in str(exc) or first < HEADER_SIZE:
-                        raise
-                    more = bytearray(min(first, _header_len(head)) - len(head))
-                    await reader.read_into(memoryview(more))
-                    head += more
-                    header = decode_header(head, key)
-                if total != header.total_len:
-                    raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
-                if out.nbytes < header.payload_len:
-                    raise _TooSmall()
-                hlen, payload = header.header_len, out[: header.payload_len]
-                tasks = [loop.create_task(self._get_range(name, s, e, payload[s - hlen : e - hlen]))
-                         for s, e in (_split(first, total, opts.range_size) if first < total else [])]
-                try:
+        tasks: list[asyncio.Task] = []
+        try:
+            async with self._op("get") as client:
+                resp = await client.get_object(Bucket=opts.bucket, Key=name,
+                                               Range=self._first_range())
+                total, first = _object_size(resp), int(resp["ContentLength"])
+                async with resp["Body"] as body:
+                    reader = _BodyReader(body)
+                    head = bytearray(min(first, HEADER_SIZE))
+                    await reader.read_into(memoryview(head))
+                    try:
+                        header = decode_header(head, key)
+                    except ChunkError as exc:
+                        if "truncated header" not in str(exc) or first < HEADER_SIZE:
+                            raise
+                        more = bytearray(min(first, _header_len(head)) - len(head))
+                        await reader.read_into(memoryview(more))
+                        head += more
+                        header = decode_header(head, key)
+                    if total != header.total_len:
+                        raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+                    if out.nbytes < header.payload_len:
+                        raise _TooSmall()
+                    hlen, payload = header.header_len, out[: header.payload_len]
+                    tasks = [loop.create_task(self._get_range(name, s, e, payload[s - hlen : e - hlen]))
+                             for s, e in (_split(first, total, opts.range_size) if first < total else [])]
                     await reader.read_into(payload[len(head) - hlen : first - hlen])
-                    await asyncio.gather(*tasks)
-                finally:
-                    await _cancel(tasks)
+            await asyncio.gather(*tasks)  # outside the first request's slot (see _read_blob)
+        finally:
+            await _cancel(tasks)
         if opts.verify:
             header.verify_payload(payload)
         return header
@@ -473,7 +484,7 @@ class S3Store(Store):
                 got = (await self._read_into(key, out), None)
         except (_Missing, _TooSmall):
             return None
-        except (StoreUnavailable, ClientError) as exc:
+        except (StoreError, ClientError) as exc:
             if isinstance(exc, ClientError) and _status(exc) == 416:
                 # "bytes=0-..." is unsatisfiable only for a 0-byte object: no chunk is empty,
                 # and left in place it would make create-only puts skip the key forever.
@@ -555,7 +566,7 @@ class S3Store(Store):
     async def _present(self, key: str) -> bool:
         try:
             return await self._head(self._name(key))
-        except StoreUnavailable:
+        except StoreError:
             self.counters["errors"] += 1
             return False
 

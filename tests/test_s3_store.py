@@ -67,6 +67,19 @@ async def test_large_chunks_come_back_through_parallel_ranges(s3_server_url, ns)
     await store.close()
 
 
+async def test_ranged_reads_never_deadlock_the_inflight_limit(s3_server_url, ns):
+    """One request in flight: a first GET gives its slot back before awaiting its ranges."""
+    store = open_store(with_prefix(s3_server_url, range_size="1MiB", inflight="1", timeout="20s"))
+    chunks = make_chunks(ns, 3, payload_size=3 * MiB)
+    for key, _, blob in chunks:
+        await store.put(key, blob)
+    assert await asyncio.gather(*(store.get(k) for k, _, _ in chunks)) == [b for _, _, b in chunks]
+    out = [bytearray(3 * MiB) for _ in chunks]
+    headers = await asyncio.gather(*(store.get_into(k, o) for (k, _, _), o in zip(chunks, out, strict=True)))
+    assert all(h is not None for h in headers)
+    await store.close()
+
+
 async def test_multipart_put_above_the_threshold_is_create_only(s3_server_url, ns):
     store = open_store(with_prefix(s3_server_url, multipart_threshold="6MiB", part_size="5MiB"))
     (key, _, blob), = make_chunks(ns, 1, payload_size=11 * MiB)
