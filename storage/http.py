@@ -33,6 +33,8 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 from urllib.parse import quote, urlsplit
 
+import xxhash
+
 from storage.base import Store, check_key
 from storage.codec import (
     HEADER_SIZE,
@@ -127,16 +129,24 @@ class _Connection:
             headers[name.strip().lower()] = value.strip()
         return int(parts[1]), headers
 
-    async def read_into(self, view: memoryview) -> None:
-        """Fill `view` exactly: buffered bytes first, then straight from the socket."""
+    async def read_into(self, view: memoryview, hasher: Any = None) -> None:
+        """Fill `view` exactly: buffered bytes first, then straight from the socket.
+
+        With `hasher`, each piece is hashed as it lands, while it is still in the CPU's
+        cache: cheaper than a second pass over the whole buffer afterwards.
+        """
         have = min(self.end - self.start, view.nbytes)
         if have:
             view[:have] = self.view[self.start : self.start + have]
             self.start += have
+            if hasher is not None:
+                hasher.update(view[:have])
         while have < view.nbytes:
             n = await self.recv_into(view[have:])
             if n == 0:
                 raise ConnectionResetError("server closed the connection mid-body")
+            if hasher is not None:
+                hasher.update(view[have : have + n])
             have += n
 
     async def read_exact(self, n: int) -> bytearray:
@@ -512,11 +522,11 @@ class HttpStore(Store):
                 raise ChunkError(f"body is {length} bytes, header says {header.total_len}")
             if dst.nbytes < header.payload_len:
                 return None  # the connection is dropped unread: cheaper than draining it
-            payload = dst[: header.payload_len]
-            await conn.read_into(payload)
+            hasher = xxhash.xxh3_64(seed=0) if self.verify else None
+            await conn.read_into(dst[: header.payload_len], hasher)
             conn.reusable = True
-            if self.verify:
-                header.verify_payload(payload)
+            if hasher is not None and hasher.intdigest() != header.payload_checksum:
+                raise ChunkError(f"payload checksum mismatch for {key}")
             return header
 
         try:
