@@ -90,5 +90,6 @@ def ttft_bars(results: Sequence[dict[str, Any]], path: Path, title: str) -> None
     ax.set_ylabel("TTFT (ms)")
     ax.set_title(title, fontsize=9)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.legend()
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.15)  # room for the legend above the bars
+    ax.legend(ncol=4, loc="upper center", fontsize=8)
     _save(fig, path)
