@@ -31,6 +31,7 @@ import secrets
 import socket
 import threading
 from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -283,6 +284,21 @@ class ChunkIO:
         return self._requests.submit(
             self._read_chunk_sync, os.fspath(path), dest, key, token_ids, self._ready_event(dest)
         )
+
+    def submit_reads(self, ranges: Iterable[tuple[str | os.PathLike, int, int, Any]]) -> list[Future]:
+        """`submit_read` for many (path, offset, length, dest) ranges at once."""
+        return [self.submit_read(*r) for r in ranges]
+
+    async def read_many(self, ranges: Iterable[tuple[str | os.PathLike, int, int, Any]],
+                        ) -> list[int | ReadError]:
+        """Await many ranges; per range its length, or the ReadError that made it a miss."""
+        results = await asyncio.gather(
+            *(asyncio.wrap_future(f) for f in self.submit_reads(ranges)), return_exceptions=True
+        )
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, ReadError):
+                raise r
+        return results
 
     async def read(self, path: str | os.PathLike, offset: int, length: int, dest: Any) -> int:
         return await asyncio.wrap_future(self.submit_read(path, offset, length, dest))

@@ -269,3 +269,17 @@ def test_concurrent_submitters_share_one_chunk_io_safely(tmp_path, ns):
             t.join()
         assert chunk_io.stats()["counters"]["chunk_reads"] == 4 * 5 * 4
     assert errors == []
+
+
+async def test_many_ranges_in_one_call_report_each_miss_on_its_own(tmp_path, io):
+    data = payload(3 * PIECE)
+    path = tmp_path / "raw.bin"
+    path.write_bytes(data.tobytes())
+    dests = [np.empty(PIECE, np.uint8) for _ in range(3)]
+    ranges = [(path, i * PIECE, PIECE, d) for i, d in enumerate(dests)]
+    ranges.append((tmp_path / "gone.bin", 0, 10, bytearray(10)))
+    got = await io.read_many(ranges)
+    assert got[:3] == [PIECE] * 3 and isinstance(got[3], ReadError)
+    assert all(np.array_equal(d, data[i * PIECE : (i + 1) * PIECE]) for i, d in enumerate(dests))
+    futures = io.submit_reads(ranges[:3])
+    assert [f.result() for f in futures] == [PIECE] * 3
