@@ -36,6 +36,7 @@ from typing import Any, ClassVar
 
 from typing_extensions import override
 from vllm.v1.kv_offload.base import (
+    Locality,
     LookupResult,
     Medium,
     OffloadingEvent,
@@ -108,7 +109,8 @@ class KvstashTier(SecondaryTierManager):
     `salt` (isolates tenants sharing one store), `max_in_flight` (concurrent chunk I/O
     per job), `timeout_s` (the deadline of one existence check), `enable_kv_events`
     (publish BlockStored with medium STORAGE for pages this tier wrote, so KV-aware
-    routers index storage hits; needs vLLM's --kv-events-config too)."""
+    routers index storage hits; needs vLLM's --kv-events-config too), `locality`
+    (LOCAL or REMOTE, as for vLLM's own tiers)."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
@@ -122,9 +124,11 @@ class KvstashTier(SecondaryTierManager):
         max_in_flight: int = 16,
         timeout_s: float = 5.0,
         enable_kv_events: bool = False,
+        locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
     ):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
+        self.locality = Locality(locality) if locality is not None else None
         if not store:
             raise ValueError(f"secondary tier {tier_type!r} needs a 'store' URL (e.g. file:///mnt/kv)")
         self.ns = tier_namespace(offloading_spec, self.block_size_bytes, salt)
@@ -241,7 +245,9 @@ class KvstashTier(SecondaryTierManager):
                 # the same doomed promotion forever.
                 self._lookups.mark_miss([k for k, good in zip(job.keys, ok, strict=True) if not good])
             if self._events is not None and done and not job.is_load:
-                self._events.append(OffloadingEvent(keys=done, medium=self.medium, removed=False))
+                self._events.append(OffloadingEvent(
+                    keys=done, medium=self.medium, removed=False, locality=self.locality,
+                ))
             results.append(JobResult(
                 job_id=job_id, success=success,
                 successful_keys=tuple(done) if job.is_load and done and not success else None,
