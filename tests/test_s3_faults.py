@@ -94,10 +94,9 @@ async def test_breaker_opens_on_a_dead_endpoint_and_recovers(fault_proxy, ns):
     assert store.stats()["breaker"] == "open"
 
     before = fault_proxy.requests
-    started = time.monotonic()
     assert await asyncio.gather(*(store.get(key) for _ in range(50))) == [None] * 50
     assert fault_proxy.requests == before  # an open breaker costs no network call
-    assert time.monotonic() - started < 0.5
+    assert store.stats()["breaker_refused"] >= 50
     with pytest.raises(StoreUnavailable, match="breaker"):
         await store.put(key, blob)
 

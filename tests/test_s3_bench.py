@@ -1,0 +1,45 @@
+"""The S3 benchmark's pieces: boto3 baselines and the latency/bandwidth shaping proxy, on moto."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench.s3shape import parse_shape
+from bench.store_s3 import baselines, setup
+from storage import open_store
+from tests.s3_fixtures import with_prefix
+from tests.store_helpers import make_chunks
+
+pytest_plugins = ("tests.s3_fixtures",)
+
+
+def test_shape_parses_latency_and_bandwidth():
+    assert parse_shape("30ms,90MBps") == (0.03, 90e6)
+    assert parse_shape("0.1s,1GiB") == (0.1, float(2**30))
+    with pytest.raises(ValueError, match="LATENCY,BANDWIDTH"):
+        parse_shape("fast")
+
+
+async def test_baselines_report_put_and_get_rates(moto_s3_url):
+    args = argparse.Namespace(rounds=1, shape=None)
+    rows = await baselines(args, with_prefix(moto_s3_url), 64 * 1024, 2, 1)
+    assert [r["name"] for r in rows] == ["boto3 sequential get/put_object",
+                                         "boto3 sequential, checksums off"]
+    assert all(r["get_gbps"] > 0 and r["put_gbps"] > 0 for r in rows)
+
+
+async def test_the_shaping_proxy_carries_the_store(moto_s3_url, ns):
+    """Store traffic through the shaping proxy process arrives intact, and it stops."""
+    args = argparse.Namespace(shape="20ms,50MBps")
+    url, stop = await setup(args, with_prefix(moto_s3_url, touch="0"))
+    try:
+        assert "endpoint=http://127.0.0.1:" in url and url != moto_s3_url
+        store = open_store(url)
+        (key, _, blob), = make_chunks(ns, 1, payload_size=100_000)
+        assert await store.put(key, blob) is True
+        assert await store.get(key) == blob
+        await store.close()
+    finally:
+        await stop()
