@@ -8,10 +8,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: install demo test lint bench-store clean
 
-$(STAMP): pyproject.toml constraints.txt Makefile
+$(STAMP): pyproject.toml constraints.txt Makefile scripts/install-engines.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	# constraints.txt pins torch to the local CPU wheel (no multi-GB CUDA download).
 	$(PIP) install -q -c constraints.txt -e '.[engine,test]'
+	# vLLM and SGLang, without their CUDA pins, for the engine integration tests.
+	VENV=$(VENV) scripts/install-engines.sh
 	touch $(STAMP)
 
 install: $(STAMP)
