@@ -12,6 +12,7 @@ is handed to the transport without a copy. Every error is `{"error": "<one messa
 import asyncio
 import base64
 import logging
+import os
 import re
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -27,7 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from hashing import KEY_PATTERN
 from kvserver.auth import TokenTable
-from kvserver.config import ServerConfig
+from kvserver.config import CONFIG_ENV, ServerConfig
 from kvserver.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvserver.metrics import MetricsMiddleware, ServerMetrics
 from storage.base import Store
@@ -382,3 +383,9 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
 
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
+
+
+def app_from_env() -> FastAPI:
+    """The app of one `--workers` process: the parent's config arrives as JSON in the
+    environment (uvicorn starts workers by importing this factory)."""
+    return create_app(ServerConfig.from_json(os.environ[CONFIG_ENV]))

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import os
 import socket
 import sys
 from pathlib import Path
 
 from kvserver.config import (
+    CONFIG_ENV,
+    DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_LOOKUP_KEYS,
     DEFAULT_PORT,
     ServerConfig,
     default_store_url,
 )
-from storage.options import StoreURL, parse_size
+from storage.errors import ConfigError
+from storage.options import StoreURL, parse_seconds, parse_size
 
 # Idle keep-alive connections live longer than the client pool's idle limit (30 s), so a
 # pooled connection is normally closed by the client, not by surprise under it.
@@ -39,6 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="SIZE", help="largest accepted chunk body (default 1GiB)")
     p.add_argument("--max-lookup-keys", type=int, default=DEFAULT_MAX_LOOKUP_KEYS,
                    metavar="N", help=f"most keys in one lookup (default {DEFAULT_MAX_LOOKUP_KEYS})")
+    p.add_argument("--body-timeout", type=parse_seconds, default=DEFAULT_BODY_TIMEOUT_S,
+                   metavar="SECONDS", help="a PUT body must arrive within this time, else 408 "
+                                           f"(default {DEFAULT_BODY_TIMEOUT_S:g}s)")
+    p.add_argument("--workers", type=int, default=1, metavar="N",
+                   help="server processes sharing the port (default 1); needs a shared "
+                        "backend (file://, s3://): a memory:// tier would be per process")
     p.add_argument("--access-log", action="store_true", help="log every request")
 
 
@@ -48,6 +58,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tokens_file=args.auth_tokens,
         max_chunk_bytes=args.max_chunk_bytes,
         max_lookup_keys=args.max_lookup_keys,
+        body_timeout_s=args.body_timeout,
     )
 
 
@@ -74,10 +85,18 @@ def _is_loopback(host: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     import uvicorn
+    from uvicorn.supervisors import Multiprocess
 
     from kvserver.app import create_app
 
     config = config_from_args(args)
+    workers = args.workers
+    if workers < 1:
+        raise ConfigError("--workers must be at least 1")
+    if workers > 1 and any(StoreURL(u).scheme == "memory" for u in config.store_urls):
+        raise ConfigError("--workers > 1 needs shared stores: each process would have its own "
+                          "memory:// tier")
+    # Built here even with workers: bad stores or tokens fail now, in one line.
     app = create_app(config)
     sock = bind(args.host, args.port)
     host, port = sock.getsockname()[:2]
@@ -88,11 +107,16 @@ def run(args: argparse.Namespace) -> int:
     if not config.tokens_file and not _is_loopback(host):
         print("kvstash serve: warning: listening beyond loopback without --auth-tokens",
               file=sys.stderr, flush=True)
-    server = uvicorn.Server(uvicorn.Config(
-        app, log_level="info" if getattr(args, "verbose", False) else "warning", access_log=args.access_log,
-        timeout_keep_alive=KEEP_ALIVE_S, lifespan="on",
-    ))
-    server.run(sockets=[sock])
+    common = {
+        "log_level": "info" if getattr(args, "verbose", False) else "warning",
+        "access_log": args.access_log, "timeout_keep_alive": KEEP_ALIVE_S, "lifespan": "on",
+    }
+    if workers == 1:
+        uvicorn.Server(uvicorn.Config(app, **common)).run(sockets=[sock])
+        return 0
+    os.environ[CONFIG_ENV] = config.to_json()
+    uv_config = uvicorn.Config("kvserver.app:app_from_env", factory=True, workers=workers, **common)
+    Multiprocess(uv_config, sockets=[sock]).run()
     return 0
 
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 # 256 tokens of a 70B model in fp32 are 640 MiB; larger chunks are a misconfiguration,
@@ -12,7 +13,13 @@ DEFAULT_MAX_CHUNK_BYTES = 1024**3
 DEFAULT_PORT = 8765
 # A lookup carries ~52 bytes of JSON per key; 65536 keys is 16M tokens at 256-token chunks.
 DEFAULT_MAX_LOOKUP_KEYS = 65536
+# A PUT body must arrive within this time, so a slow-drip client cannot hold a connection
+# and its preallocated buffer forever; 60 s moves the largest default chunk (1 GiB) at
+# 18 MB/s.
+DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_STORE_CAPACITY = "8GiB"
+# Worker processes (`--workers N`) receive the parent's ServerConfig through this variable.
+CONFIG_ENV = "KVSTASH_SERVE_CONFIG"
 
 
 def default_store_url() -> str:
@@ -29,5 +36,18 @@ class ServerConfig:
     tokens_file: Path | None = None
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     # Readiness answers 503 when one presence check takes longer than this.
     ready_timeout_s: float = 2.0
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["tokens_file"] = str(self.tokens_file) if self.tokens_file else None
+        return json.dumps(d)
+
+    @classmethod
+    def from_json(cls, text: str) -> ServerConfig:
+        d = json.loads(text)
+        d["store_urls"] = tuple(d["store_urls"])
+        d["tokens_file"] = Path(d["tokens_file"]) if d["tokens_file"] else None
+        return cls(**d)

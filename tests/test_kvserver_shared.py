@@ -45,3 +45,33 @@ async def test_two_servers_on_one_backend_serve_each_others_chunks(shared_backen
         finally:
             await a.close()
             await b.close()
+
+
+def worker_pids(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(p) for p in f.read().split()]
+
+
+async def test_worker_processes_share_one_port_and_one_backend(tmp_path, ns):
+    chunks = make_chunks(ns, 16, payload_size=20_000)
+    with running_kvserver("--store", f"file://{tmp_path}/store", "--workers", "2") as server:
+        assert len(worker_pids(server.pid)) >= 2
+        # Separate connections land on either worker; every one sees every chunk.
+        stores = [open_store(f"{server.url}?pool=1") for _ in range(4)]
+        try:
+            for i, (key, _, blob) in enumerate(chunks):
+                assert await stores[i % 4].put(key, blob) is True
+            keys = [k for k, _, _ in chunks]
+            for store in stores:
+                assert await store.prefix_len(keys) == len(chunks)
+                for key, _, blob in chunks[:4]:
+                    assert await store.get(key) == blob
+        finally:
+            for store in stores:
+                await store.close()
+
+
+def test_workers_refuse_a_memory_tier():
+    with pytest.raises(RuntimeError, match="needs shared stores"):
+        with running_kvserver("--store", "memory://", "--workers", "2"):
+            pass
