@@ -279,9 +279,33 @@ def format_report(r: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_summary(results: list[dict[str, Any]]) -> str:
+    """One line per model: the numbers a README table needs."""
+    head = (f"{'model':<12} {'params':>7} {'full':>9} {'miss':>9} {'hit':>9} {'ideal':>9} "
+            f"{'speed-up':>8} {'load ovh':>8} {'miss cost':>9} {'conn/miss':>9} exact")
+    lines = [head]
+    for r in results:
+        lines.append(
+            f"{r['model']:<12} {r['params'] / 1e6:>6.0f}M {r['full_prefill_s']:>8.3f}s "
+            f"{r['miss_s']:>8.3f}s {r['hit_s']:>8.3f}s {r['ideal_s']:>8.3f}s "
+            f"{r['speedup_vs_full']:>7.2f}x {r['load_overhead_vs_ideal']:>+8.1%} "
+            f"{r['miss_cost_vs_full']:>+9.1%} {r['miss_connector_vs_full']:>9.2%} "
+            f"{'yes' if r['exact'] else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+def _presets(text: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for name in names:
+        get_preset(name)
+    return names
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-50m", choices=sorted(PRESETS),
-                   help="model preset, random weights (default llama-50m)")
+    p.add_argument("--model", default="llama-50m", type=str,
+                   help="model preset(s), random weights, comma-separated to compare several "
+                        f"(default llama-50m; known: {', '.join(PRESETS)})")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                    help="model and KV dtype (default bfloat16)")
     p.add_argument("--store", metavar="URL",
@@ -291,7 +315,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shared prefix stored before the hit (default 3584)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
     p.add_argument("--repeat", type=int, default=3, help="interleaved rounds; medians (default 3)")
-    p.add_argument("--json", metavar="PATH", type=Path, help="also write the results as JSON")
+    p.add_argument("--json", metavar="PATH", type=Path,
+                   help="also write the results as JSON (one model: its result; several: "
+                        "{\"runs\": [...]})")
     if add_workload_arguments is not None:
         add_workload_arguments(p)  # adds --seed too
     else:
@@ -301,13 +327,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if run_workload is not None and getattr(args, "workload", None):
         return run_workload(args)
-    rig = build_rig(args.model, args.store, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
-                    seed=args.seed)
-    try:
-        result = measure_ttft(rig, args.prompt_tokens, args.cached_tokens, args.repeat, args.seed)
-    finally:
-        rig.close()
-    print(format_report(result))
+    results = []
+    for name in _presets(args.model):
+        rig = build_rig(name, args.store, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
+                        seed=args.seed)
+        try:
+            result = measure_ttft(rig, args.prompt_tokens, args.cached_tokens, args.repeat,
+                                  args.seed)
+        finally:
+            rig.close()
+        print(format_report(result) + "\n", flush=True)
+        results.append(result)
+    if len(results) > 1:
+        print(format_summary(results))
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    return 0 if result["exact"] else 1
+        doc = results[0] if len(results) == 1 else {"runs": results}
+        args.json.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    return 0 if all(r["exact"] for r in results) else 1
