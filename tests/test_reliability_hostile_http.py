@@ -12,8 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.faults import chunk_files, chunk_for, rss_bytes
-from tests.reliability_fixtures import ServerProcess, free_port
+from bench.faults import KvServerProcess, chunk_files, chunk_for, free_port, rss_bytes
 
 SEED = 66
 MiB = 1024 * 1024
@@ -24,7 +23,7 @@ def guarded_server(tmp_path_factory: pytest.TempPathFactory):
     """One server for the module: 1 MiB chunk limit, 1 s to deliver a body."""
     tmp = tmp_path_factory.mktemp("hostile")
     root = tmp / "store"
-    server = ServerProcess(["--store", f"file://{root}", "--max-chunk-bytes", "1MiB",
+    server = KvServerProcess(["--store", f"file://{root}", "--max-chunk-bytes", "1MiB",
                             "--body-timeout", "1s"], free_port(), tmp / "server.log")
     server.start()
     try:

@@ -11,10 +11,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from bench.faults import chunk_for
+from bench.faults import KvServerProcess, chunk_for, free_port
 from storage import StoreError, open_store
 from storage.http import HttpStore
-from tests.reliability_fixtures import ServerProcess, free_port
 
 SEED = 77
 ALICE = "alice-secret-token-a1b2c3d4e5f6"
@@ -35,7 +34,7 @@ def tenant_server(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("isolation")
     tokens = tmp / "tokens"
     tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
-    server = ServerProcess(["--store", f"file://{tmp / 'store'}", "--auth-tokens", str(tokens),
+    server = KvServerProcess(["--store", f"file://{tmp / 'store'}", "--auth-tokens", str(tokens),
                             "--access-log"], free_port(), tmp / "server.log", verbose=True)
     server.start()
     try:
@@ -200,7 +199,7 @@ async def test_s3_secret_key_never_appears_in_logs_errors_or_stats(
     seen.append(caplog.text)
     assert not [s for s in seen if secret in s]
 
-    server = ServerProcess(["--store", url], free_port(), tmp_path / "server.log", verbose=True)
+    server = KvServerProcess(["--store", url], free_port(), tmp_path / "server.log", verbose=True)
     server.start()
     try:
         with httpx.Client() as c:

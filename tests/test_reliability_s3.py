@@ -12,10 +12,10 @@ from urllib.parse import urlsplit
 import numpy as np
 import pytest
 
-from bench.faults import CORRUPTIONS, chunk_for, corrupt, crash_writer, verify_blob
+from bench.faults import CORRUPTIONS, SeaweedProcess, chunk_for, corrupt, crash_writer, verify_blob
 from storage import open_store
 from storage.errors import StoreError, StoreUnavailable
-from tests.reliability_fixtures import SeaweedProcess, own_seaweed_fixture  # noqa: F401
+from tests.reliability_fixtures import own_seaweed_fixture  # noqa: F401
 from tests.s3_fixtures import (  # noqa: F401
     ACCESS_KEY,
     BUCKET,
