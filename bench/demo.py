@@ -18,6 +18,7 @@ import argparse
 import json
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -40,29 +41,42 @@ class DemoServer:
         )
         self.url = ""
         self.banner = ""
+        self.log: list[str] = []
+        self._started = threading.Event()
+        # Read everything the server prints, so a full pipe never blocks it.
+        threading.Thread(target=self._drain, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.log.append(line)
+            if not self.banner and line.startswith("kvstash serve: http://"):
+                self.banner = line.strip().removeprefix("kvstash serve: ")
+                self.url = self.banner.split()[0]
+                self._started.set()
+        self._started.set()  # the server exited
+
+    def _fail(self, why: str) -> None:
+        self.stop()
+        tail = "".join(self.log[-10:]).strip()
+        raise RuntimeError(f"kvserver {why}" + (f":\n{tail}" if tail else ""))
 
     def wait_ready(self, timeout_s: float = SERVER_START_S) -> None:
         import httpx
 
         deadline = time.monotonic() + timeout_s
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline().strip()
-        if not line.startswith("kvstash serve: http://"):
-            self.stop()
-            raise RuntimeError(f"kvserver did not start: {line or 'no output'}")
-        self.banner = line.removeprefix("kvstash serve: ")
-        self.url = self.banner.split()[0]
+        if not self._started.wait(timeout_s) or not self.url:
+            self._fail("did not start")
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"kvserver exited with status {self.proc.returncode}")
+                self._fail(f"exited with status {self.proc.returncode}")
             try:
                 if httpx.get(f"{self.url}/healthz", timeout=1.0, trust_env=False).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        self.stop()
-        raise RuntimeError(f"kvserver at {self.url} not healthy after {timeout_s:.0f} s")
+        self._fail(f"at {self.url} not healthy after {timeout_s:.0f} s")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -72,8 +86,6 @@ class DemoServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
 
 
 async def _delete_chunks(store: Any, keys: list[str]) -> int:
