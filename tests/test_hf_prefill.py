@@ -16,13 +16,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from connector import KVConnector  # noqa: E402
+from connector import KVConnector, LoadPolicy  # noqa: E402
 from connector.hf import CachedPrefill, namespace_for  # noqa: E402
 from hashing import chunk_keys  # noqa: E402
 from storage import encode_chunk, open_store  # noqa: E402
 from storage.memory import MemoryStore  # noqa: E402
 from tests.connector_fixtures import (  # noqa: E402
     CHUNK,
+    DelayedStore,
     chunk_file,
     closed_port,
     flip_payload_byte,
@@ -131,6 +132,21 @@ def test_corrupt_chunk_ends_the_hit_before_it(store_dir, verify):
     assert_exact(out, plain_forward(model, ids), 3 * CHUNK)
     if verify == "header":
         assert prefill.connector.stats()["verify_failures"] == 1
+    prefill.connector.close()
+
+
+def test_a_stalled_chunk_ends_the_hit_at_the_deadline(store_dir):
+    model = tiny_model()
+    ids = prompt(200)
+    store = DelayedStore(open_store(f"file://{store_dir}"))
+    prefill = make_prefill(model, store, policy=LoadPolicy(min_wait_s=2.0, max_wait_s=2.0))
+    warm(prefill, ids)
+    store.slow.add(chunk_keys(ids, prefill.connector.ns)[2])
+
+    out = prefill(ids)
+    assert prefill.last_hit_tokens == 2 * CHUNK
+    assert_exact(out, plain_forward(model, ids), 2 * CHUNK)
+    assert prefill.connector.stats()["load_timeouts"] == 1
     prefill.connector.close()
 
 
