@@ -12,33 +12,29 @@ import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-vllm = pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-engines.sh)")
-
-from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig  # noqa: E402
-from vllm.sampling_params import SamplingParams  # noqa: E402
-from vllm.utils.hashing import sha256  # noqa: E402
-from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.kv_offload.config import (  # noqa: E402
-    OffloadingCacheConfig,
-    OffloadingConfig,
-    OffloadingGroupConfig,
-    OffloadingModelConfig,
-    OffloadingParallelConfig,
-)
-from vllm.v1.request import Request  # noqa: E402
+# vLLM is imported inside the builders, so SGLang's tests can use the engine-agnostic
+# helpers here on a machine without vLLM (the vLLM test modules importorskip it first).
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_offload.config import OffloadingConfig
+    from vllm.v1.request import Request
 
 BLOCK_SIZE = 16
 MODEL = "test/tiny-llama"
 
-init_none_hash(sha256)
-
 
 def make_request(prompt: list[int], req_id: str | None = None) -> Request:
     """A real vLLM request whose `block_hashes` come from vLLM's own block hasher."""
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    init_none_hash(sha256)  # vLLM's default: sha256 with the fixed seed, stable across processes
     return Request(
         request_id=req_id or uuid.uuid4().hex,
         prompt_token_ids=prompt,
@@ -53,6 +49,14 @@ def offloading_config(
     salt: str = "", kv_events: bool = False,
 ) -> OffloadingConfig:
     """What vLLM's `build_offloading_config` produces for a 2-layer model, TP=1."""
+    from vllm.v1.kv_offload.config import (
+        OffloadingCacheConfig,
+        OffloadingConfig,
+        OffloadingGroupConfig,
+        OffloadingModelConfig,
+        OffloadingParallelConfig,
+    )
+
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(
             tokens_per_block=BLOCK_SIZE, layer_names=("layers.0.attn", "layers.1.attn"), group_id=0,
@@ -80,6 +84,8 @@ def offloading_config(
 
 def vllm_config(store: str | list[str], **extra: Any) -> VllmConfig:
     """A CPU `VllmConfig` that names our V1 connector, as `vllm serve --kv-transfer-config` would."""
+    from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
+
     return VllmConfig(
         device_config=DeviceConfig(device="cpu"),
         kv_transfer_config=KVTransferConfig(
