@@ -39,10 +39,13 @@ def spans(length: int, piece_bytes: int) -> list[tuple[int, int]]:
 
 def run_pieces(pool: Executor, work: Callable[[int, int], Any], length: int, piece_bytes: int,
                in_order: Callable[[int, int, Any], None] | None = None) -> None:
-    """Run `work(a, b)` for every piece: the first on this thread, the rest on `pool`; then
-    `in_order(a, b, result)` for each, in file order, on this thread (so a streaming hash
-    overlaps the reads still running). Running one piece here saves a thread hand-off, which
-    on a busy 2-core host costs as much as reading a 1 MiB piece from the page cache."""
+    """Run `work(a, b)` for every piece: the first on this thread, the rest offered to
+    `pool`; then `in_order(a, b, result)` for each, in file order, on this thread (so a
+    streaming hash overlaps the reads still running).
+
+    A piece no pool thread has started by the time this thread gets to it is taken back and
+    run here: on a busy host a woken pool thread can wait milliseconds for a CPU, and this
+    thread, already running, should not sit idle behind it."""
     (a0, b0), *rest = spans(length, piece_bytes)
     futures: list[Future] = [pool.submit(work, a, b) for a, b in rest]
     try:
@@ -50,7 +53,7 @@ def run_pieces(pool: Executor, work: Callable[[int, int], Any], length: int, pie
         if in_order:
             in_order(a0, b0, result)
         for (a, b), fut in zip(rest, futures, strict=True):
-            result = fut.result()
+            result = work(a, b) if fut.cancel() else fut.result()
             if in_order:
                 in_order(a, b, result)
     finally:

@@ -283,3 +283,20 @@ async def test_many_ranges_in_one_call_report_each_miss_on_its_own(tmp_path, io)
     assert all(np.array_equal(d, data[i * PIECE : (i + 1) * PIECE]) for i, d in enumerate(dests))
     futures = io.submit_reads(ranges[:3])
     assert [f.result() for f in futures] == [PIECE] * 3
+
+
+def test_pieces_no_pool_thread_started_are_read_by_the_request_thread():
+    """With every I/O thread busy elsewhere, a range still completes: its pieces are taken
+    back and read in order by the thread that asked for them."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from gds.backends import run_pieces
+
+    gate = threading.Event()
+    done = []
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(gate.wait, 10)  # the only pool thread is stuck
+        run_pieces(pool, lambda a, b: (a, b), 10 * KiB, 3 * KiB,
+                   lambda a, b, result: done.append(result))
+        gate.set()
+    assert done == [(0, 3 * KiB), (3 * KiB, 6 * KiB), (6 * KiB, 9 * KiB), (9 * KiB, 10 * KiB)]
