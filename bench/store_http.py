@@ -201,11 +201,10 @@ async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
     if getattr(args, "lmcache", None):
         # LMCache's own `lm://` connector holds one socket per connector and serializes
         # requests on it; the best case gives each request lane its own socket and thread.
-        lanes = {"one connection, serialized, as its lm:// connector": 1,
-                 f"{concurrency} connections, one thread each (best case)": concurrency}
-        for label, n in lanes.items():
-            if n == 1 and concurrency == 1 and "best case" in label:
-                continue
+        lanes = [("one connection, serialized, as its lm:// connector", 1)]
+        if concurrency > 1:
+            lanes.append((f"{concurrency} connections, one thread each (best case)", concurrency))
+        for label, n in lanes:
             put, get = await asyncio.to_thread(
                 lmcache_gbps, args.lmcache, size + HEADER_SIZE, count, n, rounds)
             rows.append({"name": f"LMCache legacy server, {label}", "put_gbps": put,
