@@ -425,7 +425,10 @@ def _fuzz_codec_main(args: argparse.Namespace) -> int:
     for name in ("decode_chunk", "decode_header"):
         setattr(codec, name, atheris.instrument_func(getattr(codec, name)))
     codec.ChunkHeader.verify_payload = atheris.instrument_func(codec.ChunkHeader.verify_payload)
-    atheris.Setup([sys.argv[0], f"-runs={args.runs}", "-max_len=20000"], one_input)
+    limits = [f"-runs={args.runs}", "-max_len=20000"]
+    if args.max_time:
+        limits.append(f"-max_total_time={args.max_time}")
+    atheris.Setup([sys.argv[0], *limits], one_input)
     atheris.Fuzz()
     return 0
 
@@ -441,6 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--size", type=int, default=1024 * 1024)
     f = sub.add_parser("fuzz-codec", help="atheris fuzzing of the chunk decoder")
     f.add_argument("--runs", type=int, default=10000)
+    f.add_argument("--max-time", type=int, default=0, help="stop after this many seconds")
     args = parser.parse_args(argv)
     if args.cmd == "writer":
         return asyncio.run(_writer_main(args))
