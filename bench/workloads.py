@@ -223,6 +223,7 @@ def measure(
     from bench.ttft import timed_cached, timed_plain
     from connector import KVConnector
     from connector.hf import CachedPrefill, namespace_for
+    from hashing import chunk_keys
     from storage import open_store
 
     ns = namespace_for(model, chunk_tokens, salt=f"bench-{uuid.uuid4().hex}")
@@ -230,7 +231,12 @@ def measure(
     prefill = CachedPrefill(model, connector)
     rows = []
     try:
-        timed_plain(model, _as_batch(prompts[0].token_ids[:chunk_tokens]))  # warm-up
+        # Warm-up, untimed: the model's thread pools, and the store's client and
+        # connections (an engine's connector is long-lived; the first S3 call builds
+        # its client), with a key no prompt will have.
+        timed_plain(model, _as_batch(prompts[0].token_ids[:chunk_tokens]))
+        probe = chunk_keys(np.arange(chunk_tokens), ns)
+        connector.run(connector.store.exists(probe), timeout=60)
         for i, p in enumerate(tqdm(prompts, desc="prompts", unit="req", leave=False,
                                    disable=None if progress else True)):
             ids = _as_batch(p.token_ids)
@@ -344,7 +350,7 @@ def run_workload(args: argparse.Namespace) -> int:
     ms = lambda s: None if s is None else 1000 * s  # noqa: E731
     print(table(
         ["workload", "store", "hit % (ideal)", "cold p50/p90 ms", "warm p50/p90 ms",
-         "speedup", "hit p50 speedup", "loaded MiB", "load GB/s", "miss cost ms (%)",
+         "speedup", "hit p50 speedup", "loaded MiB", "load GB/s", "miss cost ms (%) [misses]",
          "same token"],
         [[r["workload"], r["store"],
           f"{100 * r['token_hit_rate']:.1f} ({100 * r['ideal_hit_rate']:.1f})",
@@ -352,7 +358,8 @@ def run_workload(args: argparse.Namespace) -> int:
           f"{ms(r['warm_p50_s']):.0f}/{ms(r['warm_p90_s']):.0f}",
           r["speedup_total"], r["hit_speedup_p50"], r["bytes_loaded"] / 2**20, r["load_gbps"],
           "-" if r["miss_cost_p50_s"] is None else
-          f"{ms(r['miss_cost_p50_s']):+.1f} ({100 * r['miss_cost_p50_fraction']:+.1f}%)",
+          f"{ms(r['miss_cost_p50_s']):+.1f} ({100 * r['miss_cost_p50_fraction']:+.1f}%) "
+          f"[{r['miss_prompts']}]",
           "yes" if r["first_token_equal"] else "NO"] for r in results],
     ))
     cold_tokens = sum(r["tokens"] for r in results)
