@@ -20,6 +20,7 @@ import concurrent.futures
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol
 
@@ -36,7 +37,7 @@ log = logging.getLogger("kvstash.connector")
 
 COUNTERS = (
     "lookups", "lookup_tokens", "lookup_errors", "bypassed",
-    "loads", "hit_tokens", "hit_bytes", "declined_tokens",
+    "loads", "hit_tokens", "hit_bytes", "load_seconds", "declined_tokens",
     "load_misses", "load_errors", "load_timeouts", "verify_failures",
     "save_queued", "saved_chunks", "saved_bytes", "save_skipped",
     "save_drops", "save_dropped_bytes", "save_errors",
@@ -88,9 +89,8 @@ class KVConnector:
         self._bypass_min_s, self._bypass_max_s = bypass_s
         self._bypass_backoff = 0.0
         self._bypass_until = 0.0
-        self._lock = threading.Lock()
-        self._counters = dict.fromkeys(COUNTERS, 0)
-        self._load_seconds = 0.0
+        self._counters = Counters()
+        self._count = self._counters.add
         self._closed = False
         if layout is not None:
             self.bind_layout(layout)
@@ -100,6 +100,8 @@ class KVConnector:
         )
         self._thread.start()
         self._writer = WriteBehindQueue(store, self._loop, self._count, save_queue_bytes)
+        # A connector dropped or left open at exit still finishes its queued saves.
+        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, self._writer)
 
     def __repr__(self) -> str:
         return f"<KVConnector {self.store} ns={self.ns.id}>"
@@ -129,16 +131,9 @@ class KVConnector:
 
     # -- counters ------------------------------------------------------------------------
 
-    def _count(self, **deltas: int) -> None:
-        with self._lock:
-            for name, d in deltas.items():
-                self._counters[name] += d
-
     def stats(self) -> dict[str, Any]:
         """Counters since start, plus load GB/s and the policy's current estimates."""
-        with self._lock:
-            out: dict[str, Any] = dict(self._counters)
-            out["load_seconds"] = self._load_seconds
+        out: dict[str, Any] = self._counters.snapshot()
         out["load_gbps"] = out["hit_bytes"] / out["load_seconds"] / 1e9 if out["load_seconds"] else 0.0
         out["save_pending_bytes"] = self._writer.pending_bytes
         out["store"] = str(self.store)
@@ -284,10 +279,7 @@ class KVConnector:
         nbytes = placed * layout.payload_nbytes
         if placed == n_chunks or stalled:
             self.policy.observe_load(nbytes, elapsed)
-        with self._lock:
-            self._counters["hit_tokens"] += placed * n
-            self._counters["hit_bytes"] += nbytes
-            self._load_seconds += elapsed
+        self._count(hit_tokens=placed * n, hit_bytes=nbytes, load_seconds=elapsed)
         return placed * n
 
     async def _fetch_all(
@@ -390,25 +382,61 @@ class KVConnector:
         """Finish queued saves (up to `timeout`), then stop the loop (and close the store)."""
         if self._closed:
             return
-        self.flush(timeout)
+        if not self.flush(timeout):
+            log.warning("closing %s with saves still queued", self.store)
         self._closed = True
         try:
-            self._call(self._writer.stop(), timeout)  # type: ignore[arg-type]
             if close_store:
                 self._call(self.store.close(), timeout)  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - closing must not fail the engine either
             log.warning("closing %s: %s", self.store, exc)
         finally:
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout)
-            if not self._thread.is_alive():
-                self._loop.close()
+            self._finalizer()
 
     def __enter__(self) -> KVConnector:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class Counters:
+    """The connector's counters; any thread may add."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._values: dict[str, float] = dict.fromkeys(COUNTERS, 0)
+
+    def add(self, **deltas: float) -> None:
+        with self._lock:
+            for name, d in deltas.items():
+                self._values[name] += d
+
+    def snapshot(self) -> dict[str, Any]:
+        with self._lock:
+            return dict(self._values)
+
+
+def _shutdown(
+    loop: asyncio.AbstractEventLoop, thread: threading.Thread, writer: WriteBehindQueue,
+    timeout: float = 10.0,
+) -> None:
+    """Stop a connector's loop after its queued saves (bounded by `timeout`)."""
+    if loop.is_closed():
+        return
+    if threading.current_thread() is thread:  # collected on its own loop: cannot wait here
+        loop.stop()
+        return
+    for step in (writer.join, writer.stop):
+        try:
+            asyncio.run_coroutine_threadsafe(step(), loop).result(timeout)
+        except Exception as exc:  # noqa: BLE001 - shutting down must not raise
+            log.warning("connector shutdown: %s", exc or type(exc).__name__)
+            break
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(timeout)
+    if not thread.is_alive():
+        loop.close()
 
 
 def _verify(

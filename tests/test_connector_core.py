@@ -5,6 +5,8 @@ The engine here is a list of numpy buffers; placement records the order chunks a
 
 from __future__ import annotations
 
+import asyncio
+import gc
 import time
 import uuid
 
@@ -201,3 +203,19 @@ def test_the_connector_declines_a_hit_that_would_load_slower_than_recompute():
     plan = conn.plan(conn.lookup(TOKENS))
     assert plan.chunks == 0 and conn.stats()["declined_tokens"] == 160
     conn.close()
+
+
+def test_a_connector_dropped_without_close_still_finishes_its_saves():
+    store = MemoryStore()
+    conn = connector(store)
+    keys, thread = chunk_keys(TOKENS, conn.ns), conn._thread
+
+    def slow_payload(i: int):
+        time.sleep(0.05)
+        return payload_of(i)
+
+    assert conn.save(TOKENS, slow_payload) == 10
+    del conn
+    gc.collect()
+    assert not thread.is_alive()
+    assert asyncio.run(store.exists(keys)) == [True] * 10
