@@ -10,13 +10,15 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from bench.faults import (
+    KvServerProcess,
     Writer,
     chunk_files,
     chunk_for,
     corrupt_file,
-    crash_writer,
+    free_port,
     percentiles,
     rss_bytes,
     verify_blob,
@@ -25,7 +27,7 @@ from connector import KVConnector
 from connector.layout import ChunkLayout
 from hashing import Namespace
 from storage.errors import StoreError, StoreUnavailable
-from storage.file import TMP_MARK, FileStore, _chunk_path
+from storage.file import TMP_MARK, _chunk_path
 from storage.http import HttpStore
 from tests.reliability_fixtures import server_process_fixture  # noqa: F401
 
@@ -45,14 +47,25 @@ def visible_chunks_verify(root: Path) -> int:
     return n
 
 
-async def test_client_killed_mid_upload_stores_nothing_partial(tmp_path: Path, server_process):
+async def test_writer_or_kvserver_killed_mid_put_leaves_no_partial_chunk_and_loses_no_ack(
+    tmp_path: Path, server_process
+):
+    """Rounds kill the uploading client, then the server itself (restarted on the same
+    port and directory), then the client again."""
     root = tmp_path / "store"
     server = server_process(["--store", f"file://{root}"])
     rng = random.Random(SEED)
     acked: list[int] = []
-    for round_ in range(2):
-        acked += crash_writer(server.url, SEED, round_ * 1000, 4 * MiB, after_acks=2,
-                              delay_s=rng.uniform(0.0, 0.03))
+    for round_, victim in enumerate(["writer", "server", "writer"]):
+        writer = Writer(server.url, SEED, round_ * 1000, 1000, 4 * MiB)
+        writer.wait_for_acks(2)
+        time.sleep(rng.uniform(0.0, 0.03))
+        if victim == "server":
+            server.kill()
+            acked += writer.kill()
+            server.start()
+        else:
+            acked += writer.kill()
 
     assert visible_chunks_verify(root) >= len(acked)
     client = HttpStore(server.url)
@@ -62,29 +75,21 @@ async def test_client_killed_mid_upload_stores_nothing_partial(tmp_path: Path, s
     await client.close()
 
 
-async def test_kvserver_killed_mid_put_loses_no_acknowledged_chunk(tmp_path: Path, server_process):
-    root = tmp_path / "store"
-    server = server_process(["--store", f"file://{root}"])
-    rng = random.Random(SEED + 1)
-    acked: list[int] = []
-    for round_ in range(2):
-        writer = Writer(server.url, SEED, round_ * 1000, 1000, 4 * MiB)
-        writer.wait_for_acks(2)
-        time.sleep(rng.uniform(0.0, 0.03))
-        server.kill()
-        acked += writer.kill()
-        server.start()
-
-    assert visible_chunks_verify(root) >= len(acked)
-    store = FileStore(root)
-    for i in acked:
-        key, blob = chunk_for(SEED, i, 4 * MiB)
-        assert await store.get(key) == blob, f"acknowledged put {i} was lost"
+@pytest.fixture(scope="module")
+def shared_server(tmp_path_factory: pytest.TempPathFactory):
+    """A server nobody kills, for the damage and load tests."""
+    tmp = tmp_path_factory.mktemp("kvserver")
+    server = KvServerProcess(["--store", f"file://{tmp / 'store'}"], free_port(),
+                             tmp / "server.log")
+    server.start()
+    try:
+        yield server, tmp / "store"
+    finally:
+        server.stop()
 
 
-async def test_damage_behind_the_server_is_a_miss_for_the_client(tmp_path: Path, server_process):
-    root = tmp_path / "store"
-    server = server_process(["--store", f"file://{root}"])
+async def test_damage_behind_the_server_is_a_miss_for_the_client(shared_server):
+    server, root = shared_server
     client = HttpStore(server.url)
     rng = np.random.default_rng(SEED)
     chunks = [chunk_for(SEED, i, 64 * 1024) for i in range(6)]
@@ -132,27 +137,39 @@ def payload_of(tokens: np.ndarray, i: int) -> bytes:
     return np.random.default_rng([int(tokens[0]), i]).bytes(LAYOUT.payload_nbytes)
 
 
-def test_engine_sees_misses_while_kvserver_is_down_and_hits_again_after_restart(
+def test_clients_see_misses_while_kvserver_is_down_and_hits_again_after_restart(
     tmp_path: Path, server_process
 ):
-    """The engine's view (KVConnector over http://): no exception at any point, misses
-    during the outage, hits again after the restart without touching the client."""
+    """The engine's view (KVConnector over http://) and a bare http:// store through one
+    outage: no exception into the engine, only typed StoreErrors from the store's put,
+    misses meanwhile, and hits again after the restart without touching either client."""
     root = tmp_path / "store"
     server = server_process(["--store", f"file://{root}"])
     tokens = np.random.default_rng(SEED).integers(0, 32000, 8 * 16, dtype=np.uint32)
     conn = KVConnector(f"{server.url}?timeout=1s&breaker_cooldown=0.2s", NS, layout=LAYOUT,
                        lookup_timeout_s=1.0, bypass_s=(0.1, 0.5))
+    client = HttpStore(server.url, timeout=1.0, breaker_cooldown=0.2)
+    key, blob = chunk_for(SEED, 0)
     try:
         assert conn.save(tokens, lambda i: payload_of(tokens, i)) == 8
         assert conn.flush(timeout=10)
         assert conn.lookup(tokens) == len(tokens)
+        assert conn.run(client.put(key, blob)) is True
 
         server.kill()
-        for _ in range(10):
+        for i in range(8):
             assert conn.lookup(tokens) == 0
             assert conn.load(tokens, len(tokens), Staging(8), deadline_s=0.5) == 0
             other = tokens[::-1].copy()
             conn.save(other, lambda i, t=other: payload_of(t, i))
+            assert conn.run(client.get(key)) is None
+            assert conn.run(client.exists([key])) == [False]
+            assert conn.run(client.prefix_len([key])) == 0
+            assert conn.run(client.get_into(key, bytearray(len(blob)))) is None
+            try:
+                conn.run(client.put(*chunk_for(SEED, 100 + i)))
+            except StoreError as exc:
+                assert isinstance(exc, StoreUnavailable)
             time.sleep(0.05)
         assert conn.flush(timeout=10)
         assert conn.stats()["save_errors"] + conn.stats()["save_drops"] > 0
@@ -165,41 +182,20 @@ def test_engine_sees_misses_while_kvserver_is_down_and_hits_again_after_restart(
         target = Staging(8)
         assert conn.load(tokens, len(tokens), target) == len(tokens)
         assert [bytes(b) for b in target.bufs] == [payload_of(tokens, i) for i in range(8)]
+        while conn.run(client.get(key)) is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert conn.run(client.get(key)) == blob
+        assert conn.run(client.put(*chunk_for(SEED, 200))) is True
     finally:
+        conn.run(client.close())
         conn.close()
 
 
-async def test_http_store_answers_miss_while_down_and_raises_only_typed_errors(
-    tmp_path: Path, server_process
-):
-    server = server_process(["--store", f"file://{tmp_path / 'store'}"])
-    client = HttpStore(server.url, timeout=1.0, breaker_cooldown=0.2)
-    key, blob = chunk_for(SEED, 0)
-    await client.put(key, blob)
-    server.kill()
-    for i in range(5):
-        assert await client.get(key) is None
-        assert await client.exists([key]) == [False]
-        assert await client.prefix_len([key]) == 0
-        assert await client.get_into(key, bytearray(len(blob))) is None
-        try:
-            await client.put(*chunk_for(SEED, 100 + i))
-        except StoreError as exc:
-            assert isinstance(exc, StoreUnavailable)
-    server.start()
-    deadline = time.monotonic() + 15
-    while await client.get(key) is None and time.monotonic() < deadline:
-        await asyncio.sleep(0.1)
-    assert await client.get(key) == blob
-    assert await client.put(*chunk_for(SEED, 200)) is True
-    await client.close()
-
-
 async def test_many_concurrent_clients_get_no_errors_and_server_memory_stays_bounded(
-    tmp_path: Path, server_process
+    shared_server,
 ):
-    server = server_process(["--store", f"file://{tmp_path / 'store'}"])
-    preload = [chunk_for(SEED, i, 256 * 1024) for i in range(32)]
+    server, _ = shared_server
+    preload = [chunk_for(SEED + 2, i, 256 * 1024) for i in range(32)]
     seed_client = HttpStore(server.url)
     for key, blob in preload:
         await seed_client.put(key, blob)
