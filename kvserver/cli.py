@@ -49,6 +49,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="server processes sharing the port (default 1); needs a shared "
                         "backend (file://, s3://): a memory:// tier would be per process")
+    p.add_argument("--tls-cert", metavar="PEM", type=Path,
+                   help="serve https:// with this certificate chain (needs --tls-key)")
+    p.add_argument("--tls-key", metavar="PEM", type=Path, help="the certificate's private key")
     p.add_argument("--access-log", action="store_true", help="log every request")
 
 
@@ -96,6 +99,11 @@ def run(args: argparse.Namespace) -> int:
     if workers > 1 and any(StoreURL(u).scheme == "memory" for u in config.store_urls):
         raise ConfigError("--workers > 1 needs shared stores: each process would have its own "
                           "memory:// tier")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        raise ConfigError("give both --tls-cert and --tls-key, or neither")
+    for path in (args.tls_cert, args.tls_key):
+        if path is not None and not path.is_file():
+            raise ConfigError(f"TLS file {path} does not exist")
     # Built here even with workers: bad stores or tokens fail now, in one line.
     app = create_app(config)
     sock = bind(args.host, args.port)
@@ -103,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     shown = f"[{host}]" if ":" in host else host
     stores = ", ".join(StoreURL(u).redacted() for u in config.store_urls)
     auth = f"tenants: {', '.join(app.state.tenancy.scopes)}" if config.tokens_file else "no auth"
-    print(f"kvstash serve: http://{shown}:{port} -> {stores} ({auth})", flush=True)
+    scheme = "https" if args.tls_cert else "http"
+    print(f"kvstash serve: {scheme}://{shown}:{port} -> {stores} ({auth})", flush=True)
     if not config.tokens_file and not _is_loopback(host):
         print("kvstash serve: warning: listening beyond loopback without --auth-tokens",
               file=sys.stderr, flush=True)
@@ -111,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         "log_level": "info" if getattr(args, "verbose", False) else "warning",
         "access_log": args.access_log, "timeout_keep_alive": KEEP_ALIVE_S, "lifespan": "on",
     }
+    if args.tls_cert:
+        common |= {"ssl_certfile": str(args.tls_cert), "ssl_keyfile": str(args.tls_key)}
     if workers == 1:
         uvicorn.Server(uvicorn.Config(app, **common)).run(sockets=[sock])
         return 0

@@ -16,7 +16,8 @@ misses at once, without I/O, for `breaker_cooldown`; then one request probes the
 
 Options: `token` (else $KVSTASH_TOKEN), `timeout` (per request, default 10s),
 `connect_timeout` (1s), `pool` (connections, default 16), `verify` (re-check payload
-checksums here, default true), `breaker_failures` (3), `breaker_cooldown` (2s).
+checksums here, default true), `breaker_failures` (3), `breaker_cooldown` (2s), and for
+https:// `ca` (a PEM file of trusted CAs; default: the system's).
 """
 
 from __future__ import annotations
@@ -236,6 +237,7 @@ class HttpStore(Store):
         verify: bool = True,
         breaker_failures: int = 3,
         breaker_cooldown: float = 2.0,
+        ca_file: str | None = None,
         url: str | None = None,
     ):
         super().__init__()
@@ -268,6 +270,8 @@ class HttpStore(Store):
         self._failures = 0
         self._open_until = 0.0
         self._warned: set[int] = set()
+        self.ca_file = ca_file
+        self._tls_context: ssl.SSLContext | None = None
 
     @classmethod
     def from_url(cls, u: StoreURL) -> HttpStore:
@@ -279,6 +283,7 @@ class HttpStore(Store):
             "verify": u.take("verify", parse_bool, True),
             "breaker_failures": u.take("breaker_failures", int, 3),
             "breaker_cooldown": u.take("breaker_cooldown", parse_seconds, 2.0),
+            "ca_file": u.take("ca"),
         }
         u.finish()
         if opts["pool"] < 1 or opts["breaker_failures"] < 1:
@@ -301,8 +306,10 @@ class HttpStore(Store):
 
     async def _connect(self, loop: asyncio.AbstractEventLoop) -> _Connection:
         if self.tls:
+            if self._tls_context is None:
+                self._tls_context = ssl.create_default_context(cafile=self.ca_file)
             reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(self.host, self.port, ssl=ssl.create_default_context()),
+                asyncio.open_connection(self.host, self.port, ssl=self._tls_context),
                 self.connect_timeout,
             )
             return _TlsConnection(reader, writer, loop)

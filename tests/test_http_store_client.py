@@ -201,3 +201,57 @@ async def test_one_store_survives_several_event_loops(kvserver_url, ns):
     assert await roundtrip() == blob
     assert await asyncio.to_thread(asyncio.run, roundtrip()) == blob
     await store.close()
+
+
+def self_signed_cert(directory) -> tuple[str, str]:
+    """A certificate for 127.0.0.1 and its key, as PEM files."""
+    import datetime
+    import ipaddress
+
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
+                       critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                           serialization.PrivateFormat.PKCS8,
+                                           serialization.NoEncryption()))
+    return str(cert_path), str(key_path)
+
+
+async def test_https_with_a_trusted_ca_round_trips_and_an_untrusted_one_misses(tmp_path, ns):
+    cert, key = self_signed_cert(tmp_path)
+    chunks = make_chunks(ns, 3, payload_size=200_000)
+    with running_kvserver("--store", "memory://", "--tls-cert", cert, "--tls-key", key) as server:
+        assert server.url.startswith("https://")
+        store = open_store(f"{server.url}?ca={cert}")
+        untrusted = open_store(server.url)
+        try:
+            for k, _, blob in chunks:
+                assert await store.put(k, blob) is True
+            keys = [k for k, _, _ in chunks]
+            assert await store.prefix_len(keys) == 3
+            assert await store.get(keys[0]) == chunks[0][2]
+            buf = bytearray(200_000)
+            header = await store.get_into(keys[1], buf)
+            assert header is not None and buf == chunks[1][2][header.header_len :]
+            assert await untrusted.get(keys[0]) is None
+            assert untrusted.counters["errors"] == 1
+        finally:
+            await store.close()
+            await untrusted.close()
