@@ -238,7 +238,8 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     @app.put(
         chunk_path, status_code=201, response_model=PutResult, tags=["chunks"],
         summary="Store a chunk (create-only; 200 if it already existed)",
-        responses={200: {"model": PutResult}, **_errors(400, 413, 415, 503, 507, *auth_errors)},
+        responses={200: {"model": PutResult},
+                   **_errors(400, 408, 413, 415, 503, 507, *auth_errors)},
         openapi_extra={"requestBody": {"required": True, "content": {
             OCTETS: {"schema": {"type": "string", "format": "binary"}}}}},
     )
@@ -247,11 +248,11 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         if ctype != OCTETS:
             raise HTTPException(415, f"chunk bodies are {OCTETS}, not {ctype!r}")
         try:
-            async with asyncio.timeout(config.body_timeout_s):
-                body = await read_body(request, config.max_chunk_bytes)
+            body = await asyncio.wait_for(read_body(request, config.max_chunk_bytes),
+                                          config.body_timeout_s)
         except ClientDisconnect:
             raise HTTPException(400, "client disconnected before the body ended") from None
-        except TimeoutError:
+        except asyncio.TimeoutError:
             raise HTTPException(
                 408, f"body not received within {config.body_timeout_s:g}s"
             ) from None

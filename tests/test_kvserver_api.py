@@ -202,3 +202,18 @@ def test_chunk_with_tokens_survives_the_round_trip(kvserver_url, ns):
     blob = encode_chunk(key, tokens, bytes(range(256)) * 64, {"layers": 2})
     httpx.put(chunk_url(kvserver_url, key), content=blob, headers=OCTETS)
     assert httpx.get(chunk_url(kvserver_url, key)).content == blob
+
+
+def test_a_body_slower_than_the_body_timeout_gets_408(ns):
+    (key, _, blob), = make_chunks(ns, 1, payload_size=10_000)
+    with running_kvserver("--store", "memory://", "--body-timeout", "1s") as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall((f"PUT /v1/chunks/{key} HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                       f"application/octet-stream\r\nContent-Length: {len(blob)}\r\n\r\n").encode()
+                      + blob[:100])  # ...and then nothing more
+            reply = b""
+            while not reply.endswith(b"}") and (part := s.recv(65536)):
+                reply += part
+        assert reply.startswith(b"HTTP/1.1 408") and b'"error"' in reply
+        assert httpx.get(f"{server.url}/v1/chunks/{key}").status_code == 404
