@@ -12,7 +12,8 @@ store may outlive an `asyncio.run`). Like every store, the hot path (`get`, `get
 `exists`, `prefix_len`) answers "miss" on any failure: refused, reset, timeout, HTTP
 error, or a body that fails verification; the connection involved is dropped, never
 reused. After `breaker_failures` failures in a row the breaker opens and the hot path
-misses at once, without I/O, for `breaker_cooldown`; then one request probes the server.
+misses at once, without I/O, for `breaker_cooldown`; after that requests go out again,
+and the first failure reopens it (the first success closes it).
 
 Options: `token` (else $KVSTASH_TOKEN), `timeout` (per request, default 10s),
 `connect_timeout` (1s), `pool` (connections, default 16), `verify` (re-check payload
@@ -404,9 +405,10 @@ class HttpStore(Store):
             message = ""
         return _HttpError(status, message or f"HTTP {status}")
 
-    def _note_failure(self, what: str, key: str, exc: _HttpError) -> None:
-        if exc.status in (401, 403) and exc.status not in self._warned:
-            self._warned.add(exc.status)
+    def _note_failure(self, what: str, key: str, exc: Exception) -> None:
+        status = getattr(exc, "status", 0)
+        if status in (401, 403) and status not in self._warned:
+            self._warned.add(status)
             log.warning("%s: %s refused: %s (check the token)", self, what, exc)
         else:
             log.debug("%s: %s %s failed: %s", self, what, key, exc)
@@ -485,7 +487,7 @@ class HttpStore(Store):
             log.warning("%s: %s of %s failed verification: %s", self, what, key, exc)
         else:
             self.counters["errors"] += 1
-            self._note_failure(what, key, exc)  # type: ignore[arg-type]
+            self._note_failure(what, key, exc)
 
     async def get(self, key: str) -> bytes | None:
         check_key(key)
