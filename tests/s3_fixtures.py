@@ -290,26 +290,28 @@ class FaultProxy:
         dst.close()
 
 
+# The URL fixtures own the servers, so a module that imports only `moto_s3_url` or
+# `seaweed_s3_url` (the shared contract suite) gets working fixtures.
 @pytest.fixture(scope="session")
-def moto_endpoint() -> Iterator[str]:
+def moto_s3_url() -> Iterator[str]:
     with moto_server() as endpoint:
-        yield endpoint
+        yield s3_url(endpoint, "session-" + secrets.token_hex(4))
 
 
 @pytest.fixture(scope="session")
-def seaweed_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def seaweed_s3_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with seaweed_server(tmp_path_factory.mktemp("seaweedfs")) as endpoint:
-        yield endpoint
+        yield s3_url(endpoint, "session-" + secrets.token_hex(4))
 
 
 @pytest.fixture(scope="session")
-def moto_s3_url(moto_endpoint: str) -> str:
-    return s3_url(moto_endpoint, "session-" + secrets.token_hex(4))
+def moto_endpoint(moto_s3_url: str) -> str:
+    return endpoint_of(moto_s3_url)
 
 
 @pytest.fixture(scope="session")
-def seaweed_s3_url(seaweed_endpoint: str) -> str:
-    return s3_url(seaweed_endpoint, "session-" + secrets.token_hex(4))
+def seaweed_endpoint(seaweed_s3_url: str) -> str:
+    return endpoint_of(seaweed_s3_url)
 
 
 @pytest.fixture(params=["moto", "seaweedfs"])
