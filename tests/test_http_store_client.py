@@ -255,3 +255,19 @@ async def test_https_with_a_trusted_ca_round_trips_and_an_untrusted_one_misses(t
         finally:
             await store.close()
             await untrusted.close()
+
+
+async def test_a_cancelled_read_drops_its_connection_and_the_store_goes_on(kvserver_url, ns):
+    (key, _, blob), = make_chunks(ns, 1, payload_size=32 * 1024 * 1024)
+    store = open_store(f"{kvserver_url}?pool=1")
+    try:
+        await store.put(key, blob)
+        buf = bytearray(32 * 1024 * 1024)
+        for delay in (0.0, 0.001):  # far too short for 32 MiB: cancelled mid-request
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(store.get_into(key, bytearray(len(buf))), delay)
+        header = await store.get_into(key, buf)
+        assert header is not None and buf == blob[header.header_len :]
+        assert await store.get(key) == blob
+    finally:
+        await store.close()
