@@ -285,6 +285,13 @@ class ChunkIO:
             self._read_chunk_sync, os.fspath(path), dest, key, token_ids, self._ready_event(dest)
         )
 
+    def read_chunk_blocking(self, path: str | os.PathLike, dest: Any, key: str | None = None,
+                            token_ids: Any = None) -> ChunkHeader:
+        """`submit_chunk(...).result()` without the hand-offs: runs on the calling thread
+        (pieces still fan out to the I/O pool) and is not counted against `max_inflight`.
+        For synchronous callers; raises ReadError like the future would."""
+        return self._read_chunk_sync(os.fspath(path), dest, key, token_ids, self._ready_event(dest))
+
     def submit_reads(self, ranges: Iterable[tuple[str | os.PathLike, int, int, Any]]) -> list[Future]:
         """`submit_read` for many (path, offset, length, dest) ranges at once."""
         return [self.submit_read(*r) for r in ranges]

@@ -300,3 +300,13 @@ def test_pieces_no_pool_thread_started_are_read_by_the_request_thread():
                    lambda a, b, result: done.append(result))
         gate.set()
     assert done == [(0, 3 * KiB), (3 * KiB, 6 * KiB), (6 * KiB, 9 * KiB), (9 * KiB, 10 * KiB)]
+
+
+def test_a_blocking_read_runs_on_the_callers_thread_and_fails_the_same_way(tmp_path, ns, io):
+    data = payload(3 * PIECE + 1)
+    path, key, tokens = write_chunk(tmp_path, ns, 0, data)
+    dest = np.empty(data.size, np.uint8)
+    assert io.read_chunk_blocking(path, dest, key=key, token_ids=tokens).payload_len == data.size
+    assert np.array_equal(dest, data)
+    with pytest.raises(ReadError):
+        io.read_chunk_blocking(tmp_path / "gone.kv", dest)
