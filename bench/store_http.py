@@ -30,6 +30,7 @@ import threading
 import time
 import uuid
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -188,6 +189,11 @@ async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
     from bench.store import measure_store
 
     rounds = getattr(args, "rounds", 3)
+    host = urlsplit(url).hostname or ""
+    if host not in ("127.0.0.1", "::1", "localhost"):
+        # Both baselines are loopback measurements of this host; opening a remote server's
+        # backend URL here would touch a local path of the same name instead.
+        raise SystemExit(f"bench store: {host} is not loopback; run the bench on the server's host")
     backend = await backend_url(url)
     tiers = backend.split(" -> ")  # a tiered server reports "fast -> slow"
     local = await measure_store(tiers if len(tiers) > 1 else backend, size, count, concurrency, rounds)
