@@ -75,7 +75,6 @@ _MISS_STATUS = (403, 404)
 _CONFLICT_RETRIES = (0.05, 0.1, 0.2, 0.4)
 _TOUCHED_MAX = 100_000
 _STALE_UPLOAD_S = 86_400.0
-_READ_PIECE = 4 * MiB
 _TRANSPORT_ERRORS = (BotoCoreError, aiohttp.ClientError, OSError, TimeoutError)
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _NS_DIR = re.compile(r"[0-9a-f]{16}/")
