@@ -29,6 +29,7 @@ import struct
 import threading
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -184,16 +185,25 @@ def lmcache_gbps(addr: str, size: int, count: int, concurrency: int,
     return size * count / put_s / 1e9, size * count / get_s / 1e9
 
 
-async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
-                    concurrency: int) -> list[dict[str, Any]]:
-    from bench.store import measure_store
-
-    rounds = getattr(args, "rounds", 3)
+async def setup(args: argparse.Namespace, url: str) -> tuple[str, Callable[[], Awaitable[None]]]:
+    """Refuse a remote server before anything is measured."""
     host = urlsplit(url).hostname or ""
     if host not in ("127.0.0.1", "::1", "localhost"):
         # Both baselines are loopback measurements of this host; opening a remote server's
         # backend URL here would touch a local path of the same name instead.
         raise SystemExit(f"bench store: {host} is not loopback; run the bench on the server's host")
+
+    async def nothing() -> None:
+        return None
+
+    return url, nothing
+
+
+async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
+                    concurrency: int) -> list[dict[str, Any]]:
+    from bench.store import measure_store
+
+    rounds = getattr(args, "rounds", 3)
     backend = await backend_url(url)
     tiers = backend.split(" -> ")  # a tiered server reports "fast -> slow"
     local = await measure_store(tiers if len(tiers) > 1 else backend, size, count, concurrency, rounds)
