@@ -165,6 +165,12 @@ async def read_body(request: Request, limit: int) -> bytearray:
     return buf
 
 
+class _InflightBytes:
+    """PUT body bytes this process holds right now (one event loop: no lock needed)."""
+
+    bytes = 0
+
+
 def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     """The kvserver ASGI app over `config.store_urls` (or an already opened `store`)."""
     store = store if store is not None else open_store(list(config.store_urls))
@@ -234,6 +240,8 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         return _error(500, "internal server error")
 
     chunk_path = "/v1/chunks/{ns_id}/{digest}"
+    limit = config.max_chunk_bytes
+    inflight = _InflightBytes()
 
     @app.put(
         chunk_path, status_code=201, response_model=PutResult, tags=["chunks"],
@@ -247,16 +255,24 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         ctype = request.headers.get("content-type", OCTETS).split(";")[0].strip().lower()
         if ctype != OCTETS:
             raise HTTPException(415, f"chunk bodies are {OCTETS}, not {ctype!r}")
+        declared = request.headers.get("content-length", "")
+        reserve = min(int(declared) if declared.isdigit() else limit, limit)
+        if inflight.bytes + reserve > config.max_inflight_bytes:
+            raise HTTPException(503, "too many uploads in progress, retry shortly",
+                                headers={"Retry-After": "1"})
+        inflight.bytes += reserve
         try:
-            body = await asyncio.wait_for(read_body(request, config.max_chunk_bytes),
-                                          config.body_timeout_s)
-        except ClientDisconnect:
-            raise HTTPException(400, "client disconnected before the body ended") from None
-        except asyncio.TimeoutError:
-            raise HTTPException(
-                408, f"body not received within {config.body_timeout_s:g}s"
-            ) from None
-        created = await s.put(f"{ns_id}/{digest}", body)
+            try:
+                body = await asyncio.wait_for(read_body(request, limit), config.body_timeout_s)
+            except ClientDisconnect:
+                raise HTTPException(400, "client disconnected before the body ended") from None
+            except asyncio.TimeoutError:
+                raise HTTPException(
+                    408, f"body not received within {config.body_timeout_s:g}s"
+                ) from None
+            created = await s.put(f"{ns_id}/{digest}", body)
+        finally:
+            inflight.bytes -= reserve
         if created:
             metrics.bytes_in.inc(len(body))
         return JSONResponse({"created": created}, status_code=201 if created else 200)

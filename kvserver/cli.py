@@ -17,6 +17,7 @@ from kvserver.config import (
     CONFIG_ENV,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_CHUNK_BYTES,
+    DEFAULT_MAX_INFLIGHT_BYTES,
     DEFAULT_MAX_LOOKUP_KEYS,
     DEFAULT_PORT,
     ServerConfig,
@@ -43,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="SIZE", help="largest accepted chunk body (default 1GiB)")
     p.add_argument("--max-lookup-keys", type=int, default=DEFAULT_MAX_LOOKUP_KEYS,
                    metavar="N", help=f"most keys in one lookup (default {DEFAULT_MAX_LOOKUP_KEYS})")
+    p.add_argument("--max-inflight-bytes", type=parse_size, default=DEFAULT_MAX_INFLIGHT_BYTES,
+                   metavar="SIZE", help="PUT bodies held at once per process; beyond it 503 "
+                                        "(default 4GiB)")
     p.add_argument("--body-timeout", type=parse_seconds, default=DEFAULT_BODY_TIMEOUT_S,
                    metavar="SECONDS", help="a PUT body must arrive within this time, else 408 "
                                            f"(default {DEFAULT_BODY_TIMEOUT_S:g}s)")
@@ -62,6 +66,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_chunk_bytes=args.max_chunk_bytes,
         max_lookup_keys=args.max_lookup_keys,
         body_timeout_s=args.body_timeout,
+        max_inflight_bytes=args.max_inflight_bytes,
     )
 
 

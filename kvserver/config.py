@@ -18,6 +18,9 @@ DEFAULT_MAX_LOOKUP_KEYS = 65536
 # 18 MB/s.
 DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_STORE_CAPACITY = "8GiB"
+# PUT bodies held at once (per process): beyond it a PUT gets 503 + Retry-After instead of
+# growing the server's memory without bound under a burst of large uploads.
+DEFAULT_MAX_INFLIGHT_BYTES = 4 * 1024**3
 # Worker processes (`--workers N`) receive the parent's ServerConfig through this variable.
 CONFIG_ENV = "KVSTASH_SERVE_CONFIG"
 
@@ -37,6 +40,7 @@ class ServerConfig:
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     # Readiness answers 503 when one presence check takes longer than this.
     ready_timeout_s: float = 2.0
 

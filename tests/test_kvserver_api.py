@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -217,3 +218,24 @@ def test_a_body_slower_than_the_body_timeout_gets_408(ns):
                 reply += part
         assert reply.startswith(b"HTTP/1.1 408") and b'"error"' in reply
         assert httpx.get(f"{server.url}/v1/chunks/{key}").status_code == 404
+
+
+def test_uploads_past_the_inflight_budget_get_503_until_one_finishes(ns):
+    (k1, _, b1), (k2, _, b2) = make_chunks(ns, 2, payload_size=40_000)
+    flags = ["--store", "memory://", "--max-chunk-bytes", "64KiB", "--max-inflight-bytes", "64KiB"]
+    with running_kvserver(*flags) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        slow = socket.create_connection((host, int(port)), timeout=10)
+        slow.sendall((f"PUT /v1/chunks/{k1} HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                      f"application/octet-stream\r\nContent-Length: {len(b1)}\r\n\r\n").encode())
+        time.sleep(0.5)  # the server has reserved b1's size and waits for its body
+        r = httpx.put(chunk_url(server.url, k2), content=b2, headers=OCTETS)
+        assert_json_error(r, 503)
+        assert r.headers["retry-after"] == "1"
+        slow.sendall(b1)
+        reply = b""
+        while not reply.endswith(b"}") and (part := slow.recv(65536)):
+            reply += part
+        slow.close()
+        assert reply.startswith(b"HTTP/1.1 201")
+        assert httpx.put(chunk_url(server.url, k2), content=b2, headers=OCTETS).status_code == 201
