@@ -33,7 +33,7 @@ async def test_writer_killed_mid_put_leaves_no_partial_chunk_and_loses_no_ack(tm
     url = f"file://{root}"
     rng = random.Random(SEED)
     acked: list[int] = []
-    for round_ in range(5):
+    for round_ in range(4):
         acked += crash_writer(url, SEED, start=round_ * 1000, size=2 * 1024 * 1024,
                               after_acks=2, delay_s=rng.uniform(0.0, 0.02))
 
@@ -48,7 +48,7 @@ async def test_writer_killed_mid_put_leaves_no_partial_chunk_and_loses_no_ack(tm
     for i in acked:
         key, blob = chunk_for(SEED, i, 2 * 1024 * 1024)
         assert await store.get(key) == blob, f"acknowledged put {i} was lost"
-    assert len(acked) >= 10
+    assert len(acked) >= 8
 
     # A restarted store sweeps the torn writers' tmp files once they are past the grace.
     FileStore(root, tmp_grace_s=0.0)

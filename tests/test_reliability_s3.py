@@ -72,7 +72,7 @@ async def test_writer_killed_mid_put_leaves_no_partial_object(seaweed_url: str, 
     url = with_prefix(seaweed_url, prefix_of(seaweed_url).strip("/"), **MULTIPART)
     rng = random.Random(SEED)
     acked: list[int] = []
-    for round_ in range(3):
+    for round_ in range(2):
         acked += crash_writer(url, SEED, round_ * 1000, size, after_acks=1,
                               delay_s=rng.uniform(0.0, 0.05))
 
