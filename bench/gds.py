@@ -256,10 +256,11 @@ def run(args: argparse.Namespace) -> int:
         print(table(["path", "GB/s", "min", "max", "x baseline", "O_DIRECT share", "verified"],
                     [[r["path"], r["gbps"], r["min"], r["max"], r["ratio"], r["direct_share"],
                       r["verified"]] for r in rows]))
-        ratio = paired_ratio(paths[1])
-        verdict = "meets" if ratio >= TARGET_RATIO else "BELOW"
-        print(f"host path (blocking call) vs single-threaded readinto: {ratio:.2f}x "
-              f"({verdict} the {TARGET_RATIO}x target); through a Future: {paired_ratio(paths[2]):.2f}x")
+        ratios = {"blocking call": paired_ratio(paths[1]), "through a Future": paired_ratio(paths[2])}
+        for how, r in ratios.items():
+            verdict = "meets" if r >= TARGET_RATIO else "BELOW"
+            print(f"host path ({how}) vs single-threaded readinto: {r:.2f}x "
+                  f"({verdict} the {TARGET_RATIO}x target)")
         print(f"xxh3-64 of one payload in host memory (what verify=checksum adds): {hash_gbps:.1f} GB/s, 1 thread")
         stats = paths[1].io.stats()
         print(f"backends: {stats['backends']}; filesystems: {stats['filesystems']}")
@@ -268,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, {
             "command": "bench gds", "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
             "dir": root, "cold": args.cold, "write_gbps": total / write_s / 1e9,
-            "host_vs_readinto": ratio, "xxh3_gbps": hash_gbps, "rows": rows, "stats": stats,
+            "host_vs_readinto": ratios, "xxh3_gbps": hash_gbps, "rows": rows, "stats": stats,
         })
         return 0 if all(p.verified for p in paths) else 1
     finally:
