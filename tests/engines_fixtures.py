@@ -182,3 +182,14 @@ class V1Engine:
     def shutdown(self) -> None:
         self.worker.shutdown()
         self.scheduler.shutdown()
+
+
+def engine_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """The store behind an engine test: `memory`, `file` or `s3` (a moto server on 127.0.0.1)."""
+    if request.param == "memory":
+        return "memory://?capacity=64MiB"
+    if request.param == "file":
+        return f"file://{tmp_path}/kv"
+    from tests.s3_fixtures import with_prefix
+
+    return with_prefix(request.getfixturevalue("moto_s3_url"))

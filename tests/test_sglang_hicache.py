@@ -24,7 +24,9 @@ from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory  
 from sglang.srt.mem_cache.utils import get_hash_str  # noqa: E402
 
 from connector.sglang_hicache import KvstashHiCache  # noqa: E402
-from tests.engines_fixtures import corrupt_chunks  # noqa: E402
+from tests.engines_fixtures import corrupt_chunks, engine_store_url  # noqa: E402
+
+pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url, for the s3 store cases
 
 PAGE = 16
 
@@ -69,9 +71,9 @@ def page_keys(tokens: list[int]) -> list[str]:
     return get_hash_str(tokens, page_size=PAGE)
 
 
-@pytest.fixture(params=["memory", "file"])
+@pytest.fixture(params=["memory", "file", "s3"])
 def store_url(request, tmp_path):
-    return "memory://?capacity=64MiB" if request.param == "memory" else f"file://{tmp_path}/kv"
+    return engine_store_url(request, tmp_path)
 
 
 def write_pages(store: str, keys: list[str]) -> tuple[KvstashHiCache, LayerFirstHostPool]:

@@ -26,10 +26,13 @@ from vllm.v1.kv_offload.tiering.spec import TieringOffloadingSpec  # noqa: E402
 from connector.vllm_tier import KvstashTier  # noqa: E402
 from tests.engines_fixtures import (  # noqa: E402
     corrupt_chunks,
+    engine_store_url,
     make_request,
     offloading_config,
     wait_until,
 )
+
+pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url, for the s3 store cases
 
 NO_CHANGES = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
@@ -96,11 +99,9 @@ def lookup_until_settled(manager, keys, req_id="reader"):
     return ctx, answers, seen
 
 
-@pytest.fixture(params=["memory", "file"])
+@pytest.fixture(params=["memory", "file", "s3"])
 def store_url(request, tmp_path):
-    if request.param == "memory":
-        return "memory://?capacity=64MiB"
-    return f"file://{tmp_path}/kv"
+    return engine_store_url(request, tmp_path)
 
 
 def test_pages_saved_by_one_engine_load_into_another(store_url):

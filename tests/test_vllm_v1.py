@@ -22,10 +22,13 @@ from tests.engines_fixtures import (  # noqa: E402
     BLOCK_SIZE,
     V1Engine,
     corrupt_chunks,
+    engine_store_url,
     make_request,
     vllm_config,
     wait_until,
 )
+
+pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url, for the s3 store cases
 
 PROMPT = list(range(1000, 1100))  # 100 tokens: 6 full blocks, 3 chunks of 2 blocks
 CHUNK_BLOCKS = 2
@@ -35,9 +38,9 @@ def blocks(ids):
     return KVCacheBlocks(blocks=([KVCacheBlock(block_id=i) for i in ids],))
 
 
-@pytest.fixture(params=["memory", "file"])
+@pytest.fixture(params=["memory", "file", "s3"])
 def store_url(request, tmp_path):
-    return "memory://?capacity=64MiB" if request.param == "memory" else f"file://{tmp_path}/kv"
+    return engine_store_url(request, tmp_path)
 
 
 def write_prompt(engine: V1Engine, block_ids: list[int]):
