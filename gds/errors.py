@@ -10,8 +10,6 @@ CORRUPT = "corrupt"  # header or payload checksum, key, tokens or length do not 
 TOO_SMALL = "too_small"  # the destination cannot hold the payload the header announces
 NO_SPACE = "no_space"  # ENOSPC/EDQUOT while writing
 
-REASONS = (MISSING, SHORT, IO, CORRUPT, TOO_SMALL, NO_SPACE)
-
 
 class ChunkIOError(Exception):
     """Base of the errors `gds` raises for a failed read or write."""
