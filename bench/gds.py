@@ -259,7 +259,7 @@ def run(args: argparse.Namespace) -> int:
         ratios = {"blocking call": paired_ratio(paths[1]), "through a Future": paired_ratio(paths[2])}
         for how, r in ratios.items():
             verdict = "meets" if r >= TARGET_RATIO else "BELOW"
-            print(f"host path ({how}) vs single-threaded readinto: {r:.2f}x "
+            print(f"host path ({how}) vs single-threaded readinto: {r:.3f}x "
                   f"({verdict} the {TARGET_RATIO}x target)")
         print(f"xxh3-64 of one payload in host memory (what verify=checksum adds): {hash_gbps:.1f} GB/s, 1 thread")
         stats = paths[1].io.stats()
