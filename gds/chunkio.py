@@ -6,12 +6,14 @@ called from any thread, an event loop's included; each returns a
 At most `max_inflight` requests run at once; more wait in a FIFO queue. A read's future
 resolves once the bytes are in the destination (for CUDA destinations: once the copies or
 DMA have completed), or fails with `ReadError`; a write's future resolves to True (created)
-or False (the chunk already existed), or fails with `WriteError`.
+or False (the chunk already existed), or fails with `WriteError`. Synchronous callers
+may use `read_chunk_blocking`, which does the same work on the calling thread.
 
 Backends are chosen once, at construction, from one probe (`gds.probe`): CPU destinations
 take the host path; CUDA destinations take torch-gds, KvikIO or pinned bounce buffers.
-A file on a filesystem that refuses O_DIRECT is read through bounce buffers instead of
-cuFile, silently. `stats()` reports the choices and what each filesystem allowed.
+A file on a filesystem that refuses O_DIRECT, or where a cuFile read failed once, is read
+through bounce buffers instead of cuFile. `stats()` reports the choices and what each
+filesystem allowed.
 
 Verification (`verify=`): the header (magic, key, token ids, lengths, its own checksum) is
 always read and checked on the host, and the file length must match it. "checksum" also
