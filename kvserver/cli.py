@@ -96,6 +96,7 @@ def run(args: argparse.Namespace) -> int:
     from uvicorn.supervisors import Multiprocess
 
     from kvserver.app import create_app
+    from kvserver.protocol import BoundedHeadProtocol
 
     config = config_from_args(args)
     workers = args.workers
@@ -124,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
     common = {
         "log_level": "info" if getattr(args, "verbose", False) else "warning",
         "access_log": args.access_log, "timeout_keep_alive": KEEP_ALIVE_S, "lifespan": "on",
+        # httptools with a cap on request-head size and time (see kvserver/protocol.py).
+        "http": BoundedHeadProtocol,
     }
     if args.tls_cert:
         common |= {"ssl_certfile": str(args.tls_cert), "ssl_keyfile": str(args.tls_key)}
