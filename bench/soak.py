@@ -24,6 +24,7 @@ import random
 import select
 import socket
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -654,7 +655,7 @@ def _raw_status(url: str, head: bytes, body_pieces: Callable[[socket.socket], No
 
 
 def scenario_hostile_http(budget: float, work: Path, seed: int) -> Outcome:
-    out = Outcome("hostile input: slow-drip, oversized and traversal requests (kvserver)")
+    out = Outcome("hostile input: slow-drip, oversized, trickled-head, traversal requests (kvserver)")
     tmp = work / "hostile"
     root = tmp / "store"
     victim = tmp / "outside" / "victim.kv"
@@ -689,7 +690,22 @@ def scenario_hostile_http(budget: float, work: Path, seed: int) -> Outcome:
         for _ in range(16):
             sock.sendall(piece)
 
+    trickle: list[Any] = []
+
+    def trickle_head() -> None:
+        """A request head trickled a byte per 100 ms: cut off by kvserver's head deadline."""
+        started = time.monotonic()
+
+        def bytes_forever(sock: socket.socket) -> None:
+            while time.monotonic() - started < 30 and not select.select([sock], [], [], 0.1)[0]:
+                sock.sendall(b"X")
+
+        trickle.extend([_raw_status(server.url, b"GET /healthz HTTP/1.1\r\n", bytes_forever),
+                        time.monotonic() - started])
+
     try:
+        trickler = threading.Thread(target=trickle_head, daemon=True)
+        trickler.start()
         deadline = time.monotonic() + budget
         while time.monotonic() < deadline:
             for target in traversals:
@@ -714,6 +730,12 @@ def scenario_hostile_http(budget: float, work: Path, seed: int) -> Outcome:
             out.survived += status in (413, None)
             if status not in (413, None):
                 out.violate(f"oversized chunked body: status {status}")
+        trickler.join(40)
+        out.faults += 1
+        if trickle and trickle[0] in (408, None) and trickle[1] < 20:
+            out.survived += 1
+        else:
+            out.violate(f"a trickled request head was not cut off: {trickle}")
         if victim.read_bytes() != b"must survive":
             out.violate("a file outside the store root was changed")
         strays = [p for p in chunk_files(tmp) if not p.is_relative_to(root) and p != victim
