@@ -4,12 +4,13 @@ Primitives, each usable from a test or from the soak: deterministic test chunks 
 bytes can be recomputed from (seed, index) so any read can be checked for *wrong* data,
 not only for a valid checksum; corruption of stored chunks (bit flips in header or
 payload, truncation, replacement by another valid chunk); a writer process to SIGKILL
-mid-put; a small-filesystem mount; process RSS; latency percentiles.
+mid-put; kvserver and SeaweedFS processes to SIGKILL and restart on the same port; a
+small-filesystem mount; process RSS; latency percentiles.
 
 `python -m bench.faults writer --store URL ...` (driven by `Writer`) is the process the
 crash scenarios kill: it prints one `ok <index> <key>` line per acknowledged put, so the
-parent knows which writes were promised durable. `python -m bench.faults fuzz-codec --runs N` runs the chunk
-decoder under atheris (coverage-guided) when it is installed.
+parent knows which writes were promised durable. `python -m bench.faults fuzz-codec
+--runs N` runs the chunk decoder under atheris (coverage-guided) when it is installed.
 """
 
 from __future__ import annotations
