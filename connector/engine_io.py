@@ -15,7 +15,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from storage.base import Store
@@ -29,6 +29,24 @@ StoreSpec = str | Sequence[str]
 
 def store_id(urls: StoreSpec) -> tuple[str, ...]:
     return (urls,) if isinstance(urls, str) else tuple(urls)
+
+
+async def each_bounded(work: Callable[[int], Awaitable[bool]], n: int, limit: int) -> list[bool]:
+    """`[await work(i) for i < n]` with at most `limit` in flight; False where `work` raised.
+
+    One page or chunk failing (a backend error, a corrupt object) fails only itself.
+    """
+    gate = asyncio.Semaphore(limit)
+
+    async def one(i: int) -> bool:
+        async with gate:
+            try:
+                return await work(i)
+            except Exception as exc:  # noqa: BLE001 - the engine sees a miss, never an error
+                log.warning("engine page/chunk I/O failed: %s", exc)
+                return False
+
+    return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
 class StoreLoop:

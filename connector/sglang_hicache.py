@@ -31,7 +31,7 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from connector.engine_io import StoreLoop
+from connector.engine_io import StoreLoop, each_bounded
 from hashing import Namespace, keys_from_block_hashes
 from storage.base import Store
 from storage.codec import encode_chunk
@@ -41,9 +41,10 @@ log = logging.getLogger("kvstash.connector.sglang")
 FORMAT = "sglang-hicache-v1"
 
 
-def hicache_namespace(config: HiCacheStorageConfig, host_pool: Any, salt: str = "") -> Namespace:
+def hicache_namespace(
+    config: HiCacheStorageConfig, host_pool: Any, page_bytes: int, salt: str = "",
+) -> Namespace:
     """Everything that makes two SGLang host pages with equal page hashes incompatible."""
-    page_bytes = host_pool.get_dummy_flat_data_page().numel() * host_pool.dtype.itemsize
     layout = (
         f"{FORMAT};layout={host_pool.layout};page_bytes={page_bytes};"
         f"pp={config.pp_rank}/{config.pp_size};cp={config.attn_cp_rank}/{config.attn_cp_size}"
@@ -62,7 +63,9 @@ class KvstashHiCache(HiCacheStorage):
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
         extra = storage_config.extra_config or {}
         if not extra.get("store"):
-            raise ValueError("hicache-storage-backend-extra-config needs 'store' (e.g. file:///mnt/kv)")
+            raise ValueError(
+                "hicache-storage-backend-extra-config needs 'store' (e.g. file:///mnt/kv)"
+            )
         self.config = storage_config
         self.salt = str(extra.get("salt", ""))
         self.timeout_s = float(extra.get("timeout_s", 10.0))
@@ -72,8 +75,9 @@ class KvstashHiCache(HiCacheStorage):
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
-        self.ns = hicache_namespace(self.config, mem_pool_host, self.salt)
-        self.page_nbytes = mem_pool_host.get_dummy_flat_data_page().numel() * mem_pool_host.dtype.itemsize
+        page = mem_pool_host.get_dummy_flat_data_page()
+        self.page_nbytes = page.numel() * page.element_size()
+        self.ns = hicache_namespace(self.config, mem_pool_host, self.page_nbytes, self.salt)
         log.info("SGLang HiCache storage on %s, namespace %s", self.io.store, self.ns.id)
 
     def _keys(self, keys: list[str]) -> list[str]:
@@ -87,22 +91,11 @@ class KvstashHiCache(HiCacheStorage):
             log.warning("HiCache storage on %s failed: %s", self.io.store, exc)
             return default
 
-    async def _each(self, work: Any, n: int) -> list[bool]:
-        gate = asyncio.Semaphore(self.max_in_flight)
-
-        async def one(i: int) -> bool:
-            async with gate:
-                try:
-                    return await work(i)
-                except Exception as exc:  # noqa: BLE001 - one bad page fails only itself
-                    log.warning("HiCache page I/O on %s failed: %s", self.io.store, exc)
-                    return False
-
-        return list(await asyncio.gather(*(one(i) for i in range(n))))
-
     # -- the interface SGLang's cache controller uses -----------------------------------
 
-    def batch_exists(self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None) -> int:
+    def batch_exists(
+        self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None,
+    ) -> int:
         ours = self._keys(keys)
         return self._run(lambda store: store.prefix_len(ours), 0)
 
@@ -122,7 +115,7 @@ class KvstashHiCache(HiCacheStorage):
                 pool.set_from_flat_data_page(starts[i], page.view(pool.dtype))
                 return True
 
-            return await self._each(one, len(ours))
+            return await each_bounded(one, len(ours), self.max_in_flight)
 
         return self._run(read, [False] * len(keys))
 
@@ -146,7 +139,7 @@ class KvstashHiCache(HiCacheStorage):
                 await store.put(ours[i], blob)
                 return True
 
-            return await self._each(one, len(ours))
+            return await each_bounded(one, len(ours), self.max_in_flight)
 
         return self._run(write, [False] * len(keys))
 
@@ -155,7 +148,9 @@ class KvstashHiCache(HiCacheStorage):
     def exists(self, key: str) -> bool:
         return self.batch_exists([key]) == 1
 
-    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> torch.Tensor | None:
+    def get(
+        self, key: str, target_location: Any = None, target_sizes: Any = None,
+    ) -> torch.Tensor | None:
         (ours,) = self._keys([key])
         out = torch.empty(self.page_nbytes, dtype=torch.uint8)
         header = self._run(lambda store: store.get_into(ours, out.numpy()), None)
@@ -167,11 +162,15 @@ class KvstashHiCache(HiCacheStorage):
             return target_location
         return page
 
-    def batch_get(self, keys: list[str], target_locations: Any = None, target_sizes: Any = None) -> list[torch.Tensor | None]:
+    def batch_get(
+        self, keys: list[str], target_locations: Any = None, target_sizes: Any = None,
+    ) -> list[torch.Tensor | None]:
         targets = target_locations or [None] * len(keys)
         return [self.get(k, t) for k, t in zip(keys, targets, strict=True)]
 
-    def set(self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None) -> bool:
+    def set(
+        self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None,
+    ) -> bool:
         (ours,) = self._keys([key])
         payload = value.contiguous().view(torch.uint8).numpy()
 
@@ -181,7 +180,10 @@ class KvstashHiCache(HiCacheStorage):
 
         return self._run(put, False)
 
-    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None, target_sizes: Any = None) -> bool:
+    def batch_set(
+        self, keys: list[str], values: Any = None, target_locations: Any = None,
+        target_sizes: Any = None,
+    ) -> bool:
         return all([self.set(k, v) for k, v in zip(keys, values, strict=True)])
 
     def close(self) -> None:

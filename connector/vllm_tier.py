@@ -1,4 +1,4 @@
-"""`KvstashTier`: a vLLM (>= 0.33) offloading secondary tier that keeps CPU pages in a kvstash store.
+"""`KvstashTier`: a vLLM (>= 0.33) offloading secondary tier keeping CPU pages in a kvstash store.
 
 vLLM's `OffloadingConnector` with `TieringOffloadingSpec` does the hashing, scheduling,
 GPU <-> CPU copies, eviction and hybrid-model bookkeeping; this tier only moves whole
@@ -50,7 +50,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
-from connector.engine_io import StoreLoop, StoreSpec
+from connector.engine_io import StoreLoop, StoreSpec, each_bounded
 from hashing import Namespace, keys_from_block_hashes
 from storage.base import Store
 from storage.codec import encode_chunk
@@ -130,7 +130,9 @@ class KvstashTier(SecondaryTierManager):
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
         if not store:
-            raise ValueError(f"secondary tier {tier_type!r} needs a 'store' URL (e.g. file:///mnt/kv)")
+            raise ValueError(
+                f"secondary tier {tier_type!r} needs a 'store' URL (e.g. file:///mnt/kv)"
+            )
         self.ns = tier_namespace(offloading_spec, self.block_size_bytes, salt)
         self.timeout_s = float(timeout_s)
         self._pages = primary_kv_view.cast("B")
@@ -142,7 +144,8 @@ class KvstashTier(SecondaryTierManager):
         )
         self.io = StoreLoop.shared(store)
         self._lookups = _StoreLookups(self)
-        log.info("vLLM offloading tier %s on %s, namespace %s", tier_type, self.io.store, self.ns.id)
+        log.info("vLLM offloading tier %s on %s, namespace %s",
+                 tier_type, self.io.store, self.ns.id)
 
     def store_keys(self, keys: Sequence[OffloadKey]) -> list[str]:
         return keys_from_block_hashes([bytes(k) for k in keys], self.ns)
@@ -193,20 +196,6 @@ class KvstashTier(SecondaryTierManager):
     def _start(self, job_id: JobId, keys: list[OffloadKey], is_load: bool, fn: Any) -> None:
         self._jobs[job_id] = _Job(keys, is_load, self.io.submit(fn), time.monotonic())
 
-    async def _each(self, work: Any, n: int) -> list[bool]:
-        """Run `work(i)` for i < n, at most `max_in_flight` at a time; False where it raised."""
-        gate = asyncio.Semaphore(self._max_in_flight)
-
-        async def one(i: int) -> bool:
-            async with gate:
-                try:
-                    return await work(i)
-                except Exception as exc:  # noqa: BLE001 - a failed page is a failed job
-                    log.warning("vLLM tier page I/O on %s failed: %s", self.io.store, exc)
-                    return False
-
-        return list(await asyncio.gather(*(one(i) for i in range(n))))
-
     async def _write(self, store: Store, keys: list[str], pages: list[memoryview]) -> list[bool]:
         present = await store.exists(keys)
         meta = {"engine": FORMAT}
@@ -219,14 +208,14 @@ class KvstashTier(SecondaryTierManager):
             await store.put(keys[i], blob)
             return True
 
-        return await self._each(write, len(keys))
+        return await each_bounded(write, len(keys), self._max_in_flight)
 
     async def _read(self, store: Store, keys: list[str], pages: list[memoryview]) -> list[bool]:
         async def read(i: int) -> bool:
             header = await store.get_into(keys[i], pages[i])
             return header is not None and header.payload_len == len(pages[i])
 
-        return await self._each(read, len(keys))
+        return await each_bounded(read, len(keys), self._max_in_flight)
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
@@ -243,7 +232,9 @@ class KvstashTier(SecondaryTierManager):
             if job.is_load and not success:
                 # Without this the scheduler would see the cached HIT again and retry
                 # the same doomed promotion forever.
-                self._lookups.mark_miss([k for k, good in zip(job.keys, ok, strict=True) if not good])
+                self._lookups.mark_miss(
+                    [k for k, good in zip(job.keys, ok, strict=True) if not good]
+                )
             if self._events is not None and done and not job.is_load:
                 self._events.append(OffloadingEvent(
                     keys=done, medium=self.medium, removed=False, locality=self.locality,

@@ -1,4 +1,4 @@
-"""`KvstashConnector`: a vLLM KV connector (V1 API) that loads prefix KV from a kvstash store and saves new KV to it.
+"""`KvstashConnector`: a vLLM V1 KV connector that loads and saves prefix KV in a kvstash store.
 
 For vLLM versions without offloading tiers, and for loads straight into the paged KV
 cache; on vLLM >= 0.33 prefer `connector.vllm_tier` under vLLM's OffloadingConnector.
@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.engine_io import StoreLoop
+from connector.engine_io import StoreLoop, each_bounded
 from connector.writebehind import SaveJob, WriteBehindQueue
 from hashing import Namespace, keys_from_block_hashes
 from storage.base import Store
@@ -331,7 +331,8 @@ class KvstashConnector(KVConnectorBase_V1):
         for name, kv in self._kv.items():
             # vLLM >= 0.9 hands [num_blocks, ...] per layer; older FlashAttention
             # layouts are (2, num_blocks, ...).
-            block_dim = 1 if num_blocks and kv.shape[0] != num_blocks and kv.shape[1] == num_blocks else 0
+            old_layout = num_blocks and kv.shape[0] != num_blocks and kv.shape[1] == num_blocks
+            block_dim = 1 if old_layout else 0
             shape = tuple(kv.shape[:block_dim]) + tuple(kv.shape[block_dim + 1 :])
             nbytes = int(np.prod(shape)) * kv.element_size()
             self._layers.append(_LayerLayout(name, block_dim, shape, kv.dtype, nbytes))
@@ -360,34 +361,34 @@ class KvstashConnector(KVConnectorBase_V1):
         for req in meta.loads:
             if req.req_id not in self._loading:
                 keys = self._keys(req.chunks, self.rank)
-                future = self.io.submit(lambda store, req=req, keys=keys: self._load(store, req, keys))
+                future = self.io.submit(
+                    lambda store, req=req, keys=keys: self._load(store, req, keys)
+                )
                 self._loading[req.req_id] = (req, future)
 
     async def _load(self, store: Store, req: ReqChunks, keys: list[str]) -> set[int]:
         """Read, verify and place every chunk of one request; the block ids that failed."""
-        gate = asyncio.Semaphore(self.max_in_flight)
 
-        async def one(chunk: ChunkRef, key: str) -> set[int]:
-            async with gate:
-                try:
-                    buf = torch.empty(self._chunk_nbytes, dtype=torch.uint8)
-                    header = await store.get_into(key, buf.numpy())
-                    if (
-                        header is not None
-                        and header.payload_len == self._chunk_nbytes
-                        and header.meta.get("kv") == self._fingerprint
-                        and header.matches_tokens(chunk.token_ids)
-                    ):
-                        await asyncio.to_thread(self._place, chunk, buf)
-                        self._count(loaded_chunks=1)
-                        return set()
-                except Exception as exc:  # noqa: BLE001 - a failed chunk is recomputed
-                    log.warning("loading %s from %s failed: %s", key, store, exc)
-                self._count(load_errors=1)
-                return set(chunk.block_ids[chunk.first :])
+        async def one(i: int) -> bool:
+            chunk = req.chunks[i]
+            buf = torch.empty(self._chunk_nbytes, dtype=torch.uint8)
+            header = await store.get_into(keys[i], buf.numpy())
+            if (
+                header is None
+                or header.payload_len != self._chunk_nbytes
+                or header.meta.get("kv") != self._fingerprint
+                or not header.matches_tokens(chunk.token_ids)
+            ):
+                return False
+            await asyncio.to_thread(self._place, chunk, buf)
+            return True
 
-        failed = await asyncio.gather(*(one(c, k) for c, k in zip(req.chunks, keys, strict=True)))
-        return set().union(*failed)
+        ok = await each_bounded(one, len(req.chunks), self.max_in_flight)
+        self._count(loaded_chunks=sum(ok), load_errors=len(ok) - sum(ok))
+        return {
+            b for chunk, good in zip(req.chunks, ok, strict=True) if not good
+            for b in chunk.block_ids[chunk.first :]
+        }
 
     def _place(self, chunk: ChunkRef, buf: torch.Tensor) -> None:
         """Copy a verified chunk into its blocks, skipping the ones computed locally."""

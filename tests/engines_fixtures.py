@@ -83,7 +83,7 @@ def offloading_config(
 
 
 def vllm_config(store: str | list[str], **extra: Any) -> VllmConfig:
-    """A CPU `VllmConfig` that names our V1 connector, as `vllm serve --kv-transfer-config` would."""
+    """A CPU `VllmConfig` naming our V1 connector, as `vllm serve --kv-transfer-config` would."""
     from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
 
     return VllmConfig(

@@ -15,7 +15,8 @@ from __future__ import annotations
 import pytest
 
 pytest.importorskip(
-    "sglang.srt.mem_cache.hicache_storage", reason="SGLang not installed (scripts/install-engines.sh)"
+    "sglang.srt.mem_cache.hicache_storage",
+    reason="SGLang not installed (scripts/install-engines.sh)",
 )
 
 import torch  # noqa: E402
@@ -97,7 +98,8 @@ def test_pages_saved_by_one_rank_set_load_into_another_pool(store_url):
     finally:
         writer.close()
         reader.close()
-    assert torch.equal(target.kv_buffer[:, :, 5 * PAGE : 9 * PAGE], source.kv_buffer[:, :, : 4 * PAGE])
+    loaded, saved = target.kv_buffer[:, :, 5 * PAGE : 9 * PAGE], source.kv_buffer[:, :, : 4 * PAGE]
+    assert torch.equal(loaded, saved)
 
 
 def test_batch_exists_counts_the_leading_hits(store_url):
