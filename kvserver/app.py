@@ -40,7 +40,7 @@ log = logging.getLogger("kvstash.kvserver")
 OCTETS = "application/octet-stream"
 # A key that is never stored: the readiness probe asks the backend about it.
 READY_PROBE_KEY = "0" * 16 + "/" + "0" * 32
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$")
 
 NsId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="16 hex chars: the namespace")]
 Digest = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="32 hex chars: the chunk")]
@@ -141,7 +141,7 @@ async def read_body(request: Request, limit: int) -> bytearray:
     """The whole request body in one buffer; 413 before reading anything past `limit`."""
     declared = request.headers.get("content-length")
     if declared is not None:
-        if not declared.isdigit():
+        if not (declared.isascii() and declared.isdigit()):
             raise HTTPException(400, f"bad Content-Length {declared!r}")
         size = int(declared)
         if size > limit:
@@ -256,7 +256,8 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         if ctype != OCTETS:
             raise HTTPException(415, f"chunk bodies are {OCTETS}, not {ctype!r}")
         declared = request.headers.get("content-length", "")
-        reserve = min(int(declared) if declared.isdigit() else limit, limit)
+        known = declared.isascii() and declared.isdigit()
+        reserve = min(int(declared) if known else limit, limit)
         if inflight.bytes + reserve > config.max_inflight_bytes:
             raise HTTPException(503, "too many uploads in progress, retry shortly",
                                 headers={"Retry-After": "1"})

@@ -123,13 +123,14 @@ class _Connection:
         self.start = i + 4
         self.answered = True
         parts = lines[0].split(" ", 2)
-        if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        status = parts[1] if len(parts) > 1 else ""
+        if not (parts[0].startswith("HTTP/1.") and status.isascii() and status.isdigit()):
             raise _HttpError(0, f"not an HTTP response: {lines[0][:80]!r}")
         headers = {}
         for line in lines[1:]:
             name, _, value = line.partition(":")
             headers[name.strip().lower()] = value.strip()
-        return int(parts[1]), headers
+        return int(status), headers
 
     async def read_into(self, view: memoryview, hasher: Any = None) -> None:
         """Fill `view` exactly: buffered bytes first, then straight from the socket.
@@ -214,7 +215,7 @@ class _TlsConnection(_Connection):
 
 def _content_length(headers: dict[str, str]) -> int:
     value = headers.get("content-length", "")
-    if not value.isdigit():
+    if not (value.isascii() and value.isdigit()):
         raise _HttpError(0, f"response without a usable Content-Length ({value!r})")
     return int(value)
 

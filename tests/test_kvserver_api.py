@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import base64
 import socket
-import time
 from pathlib import Path
 
 import httpx
@@ -227,8 +226,10 @@ def test_uploads_past_the_inflight_budget_get_503_until_one_finishes(ns):
         host, port = server.url.removeprefix("http://").split(":")
         slow = socket.create_connection((host, int(port)), timeout=10)
         slow.sendall((f"PUT /v1/chunks/{k1} HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                      f"application/octet-stream\r\nContent-Length: {len(b1)}\r\n\r\n").encode())
-        time.sleep(0.5)  # the server has reserved b1's size and waits for its body
+                      f"application/octet-stream\r\nContent-Length: {len(b1)}\r\n"
+                      "Expect: 100-continue\r\n\r\n").encode())
+        # "100 Continue" comes once the server has reserved b1's size and waits for its body.
+        assert slow.recv(65536).startswith(b"HTTP/1.1 100")
         r = httpx.put(chunk_url(server.url, k2), content=b2, headers=OCTETS)
         assert_json_error(r, 503)
         assert r.headers["retry-after"] == "1"
