@@ -16,15 +16,10 @@ from bench.faults import CORRUPTIONS, SeaweedProcess, chunk_for, corrupt, crash_
 from storage import open_store
 from storage.errors import StoreError, StoreUnavailable
 from tests.reliability_fixtures import own_seaweed_fixture  # noqa: F401
-from tests.s3_fixtures import (  # noqa: F401
-    ACCESS_KEY,
-    BUCKET,
-    SECRET_KEY,
-    endpoint_of,
-    seaweed_endpoint,
-    seaweed_s3_url,
-    with_prefix,
-)
+from tests.s3_fixtures import ACCESS_KEY, BUCKET, SECRET_KEY, endpoint_of, with_prefix
+
+# The session's SeaweedFS (`seaweed_s3_url`) is shared with the S3 store suite.
+pytest_plugins = ("tests.s3_fixtures",)
 
 SEED = 83
 MiB = 1024 * 1024
