@@ -150,16 +150,26 @@ class V1Engine:
         assert answers[0] == (None, False), "the first lookup must not wait on the store"
         return answers[-1]
 
-    def step(self, new_requests=(), block_ids=None, scheduled=None):
-        """One engine step: build metadata, run the worker around a forward, collect results."""
+    def step(self, new_requests=(), block_ids=None, scheduled=None, cached=None):
+        """One engine step: build metadata, run the worker around a forward, collect results.
+
+        `cached` lists (request, new block ids, computed tokens before this step) of requests
+        scheduled before, as vLLM's `CachedRequestData` carries them.
+        """
         from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 
         scheduled = scheduled or {}
+        cached = cached or []
         out = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData.from_request(r, (block_ids[r.request_id],)) for r in new_requests
             ],
-            scheduled_cached_reqs=CachedRequestData.make_empty(),
+            scheduled_cached_reqs=CachedRequestData(
+                req_ids=[r.request_id for r, _, _ in cached], resumed_req_ids=set(),
+                new_token_ids=[], all_token_ids={}, new_block_ids=[(ids,) for _, ids, _ in cached],
+                num_computed_tokens=[n for _, _, n in cached],
+                num_output_tokens=[0 for _ in cached],
+            ),
             num_scheduled_tokens=scheduled,
             total_num_scheduled_tokens=sum(scheduled.values()),
             scheduled_spec_decode_tokens={},

@@ -209,3 +209,30 @@ def test_unreachable_store_is_a_miss_not_an_error():
         assert engine.lookup(make_request(PROMPT)) == (0, False)
     finally:
         engine.shutdown()
+
+
+def test_chunked_prefill_saves_each_chunk_once_as_it_completes(store_url):
+    writer = V1Engine(store_url, chunk_blocks=CHUNK_BLOCKS)
+    reader = V1Engine(store_url, chunk_blocks=CHUNK_BLOCKS)
+    try:
+        req = make_request(PROMPT)
+        assert writer.lookup(req) == (0, False)
+        writer.scheduler.update_state_after_alloc(req, blocks(range(3)), 0)
+        for kv in writer.kv.values():
+            kv[0:7] = torch.randn(7, *kv.shape[1:]).to(kv.dtype)
+        # step 1: 40 of 100 tokens (blocks 0-2 allocated) -> chunk 0 (tokens 0-31) is complete
+        meta1, _, _ = writer.step([req], {req.request_id: [0, 1, 2]}, {req.request_id: 40})
+        # step 2: the other 60 tokens, blocks 3-6 added -> chunks 1 and 2 complete
+        meta2, _, _ = writer.step(
+            scheduled={req.request_id: 60}, cached=[(req, [3, 4, 5, 6], 40)]
+        )
+        assert [len(r.chunks) for r in meta1.saves] == [1]
+        assert [c.block_ids for r in meta2.saves for c in r.chunks] == [[2, 3], [4, 5]]
+        assert writer.worker.flush()
+        ext, _, errors = read_prompt(reader, list(range(10, 17)))
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert ext == 6 * BLOCK_SIZE and errors == set()
+    for name in writer.kv:
+        assert torch.equal(reader.kv[name][10:16], writer.kv[name][0:6])
