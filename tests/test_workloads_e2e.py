@@ -39,7 +39,9 @@ def test_every_workload_hits_exactly_its_reusable_prefix_with_the_same_first_tok
     bpt = bytes_per_token("llama-test")
     for r in by_name.values():
         assert r["token_hit_rate"] == pytest.approx(r["ideal_hit_rate"])
-        assert r["first_token_equal"] and r["max_abs_logit_diff"] == 0.0
+        # Same first token; logits equal up to bf16 rounding (a suffix-only pass may
+        # block its matmuls differently from a full pass).
+        assert r["first_token_equal"] and r["max_abs_logit_diff"] < 0.1
         assert r["bytes_loaded"] == r["hit_tokens"] * bpt
         assert r["bytes_saved"] > 0 and r["load_failures"] == 0
         assert r["prompts"] == len(r["per_prompt"])
