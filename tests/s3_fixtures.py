@@ -164,14 +164,22 @@ def seaweed_server(workdir: Path) -> Iterator[str]:
         log.close()
 
 
+_ERRORS = {
+    "slowdown": (b"503 Slow Down", b"SlowDown"),
+    "conflict": (b"409 Conflict", b"ConditionalRequestConflict"),
+}
+
+
 class FaultProxy:
     """An HTTP/1.1 proxy in front of an S3 endpoint that misbehaves on demand.
 
-    Modes, per request: "pass" (forward), "slowdown" (answer 503 SlowDown), "reset" (RST
-    the connection), "stall" (never answer). `fail_next(n, mode)` misbehaves for the next
+    Modes, per request: "pass" (forward), "slowdown" (answer 503 SlowDown), "conflict"
+    (answer 409 ConditionalRequestConflict, as S3 does to racing conditional writers),
+    "reset" (RST the connection), "stall" (never answer). `fail_next(n, mode)` misbehaves for the next
     n requests only, then passes again; `strip_if_none_match` forwards requests without
     their If-None-Match header (a server that ignores conditional writes). It parses
-    request heads only; request bodies must carry Content-Length, responses are piped raw.
+    request heads only (botocore sends PUTs with Content-Length and `Expect: 100-continue`);
+    responses are piped raw.
     """
 
     def __init__(self, upstream: str):
@@ -247,13 +255,22 @@ class FaultProxy:
                 if mode == "stall":
                     await asyncio.sleep(3600)
                     return
-                if mode == "slowdown":
-                    await reader.readexactly(length)
-                    body = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowDown"
-                            b"</Code><Message>Please reduce your request rate.</Message></Error>")
-                    writer.write(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\n"
-                                 b"Content-Length: %d\r\n\r\n" % len(body) + body)
+                if mode in _ERRORS:
+                    # A client waiting for "100 Continue" never sends the body: answer at
+                    # once and close; otherwise drain the body and keep the connection.
+                    waiting = headers.get("expect", "").lower() == "100-continue"
+                    if not waiting:
+                        await reader.readexactly(length)
+                    status, code = _ERRORS[mode]
+                    body = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>%s</Code>"
+                            b"<Message>injected</Message></Error>" % code)
+                    writer.write(b"HTTP/1.1 %s\r\nContent-Type: application/xml\r\n"
+                                 b"Content-Length: %d\r\n%s\r\n" % (
+                                     status, len(body), b"Connection: close\r\n" if waiting else b"")
+                                 + body)
                     await writer.drain()
+                    if waiting:
+                        return
                     continue
                 if self.strip_if_none_match:
                     head = b"\r\n".join(

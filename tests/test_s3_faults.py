@@ -76,11 +76,24 @@ async def test_a_failed_put_raises_store_unavailable(fault_proxy, ns):
     store = open_store(through(fault_proxy))
     (key, _, blob), = make_chunks(ns, 1)
     fault_proxy.set("slowdown")
-    with pytest.raises(StoreUnavailable):
+    with pytest.raises(StoreUnavailable, match="503 SlowDown"):
         await store.put(key, blob)
     assert store.stats()["put_errors"] == 1
     fault_proxy.set("pass")
     assert await store.put(key, blob) is True
+    await store.close()
+
+
+async def test_a_409_conflict_from_a_racing_writer_is_retried(fault_proxy, ns):
+    store = open_store(through(fault_proxy, conditional="header"))
+    (key, _, blob), = make_chunks(ns, 1)
+    fault_proxy.fail_next(2, "conflict")
+    assert await store.put(key, blob) is True
+    assert await store.get(key) == blob
+    fault_proxy.set("conflict")
+    (other, _, other_blob), = make_chunks(ns, 1, seed=3)
+    with pytest.raises(StoreUnavailable, match="409"):
+        await store.put(other, other_blob)
     await store.close()
 
 
