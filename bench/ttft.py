@@ -225,6 +225,7 @@ def measure_ttft(
         "chunk_tokens": n,
         "store": rig.store_url,
         "repeat": repeat,
+        "threads": _torch_threads(),
         "full_prefill_s": full,
         "miss_s": miss,
         "hit_s": hit,
@@ -246,6 +247,12 @@ def measure_ttft(
     }
 
 
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
 def format_report(r: dict[str, Any]) -> str:
     from storage.options import format_size
 
@@ -262,7 +269,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"model {r['model']} ({r['params'] / 1e6:.0f}M params, {r['dtype']}, "
         f"{format_size(r['bytes_per_token'])}/token), prompt {r['prompt_tokens']} tokens, "
         f"{r['cached_tokens']} cached, chunks of {r['chunk_tokens']}, store {r['store']}, "
-        f"median of {r['repeat']}",
+        f"{r['threads']} torch threads, median of {r['repeat']}",
         f"{'path':<38} {'TTFT':>9}  vs full prefill",
     ]
     lines += [f"{name:<38} {secs:>8.3f}s  {ratio}" for name, secs, ratio in rows]
@@ -315,6 +322,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shared prefix stored before the hit (default 3584)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
     p.add_argument("--repeat", type=int, default=3, help="interleaved rounds; medians (default 3)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch intra-op threads (default 0: torch's choice, one per core); on a "
+                        "busy shared machine 1 is steadier")
     p.add_argument("--json", metavar="PATH", type=Path,
                    help="also write the results as JSON (one model: its result; several: "
                         "{\"runs\": [...]})")
@@ -327,6 +337,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if run_workload is not None and getattr(args, "workload", None):
         return run_workload(args)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     results = []
     for name in _presets(args.model):
         rig = build_rig(name, args.store, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
