@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from urllib.parse import urlsplit
 
 from storage.options import StoreURL
-from storage.s3 import S3Options
+from storage.s3_client import S3Options
 
 HEADER = 4096
 

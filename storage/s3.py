@@ -47,28 +47,22 @@ import logging
 import re
 import secrets
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
-from aiobotocore.config import AioConfig
-from aiobotocore.session import AioSession
-from botocore import UNSIGNED
 from botocore.exceptions import BotoCoreError, ClientError
 
 from hashing import is_valid_key
 from storage.base import Store, check_blob, check_key, check_tenant
 from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, decode_header
-from storage.errors import ConfigError, StoreError, StoreUnavailable
-from storage.options import StoreURL, parse_bool, parse_seconds, parse_size
-from storage.s3_breaker import CircuitBreaker
+from storage.errors import StoreError, StoreUnavailable
+from storage.options import StoreURL
+from storage.s3_client import S3Connection, S3Options
 from storage.s3_gc import marker_name, plan_eviction
 
 log = logging.getLogger("kvstash.storage.s3")
 
-MiB = 1024 * 1024
 TENANTS = "tenants"
 PROBE_DIR = ".kvstash"
 _MISS_STATUS = (403, 404)
@@ -78,173 +72,6 @@ _STALE_UPLOAD_S = 86_400.0
 _TRANSPORT_ERRORS = (BotoCoreError, aiohttp.ClientError, OSError, TimeoutError)
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _NS_DIR = re.compile(r"[0-9a-f]{16}/")
-
-
-@dataclass(frozen=True)
-class S3Options:
-    bucket: str
-    prefix: str
-    endpoint: str | None = None
-    region: str | None = None
-    access_key: str | None = None
-    secret_key: str | None = None
-    session_token: str | None = None
-    profile: str | None = None
-    anonymous: bool = False
-    addressing: str = "auto"
-    pool: int = 64
-    inflight: int = 64
-    retries: int = 4
-    retry_mode: str = "standard"
-    connect_timeout: float = 2.0
-    read_timeout: float = 5.0
-    timeout: float = 30.0
-    range_size: int = 16 * MiB
-    multipart_threshold: int = 64 * MiB
-    part_size: int = 16 * MiB
-    checksum: str = "when_required"
-    sign_payload: bool = False
-    conditional: str = "auto"
-    breaker_failures: int = 5
-    breaker_reset: float = 5.0
-    touch: float = 3600.0
-    verify: bool = True
-
-    @classmethod
-    def from_url(cls, u: StoreURL) -> S3Options:
-        bucket = u.netloc
-        if not bucket or "@" in bucket:
-            raise ConfigError(f"{u.redacted()}: expected s3://bucket/prefix")
-        prefix = u.path.strip("/")
-        endpoint = u.take("endpoint")
-        pool = u.take("pool", int, 64)
-
-        def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
-            value = u.take(name, str, default)
-            if value not in allowed:
-                raise ConfigError(f"{u.redacted()}: {name}={value!r}: expected one of {allowed}")
-            return value
-
-        opts = cls(
-            bucket=bucket,
-            prefix=f"{prefix}/" if prefix else "",
-            endpoint=endpoint,
-            region=u.take("region"),
-            access_key=u.take("access_key"),
-            secret_key=u.take("secret_key"),
-            session_token=u.take("session_token"),
-            profile=u.take("profile"),
-            anonymous=u.take("anonymous", parse_bool, False),
-            addressing=choice("addressing", ("auto", "path", "virtual"),
-                              "path" if endpoint else "auto"),
-            pool=pool,
-            inflight=u.take("inflight", int, pool),
-            retries=u.take("retries", int, 4),
-            retry_mode=choice("retry_mode", ("standard", "adaptive", "legacy"), "standard"),
-            connect_timeout=u.take("connect_timeout", parse_seconds, 2.0),
-            read_timeout=u.take("read_timeout", parse_seconds, 5.0),
-            timeout=u.take("timeout", parse_seconds, 30.0),
-            range_size=u.take("range_size", parse_size, 16 * MiB),
-            multipart_threshold=u.take("multipart_threshold", parse_size, 64 * MiB),
-            part_size=u.take("part_size", parse_size, 16 * MiB),
-            checksum=choice("checksum", ("when_required", "when_supported"), "when_required"),
-            sign_payload=u.take("sign_payload", parse_bool, False),
-            conditional=choice("conditional", ("auto", "header", "head"), "auto"),
-            breaker_failures=u.take("breaker_failures", int, 5),
-            breaker_reset=u.take("breaker_reset", parse_seconds, 5.0),
-            touch=u.take("touch", parse_seconds, 3600.0),
-            verify=u.take("verify", parse_bool, True),
-        )
-        u.finish()
-        if (opts.access_key is None) != (opts.secret_key is None):
-            raise ConfigError(f"{u.redacted()}: give both access_key and secret_key, or neither")
-        if opts.pool < 1 or opts.inflight < 1 or opts.retries < 1:
-            raise ConfigError(f"{u.redacted()}: pool, inflight and retries must be >= 1")
-        if opts.range_size < MiB or opts.part_size < 5 * MiB:
-            raise ConfigError(f"{u.redacted()}: range_size must be >= 1MiB, part_size >= 5MiB")
-        if endpoint and not endpoint.startswith(("http://", "https://")):
-            raise ConfigError(f"{u.redacted()}: endpoint must be an http:// or https:// URL")
-        return opts
-
-    def client_config(self) -> AioConfig:
-        s3: dict[str, Any] = {"addressing_style": self.addressing,
-                              "payload_signing_enabled": self.sign_payload}
-        return AioConfig(
-            max_pool_connections=self.pool,
-            connect_timeout=self.connect_timeout,
-            read_timeout=self.read_timeout,
-            retries={"total_max_attempts": self.retries, "mode": self.retry_mode},
-            request_checksum_calculation=self.checksum,
-            response_checksum_validation=self.checksum,
-            signature_version=UNSIGNED if self.anonymous else None,
-            tcp_keepalive=True,
-            s3=s3,
-        )
-
-
-_SESSIONS: dict[str | None, AioSession] = {}
-
-
-def _session(profile: str | None) -> AioSession:
-    """One botocore session per profile: it caches the parsed S3 model (~0.4 s per load)."""
-    if profile not in _SESSIONS:
-        _SESSIONS[profile] = AioSession(profile=profile) if profile else AioSession()
-    return _SESSIONS[profile]
-
-
-@dataclass
-class _LoopClient:
-    client: Any
-    gate: asyncio.Semaphore
-    exit: contextlib.AsyncExitStack
-
-
-class _Connection:
-    """What every scope of one store shares: options, per-loop clients, breaker, probes."""
-
-    def __init__(self, opts: S3Options, label: str):
-        self.opts = opts
-        self.label = label
-        self.breaker = CircuitBreaker(opts.breaker_failures, opts.breaker_reset)
-        self._clients: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
-        self.conditional: str | None = None if opts.conditional == "auto" else opts.conditional
-        self.touched: OrderedDict[str, float] = OrderedDict()
-
-    async def client(self) -> _LoopClient:
-        loop = asyncio.get_running_loop()
-        task = self._clients.get(loop)
-        if task is None:
-            task = self._clients[loop] = loop.create_task(self._create())
-        try:
-            return await asyncio.shield(task)
-        except Exception:
-            if self._clients.get(loop) is task and task.done():
-                del self._clients[loop]
-            raise
-
-    async def _create(self) -> _LoopClient:
-        o = self.opts
-        session = _session(o.profile)
-        stack = contextlib.AsyncExitStack()
-        try:
-            client = await stack.enter_async_context(session.create_client(
-                "s3", region_name=o.region, endpoint_url=o.endpoint,
-                aws_access_key_id=o.access_key, aws_secret_access_key=o.secret_key,
-                aws_session_token=o.session_token, config=o.client_config(),
-            ))
-        except (BotoCoreError, ValueError) as exc:
-            await stack.aclose()
-            raise ConfigError(f"{self.label}: cannot create an S3 client: {exc}") from None
-        return _LoopClient(client, asyncio.Semaphore(self.opts.inflight), stack)
-
-    async def close(self) -> None:
-        """Close the client of the running loop; clients of finished loops are dropped."""
-        loop = asyncio.get_running_loop()
-        for owner, task in list(self._clients.items()):
-            if owner is loop and task.done() and not task.exception():
-                await task.result().exit.aclose()
-            if owner is loop or owner.is_closed():
-                del self._clients[owner]
 
 
 def _status(exc: ClientError) -> int:
@@ -320,14 +147,14 @@ class _BodyReader:
 
 
 class S3Store(Store):
-    def __init__(self, opts: S3Options, url: str, *, conn: _Connection | None = None,
+    def __init__(self, opts: S3Options, url: str, *, conn: S3Connection | None = None,
                  prefix: str | None = None):
         super().__init__()
         self.opts = opts
         self.url = url
         self.prefix = opts.prefix if prefix is None else prefix
         self._owner = conn is None
-        self._conn = conn or _Connection(opts, url)
+        self._conn = conn or S3Connection(opts, url)
         self._background: set[asyncio.Task] = set()
 
     @classmethod
