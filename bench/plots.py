@@ -15,12 +15,16 @@ GiB = 1024**3
 
 
 def _size_axis(ax: Any) -> None:
-    """A log x axis of GiB labelled like sizes (500 GiB, 2 TiB), not powers of ten."""
-    from matplotlib.ticker import FuncFormatter, NullFormatter
+    """A log x axis of GiB labelled like sizes (500 GiB, 2 TiB), not powers of ten; call
+    after plotting (the tick density follows the data's range)."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     ax.set_xscale("log")
+    low, high = ax.get_xlim()
+    ax.xaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if high / low < 50
+                                          else (1.0,)))
     ax.xaxis.set_major_formatter(FuncFormatter(
-        lambda x, _: f"{x / 1024:g} TiB" if x >= 1024 else f"{x:g} GiB"))
+        lambda x, _: f"{x / 1024:.3g} TiB" if x >= 1024 else f"{x:.0f} GiB"))
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("cache capacity (real KV size)")
 
