@@ -175,7 +175,8 @@ class FaultProxy:
 
     Modes, per request: "pass" (forward), "slowdown" (answer 503 SlowDown), "conflict"
     (answer 409 ConditionalRequestConflict, as S3 does to racing conditional writers),
-    "reset" (RST the connection), "stall" (never answer). `fail_next(n, mode)` misbehaves for the next
+    "reset" (RST the connection), "stall" (never answer), "stall_body" / "cut_body"
+    (forward, then stall or RST after the first 64 KiB of the response). `fail_next(n, mode)` misbehaves for the next
     n requests only, then passes again; `strip_if_none_match` forwards requests without
     their If-None-Match header (a server that ignores conditional writes). It parses
     request heads only (botocore sends PUTs with Content-Length and `Expect: 100-continue`);
@@ -235,6 +236,7 @@ class FaultProxy:
         self._tasks.add(task)
         up_writer: asyncio.StreamWriter | None = None
         pump: asyncio.Task | None = None
+        body_fault: list[str | None] = [None]  # the response fault of the request in flight
         try:
             while True:
                 try:
@@ -276,9 +278,10 @@ class FaultProxy:
                     head = b"\r\n".join(
                         ln for ln in head.split(b"\r\n")
                         if not ln.lower().startswith(b"if-none-match:"))
+                body_fault[0] = mode if mode in ("stall_body", "cut_body") else None
                 if up_writer is None:
                     up_reader, up_writer = await asyncio.open_connection(*self.upstream)
-                    pump = asyncio.ensure_future(self._pipe(up_reader, writer))
+                    pump = asyncio.ensure_future(self._pipe(up_reader, writer, body_fault))
                 up_writer.write(head)
                 while length:
                     piece = await reader.read(min(length, 1 << 20))
@@ -299,11 +302,19 @@ class FaultProxy:
             self._tasks.discard(task)
 
     @staticmethod
-    async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+    async def _pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter,
+                    fault: list[str | None]) -> None:
         with contextlib.suppress(ConnectionError):
-            while piece := await src.read(1 << 20):
+            while piece := await src.read(1 << 20 if fault[0] is None else 1 << 16):
                 dst.write(piece)
                 await dst.drain()
+                if fault[0] == "stall_body":
+                    await asyncio.sleep(3600)
+                if fault[0] == "cut_body":
+                    sock = dst.get_extra_info("socket")
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                    dst.transport.abort()
+                    return
         dst.close()
 
 

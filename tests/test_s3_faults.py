@@ -72,6 +72,21 @@ async def test_a_persistent_fault_becomes_a_miss_not_an_exception(stored, fault_
         await store.put(other, other_blob)
 
 
+@pytest.mark.parametrize("mode", ["stall_body", "cut_body"])
+async def test_a_body_that_stalls_or_breaks_midway_is_a_miss_not_corruption(fault_proxy, ns, mode):
+    """The object is fine, the transfer is not: a miss, and the object is kept."""
+    store = open_store(through(fault_proxy, read_timeout="0.3s"))
+    (key, _, blob), = make_chunks(ns, 1, payload_size=2_000_000)
+    assert await store.put(key, blob) is True
+    fault_proxy.set(mode)
+    assert await store.get(key) is None
+    assert await store.get_into(key, bytearray(len(blob))) is None
+    assert (store.stats()["errors"], store.stats()["corrupt"]) == (2, 0)
+    fault_proxy.set("pass")
+    assert await store.get(key) == blob
+    await store.close()
+
+
 async def test_a_failed_put_raises_store_unavailable(fault_proxy, ns):
     store = open_store(through(fault_proxy))
     (key, _, blob), = make_chunks(ns, 1)
