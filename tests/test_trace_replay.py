@@ -10,30 +10,15 @@ from bench.policies import make_policy
 from bench.trace import load_trace, replay, simulate
 from kvstash.cli import main
 from storage import open_store
-from tests.trace_fixtures import BLOCK, generate_trace, reference_best_hits, write_trace
+from tests.trace_fixtures import (
+    BLOCK,
+    generate_trace,
+    reference_best_hits,
+    reference_lru_hits,
+    write_trace,
+)
 
 PAYLOAD = 1024
-
-
-def reference_lru_hits(requests: list[dict], capacity: int) -> int:
-    """A plain-list LRU under the replay's rules: a request's hit is its resident prefix;
-    then its blocks are used deepest first (root last, so the root is most recent) and
-    each missing one is inserted, evicting from the cold end."""
-    cache: list[int] = []  # coldest first
-    hits = 0
-    for r in requests:
-        ids = r["hash_ids"]
-        n = 0
-        while n < len(ids) and ids[n] in cache:
-            n += 1
-        hits += n
-        for h in reversed(ids):
-            if h in cache:
-                cache.remove(h)
-            cache.append(h)
-            while len(cache) > capacity:
-                cache.pop(0)
-    return hits
 
 
 @pytest.fixture

@@ -71,3 +71,24 @@ def reference_best_hits(requests: list[dict]) -> tuple[int, int]:
                 break
             hits += 1
     return hits, sum(len(r["hash_ids"]) for r in requests)
+
+
+def reference_lru_hits(requests: list[dict], capacity: int) -> int:
+    """A plain-list LRU under the replay's rules: a request's hit is its resident prefix;
+    then its blocks are used deepest first (root last, so the root is most recent) and
+    each missing one is inserted, evicting from the cold end."""
+    cache: list[int] = []  # coldest first
+    hits = 0
+    for r in requests:
+        ids = r["hash_ids"]
+        n = 0
+        while n < len(ids) and ids[n] in cache:
+            n += 1
+        hits += n
+        for h in reversed(ids):
+            if h in cache:
+                cache.remove(h)
+            cache.append(h)
+            while len(cache) > capacity:
+                cache.pop(0)
+    return hits
