@@ -9,6 +9,7 @@ import random
 import time
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 
@@ -18,6 +19,7 @@ from bench.faults import (
     chunk_files,
     chunk_for,
     corrupt_file,
+    fill_disk,
     free_port,
     percentiles,
     rss_bytes,
@@ -26,10 +28,10 @@ from bench.faults import (
 from connector import KVConnector
 from connector.layout import ChunkLayout
 from hashing import Namespace
-from storage.errors import StoreError, StoreUnavailable
+from storage.errors import StoreError, StoreFull, StoreUnavailable
 from storage.file import TMP_MARK, _chunk_path
 from storage.http import HttpStore
-from tests.reliability_fixtures import server_process_fixture  # noqa: F401
+from tests.reliability_fixtures import server_process_fixture, small_fs_fixture  # noqa: F401
 
 SEED = 48
 MiB = 1024 * 1024
@@ -110,8 +112,6 @@ async def test_damage_behind_the_server_is_a_miss_for_the_client(shared_server):
 
 
 def _stats(url: str) -> dict:
-    import httpx
-
     return httpx.get(f"{url}/v1/stats", timeout=5).json()
 
 
@@ -237,3 +237,23 @@ async def test_many_concurrent_clients_get_no_errors_and_server_memory_stays_bou
     assert failures == []
     assert summary["n"] >= 32
     assert growth < 256 * MiB
+
+
+async def test_full_disk_behind_the_server_is_507_with_a_log_line_and_metric(
+    small_fs: Path, server_process
+):
+    server = server_process(["--store", f"file://{small_fs / 'store'}"])
+    client = HttpStore(server.url)
+    ballast = small_fs / "ballast"
+    fill_disk(ballast)
+    key, blob = chunk_for(SEED, 300, 1 * MiB)
+    with pytest.raises(StoreFull):
+        await client.put(key, blob)
+    assert await client.get(key) is None
+    assert _stats(server.url)["put_errors"] == 1
+    assert 'status="507"' in httpx.get(f"{server.url}/metrics", timeout=5).text
+    assert "disk full" in server.log_text()
+    ballast.unlink()  # room again: the same client writes without a restart
+    assert await client.put(key, blob) is True
+    assert await client.get(key) == blob
+    await client.close()
