@@ -22,6 +22,7 @@ these files from the page cache (posix_fadvise DONTNEED) before every pass.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import statistics
@@ -102,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
     def chunk_io(**kw: Any) -> ChunkIO:
         """A ChunkIO of its own per path, so its counters describe that path alone."""
-        ios.append(ChunkIO(IOConfig(**{**cfg.__dict__, **kw}), caps=caps))
+        ios.append(ChunkIO(dataclasses.replace(cfg, **kw), caps=caps))
         return ios[-1]
 
     files: list[str] = []
