@@ -104,6 +104,16 @@ def _chunk_payload(layout: ChunkLayout, keys: list[torch.Tensor], values: list[t
     return payload
 
 
+def _suffix_kwargs(kwargs: dict[str, Any], hit: int) -> dict[str, Any]:
+    """Per-position arguments cut to the suffix; `attention_mask` covers past + new, as is."""
+    out = dict(kwargs)
+    if hit and out.get("position_ids") is not None:
+        out["position_ids"] = out["position_ids"][..., hit:]
+    if hit and out.get("cache_position") is not None:
+        out["cache_position"] = out["cache_position"][hit:]
+    return out
+
+
 class CachedPrefill:
     """`prefill(input_ids)` behaves like `model(input_ids, use_cache=True)` with the cache in front.
 
@@ -143,7 +153,7 @@ class CachedPrefill:
         ids = torch.as_tensor(input_ids)
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
-        if ids.shape[0] != 1 or "past_key_values" in kwargs:
+        if ids.shape[0] != 1 or "past_key_values" in kwargs or "inputs_embeds" in kwargs:
             return self.model(ids, use_cache=True, **kwargs)
         n = self.connector.chunk_tokens
         total = ids.shape[1]
@@ -155,7 +165,8 @@ class CachedPrefill:
             log.exception("cache load failed; computing the whole prompt")
             hit, cache = 0, None
         t1 = time.perf_counter()
-        out = self.model(ids[:, hit:], past_key_values=cache, use_cache=True, **kwargs)
+        out = self.model(ids[:, hit:], past_key_values=cache, use_cache=True,
+                         **_suffix_kwargs(kwargs, hit))
         t2 = time.perf_counter()
         self.connector.observe_prefill(total - hit, t2 - t1)
         self.last_hit_tokens = hit

@@ -252,6 +252,20 @@ def test_process_b_hits_what_process_a_saved(store_dir):
     assert len(list(open_store(f"file://{store_dir}").root.rglob("*.kv"))) == 6
 
 
+def test_mask_and_position_arguments_are_handled_on_a_hit(store_dir):
+    model = tiny_model()
+    ids = prompt(200)
+    kwargs = {"attention_mask": torch.ones_like(ids), "position_ids": torch.arange(200)[None]}
+    prefill = make_prefill(model, f"file://{store_dir}")
+    warm(prefill, ids)
+    out = prefill(ids, **kwargs)
+    assert prefill.last_hit_tokens == 192
+    with torch.no_grad():
+        ref = model(ids, use_cache=True, **kwargs)
+    assert_exact(out, ref, 192)
+    prefill.connector.close()
+
+
 def test_batches_and_explicit_caches_bypass_the_connector():
     model = tiny_model()
     ids = torch.cat([prompt(64, 1), prompt(64, 2)])
