@@ -144,6 +144,8 @@ class KVConnector:
     # -- the store, from the engine thread -----------------------------------------------
 
     def _bypassed(self) -> bool:
+        if self._closed:
+            return True
         if time.monotonic() < self._bypass_until:
             self._count(bypassed=1)
             return True

@@ -219,3 +219,12 @@ def test_a_connector_dropped_without_close_still_finishes_its_saves():
     gc.collect()
     assert not thread.is_alive()
     assert asyncio.run(store.exists(keys)) == [True] * 10
+
+
+def test_a_closed_connector_misses_and_drops_quietly():
+    conn = saved(connector())
+    conn.close()
+    assert conn.lookup(TOKENS) == 0
+    assert conn.load(TOKENS, 160, ListEngine(10)) == 0
+    assert conn.save(TOKENS, payload_of) == 0
+    assert conn.flush(1)
