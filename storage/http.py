@@ -321,7 +321,11 @@ class HttpStore(Store):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            await asyncio.wait_for(loop.sock_connect(sock, addr), self.connect_timeout)
+            # asyncio.timeout, not wait_for: wait_for runs the connect in a task of its own
+            # whose ConnectionRefusedError goes unretrieved (and logged) when the caller
+            # is cancelled at the same moment.
+            async with asyncio.timeout(self.connect_timeout):
+                await loop.sock_connect(sock, addr)
         except BaseException:
             sock.close()
             raise
@@ -371,7 +375,8 @@ class HttpStore(Store):
         if time.monotonic() < self._open_until:
             raise _HttpError(0, "circuit open: recent requests to the server failed")
         try:
-            result = await asyncio.wait_for(self._exchange(op), self.timeout)
+            async with asyncio.timeout(self.timeout):  # no inner task (see _connect)
+                result = await self._exchange(op)
         except (OSError, asyncio.TimeoutError, _HttpError) as exc:
             if isinstance(exc, _HttpError) and exc.status and exc.status < 500:
                 raise

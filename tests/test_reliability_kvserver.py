@@ -5,6 +5,8 @@ concurrent clients. The server runs as a real `kvstash serve` process on loopbac
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import random
 import time
 from pathlib import Path
@@ -257,3 +259,32 @@ async def test_full_disk_behind_the_server_is_507_with_a_log_line_and_metric(
     assert await client.put(key, blob) is True
     assert await client.get(key) == blob
     await client.close()
+
+
+async def test_cancelled_requests_to_a_dead_server_leave_no_unretrieved_task_errors():
+    """The connector cancels loads it gave up on. A cancelled request must not leave a
+    task behind whose exception nobody retrieves (asyncio then logs it at ERROR in the
+    engine's log, once per abandoned request)."""
+    loop = asyncio.get_running_loop()
+    reported: list[str] = []
+    previous = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: reported.append(ctx.get("message", "")))
+    store = HttpStore(f"http://127.0.0.1:{free_port()}", timeout=1.0,
+                      breaker_failures=10**9)
+    key, _ = chunk_for(SEED, 400)
+    rng = random.Random(SEED)
+    try:
+        for _ in range(200):
+            task = asyncio.create_task(store.get(key))
+            for _ in range(rng.randint(0, 6)):
+                await asyncio.sleep(0)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                assert await task is None
+        gc.collect()
+        await asyncio.sleep(0.05)
+        gc.collect()
+    finally:
+        loop.set_exception_handler(previous)
+        await store.close()
+    assert reported == []
