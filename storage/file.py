@@ -382,9 +382,12 @@ class FileStore(Store):
         return header
 
     def _exists_sync(self, keys: Sequence[str], stop_at_gap: bool) -> list[bool]:
+        # Plain strings and os.path.exists: a Path per key costs 4x the stat itself, and a
+        # lookup may carry thousands of keys.
+        root = str(self.root)
         out = []
         for k in keys:
-            present = _chunk_path(self.root, k).exists()
+            present = os.path.exists(f"{root}/{k[:16]}/{k[17:19]}/{k[19:21]}/{k[17:]}{SUFFIX}")
             out.append(present)
             if stop_at_gap and not present:
                 break
