@@ -26,7 +26,6 @@ skips that pass; see docs/gds.md for what each costs.
 from __future__ import annotations
 
 import asyncio
-import errno
 import logging
 import os
 import secrets
@@ -62,6 +61,7 @@ from storage.codec import (
     decode_header,
     encode_header,
 )
+from storage.file import link_publish
 
 log = logging.getLogger("kvstash.gds")
 
@@ -368,7 +368,7 @@ class ChunkIO:
             try:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 self._write_file(tmp, header, view)
-                created = _publish(tmp, final)
+                created = link_publish(tmp, final)
             except OSError as exc:
                 raise write_error(path, exc) from None
             finally:
@@ -419,19 +419,3 @@ class ChunkIO:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-
-def _publish(tmp: Path, final: Path) -> bool:
-    """link(tmp, final): atomic and create-only; True if this call created `final`."""
-    try:
-        os.link(tmp, final)
-        return True
-    except FileExistsError:
-        return False
-    except OSError as exc:
-        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-            raise
-        # Filesystems without hard links: rename is atomic but not create-only; a lost
-        # race overwrites identical bytes (chunks are content-addressed).
-        existed = final.exists()
-        os.rename(tmp, final)
-        return not existed

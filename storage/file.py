@@ -101,6 +101,26 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[n:]
 
 
+def link_publish(tmp: Path, final: Path) -> bool:
+    """Publish a complete, synced `tmp` as `final`: True if this call created it.
+
+    `link()` is atomic and create-only on local filesystems and NFS (EEXIST: another writer
+    won, which is success). Filesystems without hard links fall back to rename: still
+    atomic, merely not create-only; a lost race overwrites identical bytes.
+    """
+    try:
+        os.link(tmp, final)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
+            raise
+        existed = final.exists()
+        os.rename(tmp, final)
+        return not existed
+
+
 def _atomic_publish(final: Path, data: memoryview, fsync: bool) -> bool:
     """Create `final` with `data` unless it exists; True if this call created it."""
     if final.exists():
@@ -115,19 +135,7 @@ def _atomic_publish(final: Path, data: memoryview, fsync: bool) -> bool:
                 os.fsync(fd)
         finally:
             os.close(fd)
-        try:
-            os.link(tmp, final)
-            return True
-        except FileExistsError:
-            return False
-        except OSError as exc:
-            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV):
-                raise
-            # Filesystems without hard links: rename is still atomic, merely not create-only;
-            # a lost race overwrites identical bytes.
-            existed = final.exists()
-            os.rename(tmp, final)
-            return not existed
+        return link_publish(tmp, final)
     finally:
         try:
             os.unlink(tmp)
