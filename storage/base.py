@@ -123,6 +123,15 @@ class Store(ABC):
         """A store over the same backend whose keys are invisible to every other scope."""
         raise NotImplementedError(f"{type(self).__name__} does not support tenant scopes")
 
+    def _count_get(self, size: int | None) -> None:
+        """Count one read: a miss (None) or a hit of `size` bytes."""
+        self.counters["gets"] += 1
+        if size is None:
+            self.counters["misses"] += 1
+        else:
+            self.counters["hits"] += 1
+            self.counters["bytes_read"] += size
+
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"url": self.url, **self.counters}
         gets = self.counters["gets"]

@@ -431,14 +431,6 @@ class FileStore(Store):
             self.counters["put_skipped"] += 1
         return wrote
 
-    def _count_get(self, size: int | None) -> None:
-        self.counters["gets"] += 1
-        if size is None:
-            self.counters["misses"] += 1
-        else:
-            self.counters["hits"] += 1
-            self.counters["bytes_read"] += size
-
     async def get(self, key: str) -> bytes | None:
         check_key(key)
         blob = await asyncio.to_thread(self._get_sync, key)

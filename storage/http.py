@@ -479,14 +479,6 @@ class HttpStore(Store):
             return None
         raise err
 
-    def _count_get(self, size: int | None) -> None:
-        self.counters["gets"] += 1
-        if size is None:
-            self.counters["misses"] += 1
-        else:
-            self.counters["hits"] += 1
-            self.counters["bytes_read"] += size
-
     def _count_failure(self, what: str, key: str, exc: Exception) -> None:
         if isinstance(exc, ChunkError):
             self.counters["corrupt"] += 1

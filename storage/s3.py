@@ -355,14 +355,6 @@ class S3Store(Store):
             async with self._op("touch") as client:
                 await client.put_object(Bucket=self.opts.bucket, Key=marker_name(name), Body=b"")
 
-    def _count_get(self, size: int | None) -> None:
-        self.counters["gets"] += 1
-        if size is None:
-            self.counters["misses"] += 1
-        else:
-            self.counters["hits"] += 1
-            self.counters["bytes_read"] += size
-
     async def get(self, key: str) -> bytes | None:
         """The verified blob as a bytearray (filled in place: no copy after the network)."""
         check_key(key)
