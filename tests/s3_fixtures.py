@@ -28,26 +28,10 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
+from bench.faults import free_port
+
 BUCKET = "kvstash-test"
 ACCESS_KEY, SECRET_KEY = "kvstashTestKey", "kvstashTestSecret"
-
-
-def free_port(also_plus: int = 0) -> int:
-    """A free 127.0.0.1 port (and, with `also_plus`, one whose port+also_plus is free too)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if not also_plus:
-            return port
-        if port + also_plus < 65536:
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port + also_plus))
-                    return port
-                except OSError:
-                    continue
-    raise RuntimeError("no free port pair found")
 
 
 def s3_url(endpoint: str, prefix: str, **extra: str) -> str:
