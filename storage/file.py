@@ -161,7 +161,8 @@ class FileStore(Store):
         if verify not in VERIFY_MODES:
             raise ConfigError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
         self.verify = verify
-        self._verified: dict[str, tuple[int, int, int, int]] = {}
+        # key -> (file identity, its verified header) for files whose payload checked out
+        self._verified: dict[str, tuple[tuple[int, int, int, int], ChunkHeader]] = {}
         self.tmp_grace_s = tmp_grace_s
         self.url = url or f"file://{self.root}"
         self._lock = threading.Lock()
@@ -309,11 +310,16 @@ class FileStore(Store):
     def _needs_payload_check(self, key: str, st: os.stat_result) -> bool:
         if self.verify == "header":
             return False
-        return self.verify == "always" or self._verified.get(key) != _identity(st)
+        return self.verify == "always" or self._known_header(key, st) is None
 
-    def _remember_verified(self, key: str, st: os.stat_result) -> None:
+    def _known_header(self, key: str, st: os.stat_result) -> ChunkHeader | None:
+        """The header verified earlier for this very file (same identity), if any."""
+        known = self._verified.get(key)
+        return known[1] if known is not None and known[0] == _identity(st) else None
+
+    def _remember_verified(self, key: str, st: os.stat_result, header: ChunkHeader) -> None:
         if time.time() - st.st_ctime > _SETTLED_S:
-            self._verified[key] = _identity(st)
+            self._verified[key] = (_identity(st), header)
 
     def _touch(self, key: str, path: Path, st: os.stat_result) -> None:
         self._note(key, st.st_size)
@@ -340,11 +346,10 @@ class FileStore(Store):
             os.close(fd)
         try:
             if self._needs_payload_check(key, st):
-                decode_chunk(blob, key)
-                self._remember_verified(key, st)
+                self._remember_verified(key, st, decode_chunk(blob, key).header)
             else:
-                decode_header(blob, key)
-                if len(blob) != st.st_size:
+                header = self._known_header(key, st) or decode_header(blob, key)
+                if len(blob) != header.total_len:
                     raise ChunkError("short read")
         except ChunkError as exc:
             self._quarantine(key, path, str(exc))
@@ -359,14 +364,17 @@ class FileStore(Store):
         fd, path = opened
         try:
             st = os.fstat(fd)
-            head = _read_all(fd, HEADER_SIZE)
-            try:
-                header = decode_header(head, key)
-            except ChunkError as exc:
-                if len(head) == HEADER_SIZE and exc.args and "truncated header" in exc.args[0]:
-                    header = decode_header(_read_all(fd, st.st_size), key)
-                else:
-                    raise
+            # An unchanged, already verified file needs neither its header read nor parsed.
+            header = self._known_header(key, st) if self.verify == "changed" else None
+            if header is None:
+                head = _read_all(fd, HEADER_SIZE)
+                try:
+                    header = decode_header(head, key)
+                except ChunkError as exc:
+                    if len(head) == HEADER_SIZE and exc.args and "truncated header" in exc.args[0]:
+                        header = decode_header(_read_all(fd, st.st_size), key)
+                    else:
+                        raise
             if st.st_size != header.total_len:
                 raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
             if out.nbytes < header.payload_len:
@@ -376,7 +384,7 @@ class FileStore(Store):
                 raise ChunkError("short read")
             if self._needs_payload_check(key, st):
                 header.verify_payload(dst)
-                self._remember_verified(key, st)
+                self._remember_verified(key, st, header)
         except ChunkError as exc:
             self._quarantine(key, path, str(exc))
             return None
