@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
                     raise RuntimeError(f"{f}: written payload differs from the reference")
         header_len = os.path.getsize(files[0]) - size
 
-        # 4 KiB-aligned, so the O_DIRECT row can DMA into them (torch.empty is 64-byte aligned).
+        # Huge-page host memory (2 MiB-aligned, so the O_DIRECT row can DMA into it too),
+        # shared by the baseline and every host path: destination pages decide copy speed.
         host = [aligned_empty(size) for _ in files]
         host_views = [host_view(t) for t in host]
         clear = list(host)

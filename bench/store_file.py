@@ -1,21 +1,23 @@
 """Raw-file baselines for `kvstash bench store --store file://...`.
 
-get: plain `os.preadv` of the very same chunk files into preallocated buffers, timed in the
-same rounds as the store's reads (`raw_get_round`). put: plain write + fsync + rename of
-same-sized files in the same filesystem. Same concurrency (threads).
+get: plain `os.preadv` of the very same chunk files into the very same preallocated buffers
+as the store's reads (`raw_get_round`). put: plain write + fsync + rename of as many
+same-sized files in the same filesystem (`raw_put_round`). Both are timed in the same
+rounds as the store, interleaved with it, at the same concurrency (threads).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from storage.codec import HEADER_SIZE
 from storage.file import _chunk_path
 from storage.options import StoreURL
 
@@ -33,17 +35,34 @@ def _write_fsync_rename(path: Path, data: bytes) -> None:
     os.rename(tmp, path)
 
 
-def _preadv_all(path: Path, buf: bytearray) -> None:
+def _preadv_file(path: Path, payload: memoryview) -> None:
+    """The whole file with plain preadv: its header page into scratch, the rest into `payload`."""
+    head = bytearray(HEADER_SIZE)
     fd = os.open(path, os.O_RDONLY)
     try:
-        view, off = memoryview(buf), 0
-        while off < len(buf):
-            n = os.preadv(fd, [view[off:]], off)
+        size = os.fstat(fd).st_size
+        iov = [head, payload[: size - HEADER_SIZE]]
+        off = 0
+        while off < size:
+            n = os.preadv(fd, iov, off)
             if n == 0:
                 break
             off += n
+            iov = _skip(iov, n)
     finally:
         os.close(fd)
+
+
+def _skip(iov: list, n: int) -> list:
+    out = []
+    for part in iov:
+        view = memoryview(part)
+        if n >= view.nbytes:
+            n -= view.nbytes
+            continue
+        out.append(view[n:])
+        n = 0
+    return out
 
 
 def _run(pool: ThreadPoolExecutor, fn, items) -> float:
@@ -55,31 +74,32 @@ def _run(pool: ThreadPoolExecutor, fn, items) -> float:
 RAW_GET_NAME = "raw preadv, same files"
 
 
-def raw_get_round(url: str, keys: list[str], concurrency: int) -> float:
-    """Seconds to preadv every chunk file of `keys` into preallocated buffers."""
+def raw_get_round(url: str, keys: list[str], buffers: list[memoryview], concurrency: int) -> float:
+    """Seconds to preadv every chunk file of `keys`, whole, chunk i into `buffers[i]` (the
+    store's own destinations; the file's 4 KiB header page goes to scratch memory, as the
+    store reads it apart), on `concurrency` threads."""
     root = Path(StoreURL(url).path)
-    paths = [_chunk_path(root, k) for k in keys]
-    size = max(p.stat().st_size for p in paths)
-    buffers = [bytearray(size) for _ in range(concurrency)]
-    idx = {p: i % concurrency for i, p in enumerate(paths)}
+    jobs = [(_chunk_path(root, k), b) for k, b in zip(keys, buffers, strict=True)]
     with ThreadPoolExecutor(concurrency) as pool:
-        return _run(pool, lambda p: _preadv_all(p, memoryview(buffers[idx[p]])[: p.stat().st_size]), paths)
+        return _run(pool, lambda job: _preadv_file(*job), jobs)
+
+
+RAW_PUT_NAME = "raw write+fsync+rename"
+
+
+def raw_put_round(url: str, size: int, count: int, concurrency: int) -> tuple[float, Callable[[], None]]:
+    """Seconds to write `count` files of one chunk's size (header + `size`) with plain
+    write + fsync + rename on `concurrency` threads, in a scratch directory of the store's
+    filesystem, and the call that removes that directory."""
+    root = Path(StoreURL(url).path) / f".bench-baseline-{uuid.uuid4().hex[:8]}"
+    root.mkdir(parents=True)
+    data = os.urandom(size + HEADER_SIZE)
+    with ThreadPoolExecutor(concurrency) as pool:
+        seconds = _run(pool, lambda p: _write_fsync_rename(p, data),
+                       [root / f"{i:04d}" for i in range(count)])
+    return seconds, lambda: shutil.rmtree(root, ignore_errors=True)
 
 
 async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
                     concurrency: int) -> list[dict]:
-    root = Path(StoreURL(url).path) / f".bench-baseline-{uuid.uuid4().hex[:8]}"
-    root.mkdir(parents=True)
-    data = os.urandom(size + 4096)
-    paths = [root / f"{i:04d}" for i in range(count)]
-
-    def measure() -> float:
-        with ThreadPoolExecutor(concurrency) as pool:
-            return _run(pool, lambda p: _write_fsync_rename(p, data), paths)
-
-    try:
-        put_s = await asyncio.to_thread(measure)
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return [{"name": "raw write+fsync+rename", "put_gbps": len(data) * count / put_s / 1e9,
-             "get_gbps": None}]
+    return []  # both raw baselines run interleaved with the store: raw_get_round, raw_put_round

@@ -292,41 +292,34 @@ class KVConnector:
         done: list[concurrent.futures.Future[bool]],
         layout: ChunkLayout,
     ) -> None:
-        gate = asyncio.Semaphore(self.max_in_flight)
-        failed = False
+        """Read every chunk with one batched store call. Each chunk is checked as it lands
+        (on the store's I/O thread where it has one, else on the loop) and its future set
+        there, so the engine thread places it without a hop through the loop; past the
+        first chunk that cannot be used no further read is started."""
         n = self.chunk_tokens
 
-        async def one(i: int) -> None:
-            nonlocal failed
-            ok = False
-            try:
-                async with gate:
-                    # Past the first failure nothing can be used: do not spend the I/O.
-                    if not failed:
-                        ok = await self._fetch_one(keys[i], tokens[i * n : (i + 1) * n], bufs[i], layout)
-            finally:
-                failed = failed or not ok
-                if not done[i].done():
-                    done[i].set_result(ok)
+        def landed(i: int, header: ChunkHeader | None) -> bool:
+            ok = self._accept(keys[i], tokens[i * n : (i + 1) * n], bufs[i], layout, header)
+            _resolve(done[i], ok)
+            return ok
 
-        await asyncio.gather(*(one(i) for i in range(len(keys))))
-
-    async def _fetch_one(
-        self, key: str, tokens: np.ndarray, buf: memoryview, layout: ChunkLayout
-    ) -> bool:
         try:
-            header = await self.store.get_into(key, buf)
+            await self.store.get_into_many(keys, bufs, concurrency=self.max_in_flight,
+                                           on_done=landed)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any backend failure is a miss
             self._count(load_errors=1)
-            log.warning("get %s from %s failed: %s", key, self.store, exc)
-            return False
+            log.warning("get from %s failed: %s", self.store, exc)
+        finally:
+            for f in done:
+                _resolve(f, False)
+
+    def _accept(self, key: str, tokens: np.ndarray, buf: memoryview, layout: ChunkLayout,
+                header: ChunkHeader | None) -> bool:
         if header is None:
             self._count(load_misses=1)
             return False
-        # Inline on the loop thread (about 1 ms per 8 MiB): a hop to a worker thread and back
-        # per chunk costs more than that on a busy host, and placement runs meanwhile anyway.
         why = _verify(header, key, tokens, buf, layout)
         if why:
             self._count(verify_failures=1)
@@ -439,6 +432,14 @@ def _shutdown(
     thread.join(timeout)
     if not thread.is_alive():
         loop.close()
+
+
+def _resolve(f: concurrent.futures.Future[bool], ok: bool) -> None:
+    """Set a chunk's outcome once: the first word (its read, or the batch's end) stands."""
+    try:
+        f.set_result(ok)
+    except concurrent.futures.InvalidStateError:
+        pass
 
 
 def _verify(

@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from storage.buffers import host_buffer
+
 ALIGN = 4096
 
 
@@ -61,12 +63,17 @@ def aligned_buffer(size: int) -> memoryview:
 
 
 def aligned_empty(shape: Any, dtype: Any = None, pin_memory: bool = False) -> Any:
-    """A CPU tensor whose data starts on a 4 KiB boundary, so O_DIRECT can fill it."""
+    """A CPU tensor whose data starts on a 4 KiB boundary, so O_DIRECT can fill it; not
+    pinned, it is huge-page host memory (`storage.buffers.host_buffer`)."""
     import torch
 
     dtype = dtype or torch.uint8
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    if not pin_memory and size:
+        # 2 MiB-aligned and THP-advised (storage.buffers): copies into it run 2-3x faster
+        # than into 4 KiB pages on a VM.
+        return torch.frombuffer(host_buffer(size), dtype=torch.uint8).view(dtype).view(shape)
     raw = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
     skip = -raw.data_ptr() % ALIGN
     return raw[skip : skip + size].view(dtype).view(shape)

@@ -28,6 +28,7 @@ from starlette.requests import ClientDisconnect
 
 from hashing import KEY_PATTERN
 from kvserver.auth import TokenTable
+from kvserver.bodies import BufferPool, ViewResponse
 from kvserver.config import CONFIG_ENV, ServerConfig
 from kvserver.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvserver.metrics import MetricsMiddleware, ServerMetrics
@@ -177,6 +178,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     tokens = TokenTable.from_file(config.tokens_file) if config.tokens_file else None
     tenancy = Tenancy(store, tokens)
     metrics = ServerMetrics(tenancy.stores)
+    bodies = BufferPool(max_bytes=config.max_chunk_bytes)  # GET bodies, see kvserver.bodies
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -291,26 +293,32 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         ns_id: NsId, digest: Digest, s: TenantStore,
         range_: Annotated[str | None, Header(alias="Range")] = None,
     ) -> Response:
-        blob = await s.get(f"{ns_id}/{digest}")
-        if blob is None:
-            metrics.misses.inc()
-            raise HTTPException(404, "chunk not found")
-        metrics.hits.inc()
-        body = blob if isinstance(blob, bytes) else bytes(blob)
-        headers = {"accept-ranges": "bytes", "cache-control": "max-age=31536000, immutable"}
-        status = 200
-        if range_ is not None:
-            try:
-                start, stop = parse_range(range_, len(body))
-            except ValueError as exc:
-                raise HTTPException(400, str(exc)) from None
-            except LookupError as exc:
-                raise HTTPException(416, str(exc), headers={"content-range": f"bytes */{len(body)}"}) from None
-            headers["content-range"] = f"bytes {start}-{stop - 1}/{len(body)}"
-            body = body[start:stop]
-            status = 206
-        metrics.bytes_out.inc(len(body))
-        return Response(body, status_code=status, media_type=OCTETS, headers=headers)
+        buf, release = bodies.borrow(bodies.hint)
+        try:
+            view = await s.get_blob_into(f"{ns_id}/{digest}", buf)
+            if view is None:
+                metrics.misses.inc()
+                raise HTTPException(404, "chunk not found")
+            metrics.hits.inc()
+            bodies.saw(view.nbytes)
+            total = view.nbytes
+            headers = {"accept-ranges": "bytes", "cache-control": "max-age=31536000, immutable"}
+            status = 200
+            if range_ is not None:
+                try:
+                    start, stop = parse_range(range_, total)
+                except ValueError as exc:
+                    raise HTTPException(400, str(exc)) from None
+                except LookupError as exc:
+                    raise HTTPException(416, str(exc), headers={"content-range": f"bytes */{total}"}) from None
+                headers["content-range"] = f"bytes {start}-{stop - 1}/{total}"
+                view = view[start:stop]
+                status = 206
+        except BaseException:
+            release()
+            raise
+        metrics.bytes_out.inc(view.nbytes)
+        return ViewResponse(view, status, headers, OCTETS, release)
 
     @app.head(
         chunk_path, tags=["chunks"], status_code=200, response_class=Response,

@@ -8,11 +8,12 @@ they count the failure and answer "miss". `put` raises only typed `StoreError`s.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from hashing import is_valid_key
@@ -97,6 +98,50 @@ class Store(ABC):
             return None
         dst[: header.payload_len] = memoryview(blob)[header.header_len :]
         return header
+
+    async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
+        """The verified blob (header + payload) as a byte view, or None on a miss.
+
+        Backends that read from files fill `out` (a writable buffer; used only when it
+        holds the whole blob) so a server can send from reusable memory; others return a
+        view of the blob they already hold. Either way the view is only valid until `out`
+        is reused.
+        """
+        blob = await self.get(key)
+        return None if blob is None else memoryview(blob).cast("B")
+
+    async def get_into_many(
+        self,
+        keys: Sequence[str],
+        outs: Sequence[Any],
+        *,
+        concurrency: int = 4,
+        on_done: Callable[[int, ChunkHeader | None], bool | None] | None = None,
+    ) -> list[ChunkHeader | None]:
+        """`get_into(keys[i], outs[i])` for every i, at most `concurrency` reads at a time,
+        started in index order.
+
+        `on_done(i, header)` runs as each read lands (on the event loop, or on a backend's
+        worker thread: keep it short and thread-safe); when it returns False no further read
+        is started, and the keys never read answer None. Backends override this to read a
+        whole batch with one hand-off to their I/O threads instead of one per key.
+        """
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} destination buffers")
+        gate = asyncio.Semaphore(max(concurrency, 1))
+        stopped = False
+
+        async def one(i: int) -> ChunkHeader | None:
+            nonlocal stopped
+            async with gate:
+                if stopped:
+                    return None
+                header = await self.get_into(keys[i], outs[i])
+                if on_done is not None and on_done(i, header) is False:
+                    stopped = True
+                return header
+
+        return list(await asyncio.gather(*(one(i) for i in range(len(keys)))))
 
     @abstractmethod
     async def exists(self, keys: Sequence[str]) -> list[bool]:

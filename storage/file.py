@@ -31,7 +31,7 @@ import socket
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -330,14 +330,18 @@ class FileStore(Store):
             except OSError:
                 pass
 
-    def _get_sync(self, key: str) -> bytes | None:
+    def _get_sync(self, key: str, out: memoryview | None = None) -> Any:
+        """The verified blob: a new bytes object, or a view of `out` if given and big enough."""
         opened = self._open_for_read(key)
         if opened is None:
             return None
         fd, path = opened
         try:
             st = os.fstat(fd)
-            blob = _read_all(fd, st.st_size)
+            if out is not None and out.nbytes >= st.st_size:
+                blob = out[: _read_into(fd, out[: st.st_size], 0)]
+            else:
+                blob = _read_all(fd, st.st_size)
         except OSError as exc:
             if exc.errno not in _MISS_ERRNOS:
                 self.counters["errors"] += 1
@@ -425,10 +429,14 @@ class FileStore(Store):
 
     # -- the Store protocol --------------------------------------------------------------
 
+    def _check_and_put_sync(self, key: str, blob: Any) -> bool:
+        check_blob(key, blob)  # hashes the payload: on the worker, so puts check in parallel
+        return self._put_sync(key, memoryview(blob).cast("B"))
+
     async def put(self, key: str, blob: Any) -> bool:
-        check_blob(key, blob)
+        check_key(key)
         try:
-            wrote = await asyncio.to_thread(self._put_sync, key, memoryview(blob).cast("B"))
+            wrote = await asyncio.to_thread(self._check_and_put_sync, key, blob)
         except (StoreFull, StoreUnavailable):
             self.counters["put_errors"] += 1
             raise
@@ -445,11 +453,59 @@ class FileStore(Store):
         self._count_get(None if blob is None else len(blob))
         return blob
 
+    async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
+        check_key(key)
+        blob = await asyncio.to_thread(self._get_sync, key, memoryview(out).cast("B"))
+        self._count_get(None if blob is None else len(blob))
+        return None if blob is None else memoryview(blob)
+
     async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
         check_key(key)
         header = await asyncio.to_thread(self._get_into_sync, key, memoryview(out).cast("B"))
         self._count_get(None if header is None else header.total_len)
         return header
+
+    async def get_into_many(
+        self,
+        keys: Sequence[str],
+        outs: Sequence[Any],
+        *,
+        concurrency: int = 4,
+        on_done: Callable[[int, ChunkHeader | None], bool | None] | None = None,
+    ) -> list[ChunkHeader | None]:
+        """One hand-off per worker thread, not per key: each of `concurrency` threads takes
+        the next unread index until none is left. (Waking a thread and then the loop costs
+        0.2-0.4 ms on a VM, as much as reading a page-cached 4 MiB chunk.) `on_done` runs
+        on the worker thread."""
+        if len(keys) != len(outs):
+            raise ValueError(f"{len(keys)} keys but {len(outs)} destination buffers")
+        for k in keys:
+            check_key(k)
+        views = [memoryview(o).cast("B") for o in outs]
+        results: list[ChunkHeader | None] = [None] * len(keys)
+        read = [False] * len(keys)
+        order = iter(range(len(keys)))  # next() on a range iterator is atomic under the GIL
+        stop = threading.Event()
+
+        def worker() -> None:
+            while not stop.is_set():
+                i = next(order, None)
+                if i is None:
+                    return
+                results[i] = header = self._get_into_sync(keys[i], views[i])
+                read[i] = True
+                if on_done is not None and on_done(i, header) is False:
+                    stop.set()
+
+        workers = min(max(concurrency, 1), len(keys))
+        try:
+            await asyncio.gather(*(asyncio.to_thread(worker) for _ in range(workers)))
+        finally:
+            stop.set()  # cancelled or failed: start no further reads
+            for header, done in zip(results, read, strict=True):
+                if done:
+                    self._count_get(None if header is None else header.total_len)
+        return results
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         for k in keys:

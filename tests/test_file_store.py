@@ -237,3 +237,34 @@ async def test_verify_always_hashes_every_read(tmp_path, ns):
     assert store._verified == {}
     with pytest.raises(ConfigError, match="verify"):
         open_store(f"file://{tmp_path}?verify=sometimes")
+
+
+async def test_cancelled_batch_read_writes_no_further_buffer(tmp_path, ns):
+    """Once get_into_many is cancelled (a load's deadline passed) no new read starts, so
+    staging buffers the engine takes back are not written into later."""
+    import asyncio
+    import threading
+
+    store = FileStore(tmp_path)
+    chunks = make_chunks(ns, 4, payload_size=4096)
+    for key, _, blob in chunks:
+        await store.put(key, blob)
+    bufs = [bytearray(4096) for _ in chunks]
+    first_landed, release = threading.Event(), threading.Event()
+
+    def on_done(i, header):
+        first_landed.set()
+        release.wait(5)
+
+    task = asyncio.create_task(store.get_into_many(
+        [k for k, _, _ in chunks], bufs, concurrency=1, on_done=on_done))
+    await asyncio.to_thread(first_landed.wait, 5)
+    task.cancel()
+    await asyncio.sleep(0.05)
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.1)
+    assert bytes(bufs[0]) == chunks[0][2][-4096:]
+    assert all(bytes(b) == bytes(4096) for b in bufs[1:])
+    assert store.stats()["gets"] == 1

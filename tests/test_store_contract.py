@@ -69,6 +69,36 @@ async def test_get_into_fills_the_callers_buffer(store, ns):
     assert await store.get_into(key, bytearray(10)) is None
 
 
+async def test_get_into_many_fills_each_buffer_and_reports_each_read(store, ns):
+    chunks = make_chunks(ns, 5, payload_size=3000)
+    for key, _, blob in chunks[:4]:
+        await store.put(key, blob)
+    keys = [k for k, _, _ in chunks]
+    keys[2], keys[4] = keys[4], keys[2]  # the missing key sits in the middle
+    bufs = [bytearray(3000) for _ in keys]
+    seen = []
+    got = await store.get_into_many(keys, bufs, concurrency=2, on_done=lambda i, h: seen.append(i))
+    assert [h is not None for h in got] == [True, True, False, True, True]
+    assert sorted(seen) == [0, 1, 2, 3, 4]
+    blobs = {k: b for k, _, b in chunks}
+    for key, header, buf in zip(keys, got, bufs, strict=True):
+        if header is not None:
+            assert header.key == key and bytes(buf) == blobs[key][header.header_len :]
+    with pytest.raises(ValueError, match="destination"):
+        await store.get_into_many(keys, bufs[:2])
+
+
+async def test_get_into_many_starts_no_read_after_on_done_says_stop(store, ns):
+    chunks = make_chunks(ns, 6, payload_size=2000)
+    for key, _, blob in chunks[:2] + chunks[3:]:
+        await store.put(key, blob)  # chunk 2 is missing
+    bufs = [bytearray(2000) for _ in chunks]
+    got = await store.get_into_many(
+        [k for k, _, _ in chunks], bufs, concurrency=1, on_done=lambda i, h: h is not None)
+    assert [h is not None for h in got] == [True, True, False, False, False, False]
+    assert bytes(bufs[3]) == bytes(2000)  # never read into
+
+
 async def test_put_rejects_a_blob_that_is_not_a_chunk_for_that_key(store, ns):
     (k0, _, b0), (k1, _, _) = make_chunks(ns, 2)
     for bad in (b0[:-1], b"garbage" * 1000, b0[:100]):

@@ -1,0 +1,99 @@
+"""Chunk bodies for GET: read into reusable huge-page buffers, sent in slices without copies.
+
+A plain `Response(blob)` costs a fresh allocation per chunk (the file read faults in 4 KiB
+pages) and, under Python 3.11's asyncio, two more copies of whatever the socket does not
+take at once (`data[n:]` of a bytes object, then the transport's own buffer). Here a GET
+borrows a buffer from a small pool, the store reads the chunk file straight into it
+(`Store.get_blob_into`), and the body goes out in 1 MiB memoryview slices, each awaited
+under uvicorn's flow control, so only the part the socket refuses is ever copied. The
+buffer goes back to the pool once the last slice is sent or the client is gone.
+
+The pool never makes a request wait: when every buffer is lent (more GETs in flight than
+`max_buffers`, say slow readers), a GET falls back to a buffer of its own.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from starlette.responses import Response
+
+from storage.buffers import host_buffer
+
+PIECE = 1 << 20
+
+
+class BufferPool:
+    """At most `max_buffers` host buffers, lent one per GET and reused."""
+
+    def __init__(self, max_buffers: int = 8, max_bytes: int = 1 << 30):
+        self.max_buffers = max_buffers
+        self.max_bytes = max_bytes
+        # The largest body seen so far (up to max_bytes): what a lent buffer is grown to.
+        self.hint = 0
+        self._free: list[memoryview] = []
+        self._lent = 0
+        self._lock = threading.Lock()
+
+    def borrow(self, size: int) -> tuple[memoryview, Callable[[], None]]:
+        """A buffer of at least `size` bytes and the call that gives it back."""
+        with self._lock:
+            if self._free or self._lent < self.max_buffers:
+                buf = self._free.pop() if self._free else None
+                self._lent += 1
+                pooled = True
+            else:
+                buf, pooled = None, False
+        if buf is None or buf.nbytes < size:
+            buf = host_buffer(size)
+        if not pooled:
+            return buf, _nothing
+        returned = False
+
+        def give_back() -> None:
+            nonlocal returned
+            with self._lock:
+                if not returned:
+                    returned = True
+                    self._lent -= 1
+                    self._free.append(buf)
+        return buf, give_back
+
+    def saw(self, nbytes: int) -> None:
+        self.hint = min(max(self.hint, nbytes), self.max_bytes)
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"lent": self._lent, "free": len(self._free),
+                    "free_bytes": sum(b.nbytes for b in self._free)}
+
+
+def _nothing() -> None:
+    return None
+
+
+class ViewResponse(Response):
+    """A binary body sent from a memoryview in slices; `release` runs when it is done."""
+
+    def __init__(self, view: memoryview, status_code: int, headers: dict[str, str],
+                 media_type: str, release: Callable[[], None] = _nothing):
+        self.view = view
+        self.release = release
+        super().__init__(None, status_code, {**headers, "content-length": str(view.nbytes)},
+                         media_type)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            n = self.view.nbytes
+            for start in range(0, n, PIECE):
+                await send({"type": "http.response.body", "body": self.view[start : start + PIECE],
+                            "more_body": start + PIECE < n})
+            if n == 0:
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.view = memoryview(b"")
+            self.release()
