@@ -30,6 +30,7 @@ from gds.hostio import OpenFile, read_error, read_range
 
 # Below this a split costs more than it saves: a thread hand-off took 20-150 us on this
 # shared 2-core VM, about what copying 1 MiB out of the page cache takes.
+MAX_HOST_PIECE = 16 << 20
 MIN_PIECE = 1 << 20
 
 
@@ -69,10 +70,12 @@ class HostBackend:
         self.pool, self.piece_bytes, self.mode, self.threads = pool, piece_bytes, mode, threads
 
     def piece_for(self, length: int) -> int:
-        """`piece_bytes`, or smaller so a range under threads x piece_bytes still spreads
-        over every thread; never under MIN_PIECE, where a hand-off costs more than it saves."""
+        """One piece per thread (the caller's included) up to MAX_HOST_PIECE, never under
+        MIN_PIECE, where a hand-off costs more than it saves. Host reads are copies from the
+        page cache: every extra piece is one more hand-off and no more bandwidth (16 MiB in
+        2 x 8 MiB ran 1.2x faster than in 4 x 4 MiB on the README's VM)."""
         even = -(-length // self.threads)
-        return min(self.piece_bytes, max(MIN_PIECE, -(-even // ALIGN) * ALIGN))
+        return min(max(self.piece_bytes, MAX_HOST_PIECE), max(MIN_PIECE, -(-even // ALIGN) * ALIGN))
 
     def read(self, f: OpenFile, offset: int, view: memoryview,
              hasher: xxhash.xxh3_64 | None = None) -> int:

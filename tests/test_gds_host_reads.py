@@ -209,10 +209,11 @@ def test_no_more_than_max_inflight_requests_run_at_once(tmp_path, ns, monkeypatc
     assert peak == 2
 
 
-def test_ranges_under_threads_times_piece_still_spread_over_every_thread():
+def test_host_reads_take_one_piece_per_thread_up_to_a_cap():
     with cpu_io(io_threads=2, piece_bytes=4 << 20) as chunk_io:
-        assert chunk_io.host.piece_for(16 << 20) == 4 << 20
-        assert chunk_io.host.piece_for(6 << 20) == 3 << 20  # two pieces, one per thread
+        assert chunk_io.host.piece_for(16 << 20) == 8 << 20  # two pieces, one per thread
+        assert chunk_io.host.piece_for(6 << 20) == 3 << 20
+        assert chunk_io.host.piece_for(256 << 20) == 16 << 20  # capped: 16 pieces
         assert chunk_io.host.piece_for(1 << 20) == 1 << 20  # one piece: not worth a split
 
 
