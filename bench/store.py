@@ -101,9 +101,9 @@ async def measure_store(url: str, size: int, count: int, concurrency: int, round
     A scheme's raw baselines run in the same rounds, interleaved with the store's, so both
     see the same page-cache, disk and server state: `raw_get_round(keys, buffers,
     concurrency)` reads the very same stored objects into the very same destination buffers
-    (one per chunk, as the connector stages a prefix); `raw_put_round(size, count,
-    concurrency)` writes as many same-sized objects its plain way. raw_get_round returns
-    seconds; raw_put_round returns (seconds, a call that removes what it wrote).
+    (one per chunk, as the connector stages a prefix); `raw_put_round(blobs, concurrency)`
+    writes the same chunk bytes as plain objects. raw_get_round returns seconds;
+    raw_put_round returns (seconds, a call that removes what it wrote).
     """
     store = open_store(url)
     tag = uuid.uuid4().hex
@@ -122,19 +122,20 @@ async def measure_store(url: str, size: int, count: int, concurrency: int, round
         await _settle_disk()
         put_times.append(await put_all(chunks))
         if raw_put_round is not None:
-            # Every later round starts settled: what a round wrote is deleted and flushed,
-            # and new chunks are made, before the clock starts (a virtual disk still trimming
-            # or absorbing earlier writes, or memory just handed out, slowed the next round
-            # by up to 5x here). The order alternates within rounds.
+            # Every round starts settled: what a round wrote is deleted and flushed, and its
+            # chunks made, before the clock starts (a virtual disk still trimming or absorbing
+            # earlier writes, or memory just handed out, slowed the next round by up to 5x
+            # here). Both write the same chunk bytes; the order alternates between rounds.
             for r in range(rounds):
-                batch = make_chunks(size, count, f"{tag}-{r}") if r else None
+                batch = make_chunks(size, count, f"{tag}-{r}") if r else chunks
                 await _settle_disk()
                 for raw in ((True, False) if r % 2 == 0 else (False, True)):
                     if raw:
-                        t, cleanup = await asyncio.to_thread(raw_put_round, size, count, concurrency)
+                        t, cleanup = await asyncio.to_thread(
+                            raw_put_round, [b for _, b in batch], concurrency)
                         raw_put_times.append(t)
                         await asyncio.to_thread(cleanup)
-                    elif batch is not None:
+                    elif r:
                         put_times.append(await put_all(batch))
                         for k, _ in batch:
                             await store.delete(k)

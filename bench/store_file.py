@@ -1,8 +1,8 @@
 """Raw-file baselines for `kvstash bench store --store file://...`.
 
 get: plain `os.preadv` of the very same chunk files into the very same preallocated buffers
-as the store's reads (`raw_get_round`). put: plain write + fsync + rename of as many
-same-sized files in the same filesystem (`raw_put_round`). Both are timed in the same
+as the store's reads (`raw_get_round`). put: plain write + fsync + rename of the same chunk
+bytes as files in the same filesystem (`raw_put_round`). Both are timed in the same
 rounds as the store, interleaved with it, at the same concurrency (threads).
 """
 
@@ -87,16 +87,15 @@ def raw_get_round(url: str, keys: list[str], buffers: list[memoryview], concurre
 RAW_PUT_NAME = "raw write+fsync+rename"
 
 
-def raw_put_round(url: str, size: int, count: int, concurrency: int) -> tuple[float, Callable[[], None]]:
-    """Seconds to write `count` files of one chunk's size (header + `size`) with plain
-    write + fsync + rename on `concurrency` threads, in a scratch directory of the store's
-    filesystem, and the call that removes that directory."""
+def raw_put_round(url: str, blobs: list[bytes], concurrency: int) -> tuple[float, Callable[[], None]]:
+    """Seconds to write each blob as a file with plain write + fsync + rename on
+    `concurrency` threads, in a scratch directory of the store's filesystem, and the call
+    that removes that directory."""
     root = Path(StoreURL(url).path) / f".bench-baseline-{uuid.uuid4().hex[:8]}"
     root.mkdir(parents=True)
-    data = os.urandom(size + HEADER_SIZE)
+    jobs = [(root / f"{i:04d}", blob) for i, blob in enumerate(blobs)]
     with ThreadPoolExecutor(concurrency) as pool:
-        seconds = _run(pool, lambda p: _write_fsync_rename(p, data),
-                       [root / f"{i:04d}" for i in range(count)])
+        seconds = _run(pool, lambda job: _write_fsync_rename(*job), jobs)
     return seconds, lambda: shutil.rmtree(root, ignore_errors=True)
 
 
