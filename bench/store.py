@@ -126,19 +126,23 @@ async def measure_store(url: str, size: int, count: int, concurrency: int, round
             # chunks made, before the clock starts (a virtual disk still trimming or absorbing
             # earlier writes, or memory just handed out, slowed the next round by up to 5x
             # here). Both write the same chunk bytes; the order alternates between rounds.
+            async def raw_round(batch: list[tuple[str, bytes]]) -> None:
+                t, cleanup = await asyncio.to_thread(raw_put_round, [b for _, b in batch], concurrency)
+                raw_put_times.append(t)
+                await asyncio.to_thread(cleanup)
+
+            async def store_round(batch: list[tuple[str, bytes]]) -> None:
+                put_times.append(await put_all(batch))
+                for k, _ in batch:
+                    await store.delete(k)
+
             for r in range(rounds):
+                # Round 0's store put is the one above: its chunks stay for the reads.
                 batch = make_chunks(size, count, f"{tag}-{r}") if r else chunks
+                steps = [raw_round, store_round][: 2 if r else 1]
                 await _settle_disk()
-                for raw in ((True, False) if r % 2 == 0 else (False, True)):
-                    if raw:
-                        t, cleanup = await asyncio.to_thread(
-                            raw_put_round, [b for _, b in batch], concurrency)
-                        raw_put_times.append(t)
-                        await asyncio.to_thread(cleanup)
-                    elif r:
-                        put_times.append(await put_all(batch))
-                        for k, _ in batch:
-                            await store.delete(k)
+                for step in steps if r % 2 == 0 else reversed(steps):
+                    await step(batch)
                     await _settle_disk()
                 del batch
         # Destination memory decides copy speed (4 KiB vs huge pages: 2-3x on a VM), so the

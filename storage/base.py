@@ -52,6 +52,12 @@ def check_blob(key: str, blob: Any) -> ChunkHeader:
         raise InvalidChunk(f"rejected chunk for {key}: {exc}") from None
 
 
+def check_batch(keys: Sequence[str], outs: Sequence[Any]) -> None:
+    """`get_into_many` takes one destination buffer per key."""
+    if len(keys) != len(outs):
+        raise ValueError(f"{len(keys)} keys but {len(outs)} destination buffers")
+
+
 def verify_blob(key: str, blob: Any) -> ChunkHeader | None:
     """Header + checksum verification of a fetched blob; None if it is not the chunk."""
     try:
@@ -126,8 +132,7 @@ class Store(ABC):
         is started, and the keys never read answer None. Backends override this to read a
         whole batch with one hand-off to their I/O threads instead of one per key.
         """
-        if len(keys) != len(outs):
-            raise ValueError(f"{len(keys)} keys but {len(outs)} destination buffers")
+        check_batch(keys, outs)
         gate = asyncio.Semaphore(max(concurrency, 1))
         stopped = False
 

@@ -35,7 +35,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from storage.base import Store, check_blob, check_key, check_tenant
+from storage.base import Store, check_batch, check_blob, check_key, check_tenant
 from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, decode_chunk, decode_header
 from storage.errors import ConfigError, StoreFull, StoreUnavailable
 from storage.options import StoreURL, format_size, parse_bool, parse_seconds, parse_size
@@ -477,8 +477,7 @@ class FileStore(Store):
         the next unread index until none is left. (Waking a thread and then the loop costs
         0.2-0.4 ms on a VM, as much as reading a page-cached 4 MiB chunk.) `on_done` runs
         on the worker thread."""
-        if len(keys) != len(outs):
-            raise ValueError(f"{len(keys)} keys but {len(outs)} destination buffers")
+        check_batch(keys, outs)
         for k in keys:
             check_key(k)
         views = [memoryview(o).cast("B") for o in outs]
