@@ -22,16 +22,21 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
+from connector.engine_io import direct_chunk_io
 from connector.layout import ChunkLayout
 from connector.policy import LoadPlan, LoadPolicy
 from connector.writebehind import SaveJob, WriteBehindQueue
 from hashing import Namespace, chunk_keys, token_array
+from gds.buffers import host_view
 from storage.base import Store
 from storage.codec import ChunkError, ChunkHeader
+
+if TYPE_CHECKING:
+    from gds import ChunkIO
 
 log = logging.getLogger("kvstash.connector")
 
@@ -49,7 +54,9 @@ class LoadTarget(Protocol):
     `place(i)` runs on the engine thread, in chunk order, once chunk i is verified."""
 
     def staging(self, i: int) -> Any:
-        """A writable buffer of exactly `layout.payload_nbytes` bytes for chunk i."""
+        """Writable, contiguous memory of exactly `layout.payload_nbytes` bytes for chunk i:
+        host memory (a buffer, numpy array or CPU tensor), or a tensor on any device when
+        the connector `reads_direct`."""
 
     def place(self, i: int) -> None:
         """Move chunk i from its staging buffer into the engine's KV cache."""
@@ -62,6 +69,12 @@ class KVConnector:
     (`connector.hf.CachedPrefill`). `max_in_flight` bounds concurrent chunk reads;
     `save_queue_bytes` bounds the write-behind queue; `lookup_timeout_s` bounds the one
     store call a miss costs.
+
+    `direct_io`: a file:// store's chunks are read by `gds.ChunkIO` (GPUDirect Storage into
+    device memory where the host has it, pinned bounce buffers otherwise, in-place reads
+    into host memory), straight into whatever `LoadTarget.staging` returns, CUDA tensors
+    included. True builds a ChunkIO for the store's directory; pass one to share it; False
+    reads through the store like every other backend (whose bytes land in host staging).
     """
 
     def __init__(
@@ -75,6 +88,7 @@ class KVConnector:
         save_queue_bytes: int = 512 * 1024**2,
         policy: LoadPolicy | None = None,
         bypass_s: tuple[float, float] = (1.0, 30.0),
+        direct_io: bool | ChunkIO = True,
     ):
         if not isinstance(store, Store):
             from storage.registry import open_store
@@ -94,6 +108,8 @@ class KVConnector:
         self._closed = False
         if layout is not None:
             self.bind_layout(layout)
+        self.chunk_io = direct_chunk_io(store, direct_io, max_in_flight)
+        self._owns_chunk_io = direct_io is True and self.chunk_io is not None
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, name="kvstash-connector", daemon=True
@@ -129,6 +145,12 @@ class KVConnector:
     def chunk_tokens(self) -> int:
         return self.ns.chunk_tokens
 
+    @property
+    def reads_direct(self) -> bool:
+        """Whether loads go through `gds.ChunkIO`: staging may then be any tensor, on any
+        device; otherwise it must be host memory."""
+        return self.chunk_io is not None
+
     # -- counters ------------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
@@ -138,6 +160,7 @@ class KVConnector:
         out["save_pending_bytes"] = self._writer.pending_bytes
         out["store"] = str(self.store)
         out["namespace"] = self.ns.id
+        out["chunk_io"] = self.chunk_io.stats() if self.chunk_io is not None else None
         out.update(self.policy.snapshot())
         return out
 
@@ -248,15 +271,18 @@ class KVConnector:
         deadline = started + wait_s
         self._count(loads=1)
         try:
-            bufs = [memoryview(target.staging(i)).cast("B") for i in range(n_chunks)]
+            dests = [target.staging(i) for i in range(n_chunks)]
+            if self.chunk_io is None:
+                dests = [host_view(d) for d in dests]
         except Exception as exc:  # noqa: BLE001 - the engine could not give us memory: recompute
             log.warning("load skipped: no staging memory: %s", exc)
             return 0
         done: list[concurrent.futures.Future[bool]] = [
             concurrent.futures.Future() for _ in range(n_chunks)
         ]
+        fetch_all = self._fetch_direct if self.chunk_io is not None else self._fetch_all
         fetch = asyncio.run_coroutine_threadsafe(
-            self._fetch_all(keys, tokens, bufs, done, layout), self._loop
+            fetch_all(keys, tokens, dests, done, layout), self._loop
         )
         placed, stalled = 0, False
         try:
@@ -315,8 +341,66 @@ class KVConnector:
             for f in done:
                 _resolve(f, False)
 
-    def _accept(self, key: str, tokens: np.ndarray, buf: memoryview, layout: ChunkLayout,
+    async def _fetch_direct(
+        self,
+        keys: list[str],
+        tokens: np.ndarray,
+        dests: list[Any],
+        done: list[concurrent.futures.Future[bool]],
+        layout: ChunkLayout,
+    ) -> None:
+        """`_fetch_all` through ChunkIO: every chunk is submitted at once (ChunkIO runs at
+        most `max_inflight`, in order). ChunkIO checks the header against the key and, with
+        verify="checksum", the payload's xxh3 (on device for CUDA destinations); the layout
+        and token ids are checked here. The store is told of each read (hits refresh its
+        LRU, corrupt files are quarantined). Past the first chunk that cannot be used the
+        reads not yet started are cancelled."""
+        from gds.filestore import settle
+
+        io, store = self.chunk_io, self.store
+        n = self.chunk_tokens
+        futures: list[concurrent.futures.Future[Any]] = []
+
+        def landed(i: int, fut: concurrent.futures.Future[Any]) -> None:
+            # On ChunkIO's request thread, where the store's own reads would have run.
+            ok = False
+            try:
+                if not fut.cancelled():
+                    header, why = settle(store, keys[i], fut)
+                    if header is not None:
+                        ok = self._accept(keys[i], tokens[i * n : (i + 1) * n], None, layout, header)
+                    else:
+                        self._count(**{_MISS_COUNTER.get(why, "load_misses"): 1})
+            except Exception as exc:  # noqa: BLE001 - any failure is a miss
+                self._count(load_errors=1)
+                log.warning("chunk %s from %s: %s", keys[i], store, exc)
+            _resolve(done[i], ok)
+            if not ok:
+                for later in futures[i + 1 :]:
+                    later.cancel()
+
+        try:
+            for key, dest in zip(keys, dests, strict=True):
+                futures.append(io.submit_chunk(store.chunk_path(key), dest, key))
+            for i, fut in enumerate(futures):  # once the list is whole: `landed` reads it
+                fut.add_done_callback(lambda f, i=i: landed(i, f))
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures),
+                                 return_exceptions=True)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any failure is a miss
+            self._count(load_errors=1)
+            log.warning("direct read from %s failed: %s", store, exc)
+        finally:
+            for f in futures:
+                f.cancel()  # only those not yet started: no read starts after we give up
+            for f in done:
+                _resolve(f, False)
+
+    def _accept(self, key: str, tokens: np.ndarray, buf: memoryview | None, layout: ChunkLayout,
                 header: ChunkHeader | None) -> bool:
+        """Whether a fetched chunk is the one these tokens need. `buf` None: its payload was
+        checked by the reader (ChunkIO) and is not in host memory to check here."""
         if header is None:
             self._count(load_misses=1)
             return False
@@ -387,6 +471,8 @@ class KVConnector:
             log.warning("closing %s: %s", self.store, exc)
         finally:
             self._finalizer()
+            if self._owns_chunk_io:
+                self.chunk_io.close()
 
     def __enter__(self) -> KVConnector:
         return self
@@ -434,6 +520,10 @@ def _shutdown(
         loop.close()
 
 
+# The connector counter for each reason ChunkIO gives for a failed read (gds.errors).
+_MISS_COUNTER = {"corrupt": "verify_failures", "io": "load_errors"}
+
+
 def _resolve(f: concurrent.futures.Future[bool], ok: bool) -> None:
     """Set a chunk's outcome once: the first word (its read, or the batch's end) stands."""
     try:
@@ -443,7 +533,8 @@ def _resolve(f: concurrent.futures.Future[bool], ok: bool) -> None:
 
 
 def _verify(
-    header: ChunkHeader, key: str, tokens: np.ndarray, buf: memoryview, layout: ChunkLayout
+    header: ChunkHeader, key: str, tokens: np.ndarray, buf: memoryview | None,
+    layout: ChunkLayout,
 ) -> str | None:
     """Why a fetched chunk cannot be used for these tokens, or None if it can."""
     if header.key != key:
@@ -452,6 +543,8 @@ def _verify(
         return "header holds other token ids"
     if header.payload_len != layout.payload_nbytes or not layout.matches(header.meta):
         return f"layout {header.meta} ({header.payload_len} bytes), expected {layout.meta()}"
+    if buf is None:
+        return None
     try:
         header.verify_payload(buf[: header.payload_len])
     except ChunkError as exc:

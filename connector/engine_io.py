@@ -49,6 +49,22 @@ async def each_bounded(work: Callable[[int], Awaitable[bool]], n: int, limit: in
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
+def direct_chunk_io(store: Store, wanted: Any = True, max_in_flight: int = 8) -> Any:
+    """The `gds.ChunkIO` a connector reads `store` through, or None: only a file:// store is
+    read that way (S3 and HTTP bytes go through the store into pinned host buffers).
+    `wanted`: True builds one for the store's directory; False (or "false") none; a
+    ChunkIO is used as given."""
+    from storage.file import FileStore
+
+    if not isinstance(store, FileStore) or wanted in (False, "false", "0", 0, None):
+        return None
+    if wanted is not True and wanted not in ("true", "1", 1):
+        return wanted
+    from gds import ChunkIO, IOConfig
+
+    return ChunkIO(IOConfig(max_inflight=max_in_flight), probe_dir=store.root)
+
+
 class StoreLoop:
     _shared: dict[tuple[str, ...], StoreLoop] = {}
     _shared_lock = threading.Lock()

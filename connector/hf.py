@@ -21,6 +21,7 @@ from transformers import DynamicCache
 
 from connector.core import KVConnector
 from connector.layout import ChunkLayout
+from gds.buffers import aligned_empty
 from hashing import Namespace
 
 log = logging.getLogger("kvstash.connector.hf")
@@ -66,18 +67,30 @@ def namespace_for(
 
 
 class _StagedPrefix:
-    """Staging buffers for the chunks being read, and the per-layer K/V they are placed into."""
+    """Staging buffers for the chunks being read, and the per-layer K/V they are placed into.
 
-    def __init__(self, layout: ChunkLayout, n_chunks: int, device: torch.device):
+    With direct reads (a file:// store through gds.ChunkIO) staging sits on the model's
+    device: on a GPU, cuFile or bounce buffers fill it and placing is a device-side copy;
+    on CPU it is 4 KiB-aligned host memory that O_DIRECT can fill. Otherwise the store's
+    bytes land in host memory, pinned when the model is on a GPU, and `place` copies them
+    over asynchronously."""
+
+    def __init__(self, layout: ChunkLayout, n_chunks: int, device: torch.device,
+                 direct: bool = False):
         self.layout = layout
         self.dtype = getattr(torch, layout.dtype)
-        pin = device.type == "cuda"
-        self.raw = torch.empty((n_chunks, layout.payload_nbytes), dtype=torch.uint8, pin_memory=pin)
+        shape = (n_chunks, layout.payload_nbytes)
+        if direct and device.type == "cuda":
+            self.raw = torch.empty(shape, dtype=torch.uint8, device=device)
+        elif direct:
+            self.raw = aligned_empty(shape)
+        else:
+            self.raw = torch.empty(shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
         L, _, H, n, D = layout.shape
         self.kv = torch.empty((L, 2, 1, H, n_chunks * n, D), dtype=self.dtype, device=device)
 
     def staging(self, i: int) -> Any:
-        return self.raw[i].numpy()
+        return self.raw[i]
 
     def place(self, i: int) -> None:
         n = self.layout.chunk_tokens
@@ -142,7 +155,7 @@ class CachedPrefill:
         plan = conn.plan(cached)
         if plan.chunks == 0:
             return 0, None
-        staged = _StagedPrefix(self.layout, plan.chunks, ids.device)
+        staged = _StagedPrefix(self.layout, plan.chunks, ids.device, conn.reads_direct)
         hit = conn.load(tokens, plan.chunks * conn.chunk_tokens, staged, plan.deadline_s)
         return hit, (staged.cache(hit, self.model.config) if hit else None)
 

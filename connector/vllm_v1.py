@@ -51,8 +51,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.engine_io import StoreLoop, each_bounded
+from connector.engine_io import StoreLoop, direct_chunk_io, each_bounded
 from connector.writebehind import SaveJob, WriteBehindQueue
+from gds.buffers import aligned_empty
+from gds.filestore import settle
 from hashing import Namespace, keys_from_block_hashes
 from storage.base import Store
 
@@ -144,7 +146,9 @@ class KvstashConnector(KVConnectorBase_V1):
     """kvstash for vLLM's KV connector API. `kv_connector_extra_config`: `store` (URL or
     list of URLs), `model` (when vLLM has no model config), `chunk_blocks` (vLLM blocks
     per stored chunk, default 16), `salt`, `lookup_timeout_s` (default 2), `max_in_flight`
-    (chunk reads per load, default 8), `save_queue_bytes` (write-behind bound, 1 GiB)."""
+    (chunk reads per load, default 8), `save_queue_bytes` (write-behind bound, 1 GiB),
+    `direct_io` (default true: a file:// store is read through gds.ChunkIO into the KV
+    cache's device)."""
 
     _cache_hit_source = CacheHitSource.DISK
 
@@ -183,7 +187,10 @@ class KvstashConnector(KVConnectorBase_V1):
         self._save_buffers: list[torch.Tensor] = []
         self._saved_layers: set[str] = set()
         self._writer: WriteBehindQueue | None = None
+        self._chunk_io = None
         if role == KVConnectorRole.WORKER:
+            self._chunk_io = direct_chunk_io(self.io.store, extra.get("direct_io", True),
+                                             self.max_in_flight)
             self._writer = WriteBehindQueue(
                 self.io.store, self.io.loop, self._count,
                 int(extra.get("save_queue_bytes", 1024**3)),
@@ -371,8 +378,7 @@ class KvstashConnector(KVConnectorBase_V1):
 
         async def one(i: int) -> bool:
             chunk = req.chunks[i]
-            buf = torch.empty(self._chunk_nbytes, dtype=torch.uint8)
-            header = await store.get_into(keys[i], buf.numpy())
+            header, buf = await self._read_chunk(store, keys[i])
             if (
                 header is None
                 or header.payload_len != self._chunk_nbytes
@@ -389,6 +395,23 @@ class KvstashConnector(KVConnectorBase_V1):
             b for chunk, good in zip(req.chunks, ok, strict=True) if not good
             for b in chunk.block_ids[chunk.first :]
         }
+
+    async def _read_chunk(self, store: Store, key: str) -> tuple[Any, torch.Tensor]:
+        """(header or None, the chunk's payload buffer). A file:// store's chunk goes
+        through gds.ChunkIO straight to the KV cache's device (cuFile, or pinned bounce
+        buffers; ChunkIO checks its header and payload checksum); any other store's bytes
+        land in host memory, pinned when the KV cache is on a GPU."""
+        device = next(iter(self._kv.values())).device
+        if self._chunk_io is not None:
+            if device.type == "cuda":
+                buf = torch.empty(self._chunk_nbytes, dtype=torch.uint8, device=device)
+            else:
+                buf = aligned_empty(self._chunk_nbytes)
+            fut = self._chunk_io.submit_chunk(store.chunk_path(key), buf, key)
+            await asyncio.wait([asyncio.wrap_future(fut)])
+            return settle(store, key, fut)[0], buf
+        buf = torch.empty(self._chunk_nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        return await store.get_into(key, buf.numpy()), buf
 
     def _place(self, chunk: ChunkRef, buf: torch.Tensor) -> None:
         """Copy a verified chunk into its blocks, skipping the ones computed locally."""
@@ -485,4 +508,7 @@ class KvstashConnector(KVConnectorBase_V1):
             self._writer = None
         for _, future in self._loading.values():
             future.cancel()
+        if self._chunk_io is not None:
+            self._chunk_io.close()
+            self._chunk_io = None
         self.io.release()

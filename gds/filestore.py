@@ -14,9 +14,24 @@ from concurrent.futures import Future
 from typing import Any
 
 from gds.chunkio import ChunkIO
-from gds.errors import ReadError
+from gds.errors import CORRUPT, IO, ReadError
 from storage.codec import ChunkHeader
 from storage.file import FileStore, _chunk_path
+
+
+def settle(store: FileStore, key: str, fut: Future) -> tuple[ChunkHeader | None, str | None]:
+    """A finished ChunkIO read of `key`: (its header, None), or (None, the ReadError's reason)
+    for a miss. The store is told either way, as if it had read the chunk itself: a hit
+    refreshes its LRU place, a corrupt file is quarantined, a missing one forgotten.
+    Exceptions other than ReadError (a bug, a CUDA error) propagate."""
+    try:
+        header = fut.result(timeout=0)
+    except ReadError as exc:
+        store.record_read(key, None, corrupt=exc.detail if exc.reason == CORRUPT else None,
+                          error=exc.reason == IO)
+        return None, exc.reason
+    store.record_read(key, header.total_len)
+    return header, None
 
 
 def submit_store_chunks(io: ChunkIO, store: FileStore, keys: Sequence[str], dests: Sequence[Any],

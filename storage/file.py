@@ -545,6 +545,33 @@ class FileStore(Store):
             used, n = self._used, len(self._index)
         return {"evicted": self.counters["evictions"] - before, "used_bytes": used, "chunks": n}
 
+    # -- reads done outside the store (gds.ChunkIO straight into device memory) ---------
+
+    def chunk_path(self, key: str) -> Path:
+        """The file that holds `key` (it may not exist)."""
+        check_key(key)
+        return _chunk_path(self.root, key)
+
+    def record_read(self, key: str, size: int | None, *, corrupt: str | None = None,
+                    error: bool = False) -> None:
+        """Account for a read of `key` that another reader did from `chunk_path(key)`: a hit
+        of `size` bytes refreshes its LRU place; a miss (None) is counted; `corrupt` (why
+        the reader rejected the file's bytes) quarantines the file as a read here would;
+        `error` counts an I/O error."""
+        path = _chunk_path(self.root, key)
+        if corrupt is not None:
+            self._quarantine(key, path, corrupt)
+        elif error:
+            self.counters["errors"] += 1
+        elif size is not None:
+            try:
+                self._touch(key, path, os.stat(path))
+            except OSError:
+                pass
+        else:
+            self._forget(key)
+        self._count_get(size)
+
     def scoped(self, tenant: str) -> FileStore:
         check_tenant(tenant)
         return FileStore(

@@ -86,6 +86,11 @@ def test_saved_blocks_load_into_another_engine(store_url):
     try:
         write_prompt(writer, list(range(7)))
         ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
+        io = reader.worker._chunk_io
+        if store_url.startswith("file://"):  # read through gds.ChunkIO, not the store
+            assert io.stats()["counters"]["chunk_reads"] == 3
+        else:
+            assert io is None
     finally:
         writer.shutdown()
         reader.shutdown()

@@ -1,0 +1,159 @@
+"""KVConnector loading a file:// store through gds.ChunkIO (the direct path), on real files.
+
+The destinations here are host memory (numpy arrays, CPU tensors): this machine has no GPU,
+so the CUDA destinations of the same path (cuFile, bounce buffers) are covered by
+tests/test_gds_cuda.py where a GPU is present and by `kvstash bench gds` on a GPU host.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from connector import KVConnector
+from gds import ChunkIO, IOConfig
+from storage.file import FileStore
+from tests.test_connector_core import LAYOUT, TOKENS, ListEngine, namespace, payload_of, saved
+
+N = len(TOKENS) // LAYOUT.chunk_tokens
+
+
+def file_connector(root, **kwargs) -> KVConnector:
+    return KVConnector(f"file://{root}", namespace(), layout=LAYOUT, **kwargs)
+
+
+def flip_payload_byte(store: FileStore, key: str) -> None:
+    path = store.chunk_path(key)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - 7)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+def keys_of(conn: KVConnector) -> list[str]:
+    from hashing import chunk_keys
+
+    return chunk_keys(TOKENS, conn.ns)
+
+
+def test_a_file_store_is_read_through_chunkio_with_the_exact_bytes(tmp_path):
+    conn = saved(file_connector(tmp_path))
+    assert conn.reads_direct
+    engine = ListEngine(N)
+    assert conn.load(TOKENS, N * 16, engine) == N * 16
+    assert engine.placed == list(range(N))
+    for i, buf in enumerate(engine.bufs):
+        assert np.array_equal(buf, payload_of(i))
+    stats = conn.stats()
+    assert stats["chunk_io"]["counters"]["chunk_reads"] == N
+    assert stats["chunk_io"]["backends"]["cpu"] == "host"
+    store = conn.store.stats()
+    assert store["hits"] == N and store["misses"] == 0  # the store is told of every read
+    conn.close()
+
+
+def test_cpu_tensor_staging_is_filled_in_place(tmp_path):
+    torch = pytest.importorskip("torch")
+    from gds import aligned_empty
+
+    conn = saved(file_connector(tmp_path))
+
+    class TensorEngine:
+        def __init__(self):
+            self.raw = aligned_empty((N, LAYOUT.payload_nbytes))
+            self.placed = []
+
+        def staging(self, i):
+            return self.raw[i]
+
+        def place(self, i):
+            self.placed.append(i)
+
+    engine = TensorEngine()
+    assert conn.load(TOKENS, N * 16, engine) == N * 16
+    for i in range(N):
+        assert torch.equal(engine.raw[i], torch.from_numpy(payload_of(i)))
+    conn.close()
+
+
+def test_direct_io_false_and_other_stores_read_through_the_store(tmp_path):
+    conn = saved(file_connector(tmp_path, direct_io=False))
+    assert not conn.reads_direct and conn.stats()["chunk_io"] is None
+    engine = ListEngine(N)
+    assert conn.load(TOKENS, N * 16, engine) == N * 16
+    assert all(np.array_equal(b, payload_of(i)) for i, b in enumerate(engine.bufs))
+    conn.close()
+    mem = KVConnector("memory://", namespace(), layout=LAYOUT)
+    assert not mem.reads_direct
+    mem.close()
+
+
+def test_a_corrupt_chunk_ends_the_hit_is_quarantined_and_later_reads_are_not_started(tmp_path):
+    io = ChunkIO(IOConfig(max_inflight=1), probe_dir=tmp_path)
+    conn = saved(file_connector(tmp_path, direct_io=io, max_in_flight=1))
+    keys = keys_of(conn)
+    flip_payload_byte(conn.store, keys[3])
+    engine = ListEngine(N)
+    assert conn.load(TOKENS, N * 16, engine) == 3 * 16
+    assert engine.placed == [0, 1, 2]
+    stats = conn.stats()
+    assert stats["verify_failures"] == 1
+    counters = io.stats()["counters"]
+    # One request at a time: chunk 3 failed before chunk 4 was started, and 4.. never were.
+    assert counters["chunk_reads"] == 3 and counters["read_corrupt"] == 1
+    assert not conn.store.chunk_path(keys[3]).exists()  # quarantined, as a store read would
+    assert conn.store.stats()["corrupt"] == 1
+    assert conn.lookup(TOKENS) == 3 * 16
+    conn.close()
+    io.submit_read(__file__, 0, 1, bytearray(1)).result()  # a ChunkIO passed in stays open
+    io.close()
+
+
+def test_a_missing_chunk_is_a_miss_and_the_store_forgets_it(tmp_path):
+    conn = saved(file_connector(tmp_path))
+    keys = keys_of(conn)
+    os.unlink(conn.store.chunk_path(keys[5]))  # a peer evicted it after the lookup
+    engine = ListEngine(N)
+    assert conn.load(TOKENS, N * 16, engine) == 5 * 16
+    stats = conn.stats()
+    assert stats["load_misses"] == 1 and stats["verify_failures"] == 0
+    assert conn.store.stats()["misses"] == 1
+    conn.close()
+
+
+def test_a_chunk_of_other_tokens_or_another_layout_is_rejected(tmp_path):
+    from connector import ChunkLayout
+    from storage.codec import encode_chunk
+
+    conn = file_connector(tmp_path)
+    keys = keys_of(conn)
+    # A forged chunk (or a key collision): the right key, other token ids in its header.
+    forged = encode_chunk(keys[0], TOKENS[16:32], payload_of(0), LAYOUT.meta())
+    assert conn.run(conn.store.put(keys[0], forged))
+    assert conn.load(TOKENS, 16, ListEngine(1)) == 0
+    assert conn.stats()["verify_failures"] == 1
+    conn.close()
+    # The right key and tokens, written for another KV layout.
+    conn = file_connector(tmp_path / "b")
+    key = keys_of(conn)[0]
+    other = ChunkLayout(layers=2, kv_heads=2, head_dim=8, chunk_tokens=16, dtype="float16")
+    wrong = encode_chunk(key, TOKENS[:16], np.zeros(other.payload_nbytes, np.uint8), other.meta())
+    assert conn.run(conn.store.put(key, wrong))
+    assert conn.load(TOKENS, 16, ListEngine(1)) == 0
+    assert conn.stats()["verify_failures"] == 1
+    conn.close()
+
+
+def test_staging_that_cannot_hold_the_payload_is_a_miss_not_an_overflow(tmp_path):
+    conn = saved(file_connector(tmp_path))
+
+    class Small(ListEngine):
+        def staging(self, i):
+            return self.bufs[i][: LAYOUT.payload_nbytes // 2]
+
+    assert conn.load(TOKENS, N * 16, Small(N)) == 0
+    assert conn.stats()["load_misses"] >= 1  # those already in flight miss too
+    conn.close()
