@@ -65,6 +65,66 @@ class ReadPath:
         return counters.get("bytes_host_direct", 0) / counters["bytes_host"]
 
 
+class _Staged:
+    """A LoadTarget over fixed destinations; placing is free (the bench times the reads)."""
+
+    def __init__(self, dests: list):
+        self.dests = dests
+
+    def staging(self, i: int) -> Any:
+        return self.dests[i]
+
+    def place(self, i: int) -> None:
+        pass
+
+
+def _connector_paths(args: argparse.Namespace, root: str, refs: list, host: list,
+                     check_host: Callable[[], bool], baseline: str, paths: list[ReadPath]):
+    """Rows for the engine's whole load: `KVConnector.load` of every chunk from a file://
+    store, through ChunkIO (the default) and through the store's own reads
+    (direct_io=False), into the same host destinations. Both verify each payload's xxh3."""
+    from connector import ChunkLayout, KVConnector
+    from hashing import Namespace, chunk_keys
+    from storage.codec import encode_chunk
+    from storage.file import FileStore
+
+    size = refs[0].nbytes
+    chunk_tokens, per_head = 256, 256 * 2 * 128 * 2  # K and V, head_dim 128, bfloat16
+    if size % per_head:
+        print(f"connector rows skipped: the payload must be a multiple of {per_head} bytes")
+        return [], None
+    layout = ChunkLayout(layers=1, kv_heads=size // per_head, head_dim=128,
+                         chunk_tokens=chunk_tokens, dtype="bfloat16")
+    assert layout.payload_nbytes == size
+    ns = Namespace(model="bench/gds-connector", dtype=layout.dtype, layout=layout.name,
+                   chunk_tokens=chunk_tokens, salt=str(time.time_ns()))
+    tokens = list(range(chunk_tokens * len(refs)))
+    keys = chunk_keys(tokens, ns)
+    store_root = os.path.join(root, f"store-{ns.salt}")
+    conns = []
+    for direct in (True, False):
+        conns.append(KVConnector(FileStore(store_root), ns, layout=layout, direct_io=direct,
+                                 max_in_flight=len(refs)))
+    for i, (k, r) in enumerate(zip(keys, refs, strict=True)):
+        blob = encode_chunk(k, tokens[i * chunk_tokens : (i + 1) * chunk_tokens], r, layout.meta())
+        conns[0].run(conns[0].store.put(k, blob))
+    target = _Staged(host)
+
+    def loader(conn: KVConnector) -> Callable[[], None]:
+        def go() -> None:
+            if conn.load(tokens, len(tokens), target, deadline_s=60.0) != len(tokens):
+                raise RuntimeError(f"{conn}: load missed: {conn.stats()}")
+        return go
+
+    paths += [
+        ReadPath(f"connector load, ChunkIO, {len(refs)} in flight", loader(conns[0]), check_host,
+                 baseline, conns[0].chunk_io),
+        ReadPath(f"connector load, store reads, {len(refs)} in flight", loader(conns[1]),
+                 check_host, baseline),
+    ]
+    return conns, store_root
+
+
 def _drop_cache(paths: list[str]) -> None:
     for p in paths:
         fd = os.open(p, os.O_RDONLY)
@@ -181,6 +241,8 @@ def run(args: argparse.Namespace) -> int:
                        verify="header", direct="always"),
         ]
 
+        conns, store_root = _connector_paths(args, root, refs, host, check_host, base, paths)
+
         if caps.cuda:
             from gds.probe import CUDA_BACKENDS
 
@@ -277,6 +339,10 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for io in ios:
             io.close()
+        for conn in locals().get("conns", []):
+            conn.close()
+        if locals().get("store_root"):
+            shutil.rmtree(store_root, ignore_errors=True)
         if own_dir:
             shutil.rmtree(root, ignore_errors=True)
         else:

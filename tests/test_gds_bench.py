@@ -28,6 +28,8 @@ def test_bench_gds_verifies_every_path_and_writes_json(tmp_path, capsys):
     paths = {row["path"]: row for row in result["rows"]}
     assert all(row["verified"] for row in result["rows"])
     assert paths["host (path 4), verify=header"]["vs"] == "readinto, 1 thread"
+    # The connector's whole load from a file:// store, through ChunkIO and through the store.
+    assert {"connector load, ChunkIO, 2 in flight", "connector load, store reads, 2 in flight"} <= set(paths)
     assert result["stats"]["backends"]["cpu"] == "host"
     assert list((tmp_path / "chunks").iterdir()) == []  # its chunk files are removed
 

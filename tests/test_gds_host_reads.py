@@ -209,12 +209,18 @@ def test_no_more_than_max_inflight_requests_run_at_once(tmp_path, ns, monkeypatc
     assert peak == 2
 
 
-def test_host_reads_take_one_piece_per_thread_up_to_a_cap():
+def test_host_reads_take_one_piece_per_thread_share_up_to_a_cap():
     with cpu_io(io_threads=2, piece_bytes=4 << 20) as chunk_io:
         assert chunk_io.host.piece_for(16 << 20) == 8 << 20  # two pieces, one per thread
         assert chunk_io.host.piece_for(6 << 20) == 3 << 20
         assert chunk_io.host.piece_for(256 << 20) == 16 << 20  # capped: 16 pieces
         assert chunk_io.host.piece_for(1 << 20) == 1 << 20  # one piece: not worth a split
+    with cpu_io(io_threads=4, piece_bytes=4 << 20) as chunk_io:
+        # Threads are shared among the reads running at once; past one read per thread
+        # each is read whole on its own request thread.
+        assert chunk_io.host.piece_for(16 << 20, active=2) == 8 << 20
+        assert chunk_io.host.piece_for(16 << 20, active=4) == 16 << 20
+        assert chunk_io.host.piece_for(256 << 20, active=8) == 256 << 20
 
 
 def _drop_from_page_cache(path):
