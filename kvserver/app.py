@@ -138,8 +138,11 @@ class Tenancy:
         return self.scopes[tenant]
 
 
-async def read_body(request: Request, limit: int) -> bytearray:
-    """The whole request body in one buffer; 413 before reading anything past `limit`."""
+async def read_body(request: Request, limit: int, into: memoryview | None = None,
+                    ) -> memoryview | bytearray:
+    """The whole request body in one buffer; 413 before reading anything past `limit`.
+    With a Content-Length the body lands in `into` (when it holds it) or a buffer of that
+    size; without one it grows a bytearray."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not (declared.isascii() and declared.isdigit()):
@@ -147,7 +150,7 @@ async def read_body(request: Request, limit: int) -> bytearray:
         size = int(declared)
         if size > limit:
             raise HTTPException(413, f"chunk of {size} bytes exceeds the limit of {limit} bytes")
-        buf = bytearray(size)
+        buf = into[:size] if into is not None and into.nbytes >= size else memoryview(bytearray(size))
         pos = 0
         async for part in request.stream():
             end = pos + len(part)
@@ -179,6 +182,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     tenancy = Tenancy(store, tokens)
     metrics = ServerMetrics(tenancy.stores)
     bodies = BufferPool(max_bytes=config.max_chunk_bytes)  # GET bodies, see kvserver.bodies
+    put_bodies = BufferPool(max_bytes=config.max_chunk_bytes)  # and PUT bodies
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -264,9 +268,14 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             raise HTTPException(503, "too many uploads in progress, retry shortly",
                                 headers={"Retry-After": "1"})
         inflight.bytes += reserve
+        # A pooled huge-page buffer (kvserver.bodies): fresh memory per body costs more
+        # than the copy on a VM. Stores do not keep `body` past `put` (the Store contract).
+        buf, release = put_bodies.borrow(reserve) if known else (None, lambda reuse: None)
+        reuse = True
         try:
             try:
-                body = await asyncio.wait_for(read_body(request, limit), config.body_timeout_s)
+                body = await asyncio.wait_for(read_body(request, limit, buf),
+                                              config.body_timeout_s)
             except ClientDisconnect:
                 raise HTTPException(400, "client disconnected before the body ended") from None
             except asyncio.TimeoutError:
@@ -274,10 +283,14 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
                     408, f"body not received within {config.body_timeout_s:g}s"
                 ) from None
             created = await s.put(f"{ns_id}/{digest}", body)
+        except asyncio.CancelledError:
+            reuse = False  # a store thread may still be reading the body: never lend it again
+            raise
         finally:
+            release(reuse)
             inflight.bytes -= reserve
         if created:
-            metrics.bytes_in.inc(len(body))
+            metrics.bytes_in.inc(body.nbytes if isinstance(body, memoryview) else len(body))
         return JSONResponse({"created": created}, status_code=201 if created else 200)
 
     @app.get(

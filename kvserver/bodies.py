@@ -37,8 +37,9 @@ class BufferPool:
         self._lent = 0
         self._lock = threading.Lock()
 
-    def borrow(self, size: int) -> tuple[memoryview, Callable[[], None]]:
-        """A buffer of at least `size` bytes and the call that gives it back."""
+    def borrow(self, size: int) -> tuple[memoryview, Callable[..., None]]:
+        """A buffer of at least `size` bytes and the call that gives it back
+        (`give_back(reuse=False)`: the buffer may still be in use, never lend it again)."""
         with self._lock:
             if self._free or self._lent < self.max_buffers:
                 buf = self._free.pop() if self._free else None
@@ -52,13 +53,14 @@ class BufferPool:
             return buf, _nothing
         returned = False
 
-        def give_back() -> None:
+        def give_back(reuse: bool = True) -> None:
             nonlocal returned
             with self._lock:
                 if not returned:
                     returned = True
                     self._lent -= 1
-                    self._free.append(buf)
+                    if reuse:
+                        self._free.append(buf)
         return buf, give_back
 
     def saw(self, nbytes: int) -> None:
@@ -70,7 +72,7 @@ class BufferPool:
                     "free_bytes": sum(b.nbytes for b in self._free)}
 
 
-def _nothing() -> None:
+def _nothing(reuse: bool = True) -> None:
     return None
 
 

@@ -83,7 +83,10 @@ class Store(ABC):
 
     @abstractmethod
     async def put(self, key: str, blob: Any) -> bool:
-        """Store a verified chunk; True if written, False if the key already existed."""
+        """Store a verified chunk; True if written, False if the key already existed.
+
+        `blob` is any bytes-like object; the store does not keep or read it after `put`
+        returns (callers reuse their buffers), so one it holds on to is copied."""
 
     @abstractmethod
     async def get(self, key: str) -> bytes | None:

@@ -8,10 +8,30 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from storage.base import Store, check_blob, check_key, check_tenant
+from storage.buffers import host_buffer
+from storage.codec import ChunkHeader, decode_header
 from storage.errors import StoreFull
 from storage.options import StoreURL, format_size, parse_size
 
 DEFAULT_CAPACITY = 4 * 1024**3
+
+
+# Chunks this big are held in huge-page memory (storage.buffers): a fresh 16 MiB `bytes`
+# costs 4096 first-touch page faults, which on a VM made copying a PUT body into the store
+# run at under 1 GB/s; into huge pages it runs at memcpy speed.
+HUGE_PAGE_MIN = 1 << 20
+
+
+def _own_copy(blob: Any) -> bytes | memoryview:
+    """An immutable copy of `blob` the store may keep (an immutable `bytes` is kept as is)."""
+    if type(blob) is bytes:
+        return blob
+    view = memoryview(blob).cast("B")
+    if view.nbytes < HUGE_PAGE_MIN:
+        return bytes(view)
+    buf = host_buffer(view.nbytes)
+    buf[:] = view
+    return buf.toreadonly()
 
 
 class MemoryStore(Store):
@@ -19,7 +39,7 @@ class MemoryStore(Store):
         super().__init__()
         self.capacity = capacity
         self.url = url or f"memory://?capacity={capacity}"
-        self._data: OrderedDict[str, bytes] = OrderedDict()
+        self._data: OrderedDict[str, bytes | memoryview] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
         self._scopes: dict[str, MemoryStore] = {}
@@ -32,7 +52,7 @@ class MemoryStore(Store):
 
     async def put(self, key: str, blob: Any) -> bool:
         check_blob(key, blob)
-        data = bytes(blob)
+        data = _own_copy(blob)
         if len(data) > self.capacity:
             self.counters["put_errors"] += 1
             raise StoreFull(f"{self}: chunk of {len(data)} bytes exceeds capacity {self.capacity}")
@@ -52,6 +72,25 @@ class MemoryStore(Store):
         return True
 
     async def get(self, key: str) -> bytes | None:
+        data = self._lookup(key)
+        return None if data is None else bytes(data)  # a copy only for huge-page held chunks
+
+    async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
+        data = self._lookup(key)
+        return None if data is None else memoryview(data)
+
+    async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
+        data = self._lookup(key)
+        if data is None:
+            return None
+        header = decode_header(data, key)
+        dst = memoryview(out).cast("B")
+        if dst.nbytes < header.payload_len:
+            return None
+        dst[: header.payload_len] = memoryview(data)[header.header_len :]
+        return header
+
+    def _lookup(self, key: str) -> bytes | memoryview | None:
         check_key(key)
         with self._lock:
             self.counters["gets"] += 1

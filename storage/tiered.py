@@ -43,6 +43,8 @@ class TieredStore(Store):
     async def put(self, key: str, blob: Any) -> bool:
         check_blob(key, blob)
         wrote = await self.tiers[0].put(key, blob)
+        if len(self.tiers) > 1 and not isinstance(blob, bytes):
+            blob = bytes(blob)  # the cascade runs after we return: the caller may reuse blob
         for lower in self.tiers[1:]:
             self._spawn(lower, key, blob)
         self.counters["puts" if wrote else "put_skipped"] += 1

@@ -56,3 +56,15 @@ async def test_memory_eviction_falls_back_to_the_disk_tier(tmp_path, ns):
     assert store.tiers[0].stats()["chunks"] == 2
     assert await store.prefix_len([k for k, _, _ in chunks]) == 6
     assert bytes(await store.get(chunks[0][0])) == chunks[0][2]
+
+
+async def test_the_caller_may_reuse_its_buffer_as_soon_as_put_returns(tmp_path, ns):
+    """The cascade to lower tiers runs later: it must not read the caller's buffer then."""
+    store = _tiers(tmp_path)
+    (key, _, blob), = make_chunks(ns, 1)
+    buf = bytearray(blob)
+    assert await store.put(key, memoryview(buf))
+    buf[:] = bytes(len(buf))  # the caller reuses its buffer (kvserver's pooled PUT bodies do)
+    await store.flush()
+    assert await store.tiers[0].get(key) == blob
+    assert await store.tiers[1].get(key) == blob
