@@ -167,6 +167,8 @@ def run(args: argparse.Namespace) -> int:
         return ios[-1]
 
     files: list[str] = []
+    conns: list = []
+    store_root = None
     try:
         ns = Namespace(model="bench/gds", dtype="uint8", layout="bytes", chunk_tokens=16,
                        rank=0, world_size=1, salt=str(time.time_ns()))
@@ -339,9 +341,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for io in ios:
             io.close()
-        for conn in locals().get("conns", []):
+        for conn in conns:
             conn.close()
-        if locals().get("store_root"):
+        if store_root:
             shutil.rmtree(store_root, ignore_errors=True)
         if own_dir:
             shutil.rmtree(root, ignore_errors=True)

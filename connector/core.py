@@ -30,8 +30,8 @@ from connector.engine_io import direct_chunk_io
 from connector.layout import ChunkLayout
 from connector.policy import LoadPlan, LoadPolicy
 from connector.writebehind import SaveJob, WriteBehindQueue
-from hashing import Namespace, chunk_keys, token_array
 from gds.buffers import host_view
+from hashing import Namespace, chunk_keys, token_array
 from storage.base import Store
 from storage.codec import ChunkError, ChunkHeader
 

@@ -52,13 +52,16 @@ async def each_bounded(work: Callable[[int], Awaitable[bool]], n: int, limit: in
 def direct_chunk_io(store: Store, wanted: Any = True, max_in_flight: int = 8) -> Any:
     """The `gds.ChunkIO` a connector reads `store` through, or None: only a file:// store is
     read that way (S3 and HTTP bytes go through the store into pinned host buffers).
-    `wanted`: True builds one for the store's directory; False (or "false") none; a
-    ChunkIO is used as given."""
+    `wanted`: True (or "true", from an engine's config) builds one for the store's
+    directory; False none; a ChunkIO is used as given."""
     from storage.file import FileStore
+    from storage.options import parse_bool
 
-    if not isinstance(store, FileStore) or wanted in (False, "false", "0", 0, None):
+    if isinstance(wanted, str):
+        wanted = parse_bool(wanted)
+    if not isinstance(store, FileStore) or not wanted:
         return None
-    if wanted is not True and wanted not in ("true", "1", 1):
+    if wanted is not True:
         return wanted
     from gds import ChunkIO, IOConfig
 

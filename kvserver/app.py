@@ -139,7 +139,7 @@ class Tenancy:
 
 
 async def read_body(request: Request, limit: int, into: memoryview | None = None,
-                    ) -> memoryview | bytearray:
+                    ) -> memoryview:
     """The whole request body in one buffer; 413 before reading anything past `limit`.
     With a Content-Length the body lands in `into` (when it holds it) or a buffer of that
     size; without one it grows a bytearray."""
@@ -166,7 +166,7 @@ async def read_body(request: Request, limit: int, into: memoryview | None = None
         if len(buf) + len(part) > limit:
             raise HTTPException(413, f"chunk exceeds the limit of {limit} bytes")
         buf += part
-    return buf
+    return memoryview(buf)
 
 
 class _InflightBytes:
@@ -290,7 +290,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             release(reuse)
             inflight.bytes -= reserve
         if created:
-            metrics.bytes_in.inc(body.nbytes if isinstance(body, memoryview) else len(body))
+            metrics.bytes_in.inc(body.nbytes)
         return JSONResponse({"created": created}, status_code=201 if created else 200)
 
     @app.get(

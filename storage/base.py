@@ -52,6 +52,16 @@ def check_blob(key: str, blob: Any) -> ChunkHeader:
         raise InvalidChunk(f"rejected chunk for {key}: {exc}") from None
 
 
+def copy_payload(key: str, blob: Any, out: Any) -> ChunkHeader | None:
+    """Copy a verified blob's payload into `out`: its header, or None if `out` is too small."""
+    header = decode_header(blob, key)
+    dst = memoryview(out).cast("B")
+    if dst.nbytes < header.payload_len:
+        return None
+    dst[: header.payload_len] = memoryview(blob)[header.header_len :]
+    return header
+
+
 def check_batch(keys: Sequence[str], outs: Sequence[Any]) -> None:
     """`get_into_many` takes one destination buffer per key."""
     if len(keys) != len(outs):
@@ -99,14 +109,7 @@ class Store(ABC):
         backends that can read straight into the caller's memory override it.
         """
         blob = await self.get(key)
-        if blob is None:
-            return None
-        header = decode_header(blob, key)
-        dst = memoryview(out).cast("B")
-        if dst.nbytes < header.payload_len:
-            return None
-        dst[: header.payload_len] = memoryview(blob)[header.header_len :]
-        return header
+        return None if blob is None else copy_payload(key, blob, out)
 
     async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
         """The verified blob (header + payload) as a byte view, or None on a miss.

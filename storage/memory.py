@@ -7,9 +7,9 @@ from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from storage.base import Store, check_blob, check_key, check_tenant
+from storage.base import Store, check_blob, check_key, check_tenant, copy_payload
 from storage.buffers import host_buffer
-from storage.codec import ChunkHeader, decode_header
+from storage.codec import ChunkHeader
 from storage.errors import StoreFull
 from storage.options import StoreURL, format_size, parse_size
 
@@ -81,14 +81,7 @@ class MemoryStore(Store):
 
     async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
         data = self._lookup(key)
-        if data is None:
-            return None
-        header = decode_header(data, key)
-        dst = memoryview(out).cast("B")
-        if dst.nbytes < header.payload_len:
-            return None
-        dst[: header.payload_len] = memoryview(data)[header.header_len :]
-        return header
+        return None if data is None else copy_payload(key, data, out)
 
     def _lookup(self, key: str) -> bytes | memoryview | None:
         check_key(key)
