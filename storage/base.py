@@ -45,11 +45,31 @@ def check_tenant(tenant: str) -> str:
 
 def check_blob(key: str, blob: Any) -> ChunkHeader:
     """Reject a blob that is not a complete, valid chunk for `key` (used by every `put`)."""
+    header = check_blob_header(key, blob)
+    check_blob_payload(header, blob)
+    return header
+
+
+def check_blob_header(key: str, blob: Any) -> ChunkHeader:
+    """`check_blob` without the payload hash: header, key and exact length (microseconds)."""
     check_key(key)
     try:
-        return decode_chunk(blob, key).header
+        header = decode_header(blob, key)
     except ChunkError as exc:
         raise InvalidChunk(f"rejected chunk for {key}: {exc}") from None
+    size = memoryview(blob).nbytes
+    if size != header.total_len:
+        raise InvalidChunk(f"rejected chunk for {key}: chunk is {size} bytes, header says "
+                           f"{header.total_len}")
+    return header
+
+
+def check_blob_payload(header: ChunkHeader, blob: Any) -> None:
+    """The rest of `check_blob`: the payload's xxh3 against the (checked) header."""
+    try:
+        header.verify_payload(memoryview(blob).cast("B")[header.header_len :])
+    except ChunkError as exc:
+        raise InvalidChunk(f"rejected chunk for {header.key}: {exc}") from None
 
 
 def copy_payload(key: str, blob: Any, out: Any) -> ChunkHeader | None:

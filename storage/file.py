@@ -5,7 +5,9 @@ Publish: write `.<digest>.tmp.<host>.<pid>.<rand>` in the destination directory,
 then `link()` it to the final name (atomic and create-only on local filesystems and NFS:
 EEXIST means another writer won, which is success) and unlink the tmp. Readers therefore
 never see a partial chunk. `ENOENT`/`ESTALE` while reading (a peer evicted the file) is
-a miss.
+a miss. A synced put starts writeback of each 1 MiB as it is written (sync_file_range),
+and checks the payload's hash while the fsync waits on the disk; a chunk that fails the
+check is never linked and evicts nothing.
 
 Verification (`verify=`): `changed` (default) checks the payload's xxh3 the first time
 this process reads a file and again whenever its identity (inode, size, mtime, ctime)
@@ -23,19 +25,30 @@ each keep their own index; `kvstash gc` enforces a capacity exactly from a fresh
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import logging
 import os
 import secrets
 import socket
+import sys
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
-from storage.base import Store, check_batch, check_blob, check_key, check_tenant
+from storage.base import (
+    Store,
+    check_batch,
+    check_blob_header,
+    check_blob_payload,
+    check_key,
+    check_tenant,
+)
 from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, decode_chunk, decode_header
 from storage.errors import ConfigError, StoreFull, StoreUnavailable
 from storage.options import StoreURL, format_size, parse_bool, parse_seconds, parse_size
@@ -95,10 +108,37 @@ def _read_into(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
-def _write_all(fd: int, data: memoryview) -> None:
-    while data.nbytes:
-        n = os.write(fd, data)
-        data = data[n:]
+def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's sync_file_range(2), or None where there is none (not Linux, no libc)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+# Early writeback: a synced put hands each written piece to the disk at once
+# (SYNC_FILE_RANGE_WRITE starts writeback and does not wait), so the disk writes piece k
+# while the CPU copies piece k+1 and the final fsync waits for the tail only. 1 MiB pieces
+# measured 1.1-2x faster than write-then-fsync here; 2 MiB and larger gained much less.
+_START_WRITEBACK = _libc_sync_file_range()
+SYNC_FILE_RANGE_WRITE = 2
+WRITEBACK_PIECE = 1 << 20
+
+
+def _write_all(fd: int, data: memoryview, early_writeback: bool = False) -> None:
+    start = _START_WRITEBACK if early_writeback else None
+    off = 0
+    while off < data.nbytes:
+        end = min(off + WRITEBACK_PIECE, data.nbytes) if start is not None else data.nbytes
+        n = os.write(fd, data[off:end])
+        if start is not None:
+            start(fd, off, n, SYNC_FILE_RANGE_WRITE)  # a failure here is fsync's to report
+        off += n
 
 
 def link_publish(tmp: Path, final: Path) -> bool:
@@ -121,18 +161,49 @@ def link_publish(tmp: Path, final: Path) -> bool:
         return not existed
 
 
-def _atomic_publish(final: Path, data: memoryview, fsync: bool) -> bool:
-    """Create `final` with `data` unless it exists; True if this call created it."""
+# fsync waits on the disk, not the CPU: a put hashes its payload meanwhile (see below).
+_SYNCERS = ThreadPoolExecutor(max_workers=8, thread_name_prefix="kvstash-fsync")
+
+
+def _sync_while(fd: int, work: Callable[[], None]) -> None:
+    """fsync `fd` on a helper thread while `work()` runs here; both finish before return."""
+    synced = _SYNCERS.submit(os.fsync, fd)
+    try:
+        work()
+    finally:
+        futures_wait([synced])
+    synced.result()
+
+
+def _atomic_publish(final: Path, data: memoryview, fsync: bool,
+                    check: Callable[[], None] | None = None,
+                    make_room: Callable[[], None] | None = None) -> bool:
+    """Create `final` with `data` unless it exists; True if this call created it.
+
+    Once the bytes are written, `check()` then `make_room()` run while the file syncs; if
+    either raises, nothing is published. When `final` exists, only `check()` runs.
+    """
     if final.exists():
+        if check is not None:
+            check()
         return False
+
+    def before_link() -> None:
+        if check is not None:
+            check()
+        if make_room is not None:
+            make_room()
+
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.parent / f".{final.name}{TMP_MARK}{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         try:
-            _write_all(fd, data)
+            _write_all(fd, data, early_writeback=fsync)
             if fsync:
-                os.fsync(fd)
+                _sync_while(fd, before_link)
+            else:
+                before_link()
         finally:
             os.close(fd)
         return link_publish(tmp, final)
@@ -271,14 +342,19 @@ class FileStore(Store):
 
     # -- blocking halves, run in threads -------------------------------------------------
 
-    def _put_sync(self, key: str, blob: memoryview) -> bool:
+    def _put_sync(self, key: str, blob: memoryview, check: Callable[[], None] | None = None) -> bool:
+        """Publish `blob` as `key`. `check()` (the payload hash) runs while the file syncs
+        and before anything is evicted for it: a rejected chunk neither lands nor evicts."""
         final = _chunk_path(self.root, key)
         if self.capacity is not None and blob.nbytes > self.capacity:
             raise StoreFull(f"{self}: chunk of {blob.nbytes} bytes exceeds capacity {self.capacity}")
-        self._evict_for(blob.nbytes)
+
+        def make_room() -> None:
+            self._evict_for(blob.nbytes)
+
         for attempt in (0, 1):
             try:
-                wrote = _atomic_publish(final, blob, self.fsync)
+                wrote = _atomic_publish(final, blob, self.fsync, check, make_room)
                 break
             except OSError as exc:
                 if exc.errno in _FULL_ERRNOS:
@@ -430,8 +506,10 @@ class FileStore(Store):
     # -- the Store protocol --------------------------------------------------------------
 
     def _check_and_put_sync(self, key: str, blob: Any) -> bool:
-        check_blob(key, blob)  # hashes the payload: on the worker, so puts check in parallel
-        return self._put_sync(key, memoryview(blob).cast("B"))
+        # The header now; the payload hash on the worker while the disk syncs (see _put_sync).
+        header = check_blob_header(key, blob)
+        return self._put_sync(key, memoryview(blob).cast("B"),
+                              lambda: check_blob_payload(header, blob))
 
     async def put(self, key: str, blob: Any) -> bool:
         check_key(key)

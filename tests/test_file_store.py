@@ -14,7 +14,7 @@ import time
 import pytest
 
 from hashing import Namespace
-from storage import ConfigError, StoreFull, open_store
+from storage import ConfigError, InvalidChunk, StoreFull, open_store
 from storage.codec import decode_chunk
 from storage.file import FileStore, _chunk_path
 from tests.store_helpers import make_chunks
@@ -63,6 +63,61 @@ async def test_capacity_is_never_exceeded_and_survives_reopen(tmp_path):
     on_disk = sum(p.stat().st_size for p in tmp_path.rglob("*.kv"))
     assert reopened.stats()["used_bytes"] == on_disk <= capacity
     assert reopened.stats()["chunks"] == len(list(tmp_path.rglob("*.kv")))
+
+
+async def test_a_bad_payload_is_refused_after_the_write_and_neither_lands_nor_evicts(tmp_path, ns):
+    # The payload hash runs while the tmp file syncs: a mismatch must still publish nothing,
+    # leave no tmp file and evict nothing, also on a full store and with fsync off.
+    chunks = make_chunks(ns, 4, payload_size=5000)
+    size = len(chunks[0][2])
+    for fsync in (True, False):
+        root = tmp_path / f"fsync-{fsync}"
+        store = FileStore(root, capacity=3 * size, fsync=fsync)
+        for k, _, b in chunks[:3]:
+            assert await store.put(k, b)
+        key, _, blob = chunks[3]
+        bad = bytearray(blob)
+        bad[-1] ^= 0x40
+        with pytest.raises(InvalidChunk, match="checksum"):
+            await store.put(key, bytes(bad))
+        assert await store.exists([c[0] for c in chunks]) == [True, True, True, False]
+        assert sorted(p.name for p in root.rglob("*") if p.is_file()) == sorted(
+            _chunk_path(root, k).name for k, _, _ in chunks[:3])
+        assert store.stats()["evictions"] == 0
+        bad0 = bytearray(chunks[0][2])
+        bad0[-1] ^= 0x40
+        with pytest.raises(InvalidChunk, match="checksum"):  # an existing key is still checked
+            await store.put(chunks[0][0], bytes(bad0))
+        assert await store.put(key, blob)  # the good one lands, evicting one
+        assert store.stats()["evictions"] == 1
+
+
+@pytest.mark.parametrize("writeback", [True, False])
+async def test_synced_puts_start_writeback_per_piece_and_fall_back_without_it(
+        tmp_path, ns, monkeypatch, writeback):
+    import storage.file as file_mod
+
+    calls = []
+    real = file_mod._START_WRITEBACK
+
+    def spy(fd, offset, length, flags):
+        calls.append((offset, length, flags))
+        return real(fd, offset, length, flags) if real is not None else 0
+
+    monkeypatch.setattr(file_mod, "_START_WRITEBACK", spy if writeback else None)
+    store = FileStore(tmp_path)
+    (key, _, blob), = make_chunks(ns, 1, payload_size=3 * file_mod.WRITEBACK_PIECE + 123)
+    assert await store.put(key, blob)
+    assert _chunk_path(tmp_path, key).read_bytes() == blob
+    if writeback:
+        piece = file_mod.WRITEBACK_PIECE
+        assert [c[0] for c in calls] == list(range(0, len(blob), piece))
+        assert sum(c[1] for c in calls) == len(blob)
+        assert {c[2] for c in calls} == {file_mod.SYNC_FILE_RANGE_WRITE}
+    unsynced = FileStore(tmp_path / "nosync", fsync=False)  # no fsync: no writeback either
+    calls.clear()
+    assert await unsynced.put(key, blob)
+    assert calls == []
 
 
 async def test_eviction_order_follows_use_across_a_restart(tmp_path, ns):
