@@ -381,7 +381,7 @@ class KVConnector:
 
         try:
             for key, dest in zip(keys, dests, strict=True):
-                futures.append(io.submit_chunk(store.chunk_path(key), dest, key))
+                futures.append(io.submit_chunk(store.chunk_path(key), dest, key, trust=store))
             for i, fut in enumerate(futures):  # once the list is whole: `landed` reads it
                 fut.add_done_callback(lambda f, i=i: landed(i, f))
             await asyncio.gather(*(asyncio.wrap_future(f) for f in futures),

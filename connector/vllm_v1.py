@@ -399,7 +399,8 @@ class KvstashConnector(KVConnectorBase_V1):
     async def _read_chunk(self, store: Store, key: str) -> tuple[Any, torch.Tensor]:
         """(header or None, the chunk's payload buffer). A file:// store's chunk goes
         through gds.ChunkIO straight to the KV cache's device (cuFile, or pinned bounce
-        buffers; ChunkIO checks its header and payload checksum); any other store's bytes
+        buffers; ChunkIO checks its header and payload checksum, or trusts a file the store
+        verified before and that is unchanged since); any other store's bytes
         land in host memory, pinned when the KV cache is on a GPU."""
         device = next(iter(self._kv.values())).device
         if self._chunk_io is not None:
@@ -407,7 +408,7 @@ class KvstashConnector(KVConnectorBase_V1):
                 buf = torch.empty(self._chunk_nbytes, dtype=torch.uint8, device=device)
             else:
                 buf = aligned_empty(self._chunk_nbytes)
-            fut = self._chunk_io.submit_chunk(store.chunk_path(key), buf, key)
+            fut = self._chunk_io.submit_chunk(store.chunk_path(key), buf, key, trust=store)
             await asyncio.wait([asyncio.wrap_future(fut)])
             return settle(store, key, fut)[0], buf
         buf = torch.empty(self._chunk_nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")

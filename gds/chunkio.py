@@ -20,7 +20,9 @@ always read and checked on the host, and the file length must match it. "checksu
 checks the payload's xxh3-64: streamed over the destination as pieces land for host
 destinations; read back through a pinned slot for CUDA destinations. "header" trusts the
 filesystem for the payload bytes (NVMe end-to-end protection, RDMA transport CRCs) and
-skips that pass; see docs/gds.md for what each costs.
+skips that pass; see docs/gds.md for what each costs. A read given `trust=` (the FileStore
+the file belongs to) skips both the header read and the payload hash for a file that store
+has verified whole before and that is unchanged since (its `verify=changed` policy).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import xxhash
 
@@ -67,6 +69,14 @@ log = logging.getLogger("kvstash.gds")
 
 MiB = 1 << 20
 TMP_MARK = ".tmp."
+
+
+class VerifiedFiles(Protocol):
+    """Who remembers which chunk files were verified whole (a FileStore): see submit_chunk."""
+
+    def known_header(self, key: str, st: os.stat_result) -> ChunkHeader | None: ...
+
+    def note_verified(self, key: str, st: os.stat_result, header: ChunkHeader) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -252,10 +262,13 @@ class ChunkIO:
                 size = bigger
 
     def _read_chunk_sync(self, path: str, dest: Any, key: str | None, token_ids: Any,
-                         ready: Any) -> ChunkHeader:
+                         ready: Any, trust: VerifiedFiles | None = None) -> ChunkHeader:
+        if key is None:
+            trust = None
         try:
             with OpenFile.for_read(path, self.support) as f:
-                header = self._read_header(f, key)
+                known = trust.known_header(key, f.stat) if trust is not None else None
+                header = known or self._read_header(f, key)
                 if f.size != header.total_len:
                     raise ReadError(path, CORRUPT, f"file is {f.size} bytes, header says {header.total_len}")
                 if token_ids is not None and not header.matches_tokens(token_ids):
@@ -263,12 +276,17 @@ class ChunkIO:
                 if nbytes(dest) < header.payload_len:
                     raise ReadError(path, TOO_SMALL, f"payload is {header.payload_len} bytes, "
                                                      f"destination holds {nbytes(dest)}")
-                checksum = header.payload_checksum if self.config.verify == "checksum" else None
+                checksum = None
+                if self.config.verify == "checksum" and known is None:
+                    checksum = header.payload_checksum
                 self._read_payload(f, header.header_len, header.payload_len, dest, ready, checksum)
+                if trust is not None and checksum is not None:
+                    trust.note_verified(key, f.stat, header)
         except ReadError as exc:
             self._failed(exc)
             raise
-        self._count(chunk_reads=1, bytes_read=header.payload_len)
+        self._count(chunk_reads=1, bytes_read=header.payload_len,
+                    chunks_known_verified=int(known is not None))
         return header
 
     def submit_read(self, path: str | os.PathLike, offset: int, length: int, dest: Any) -> Future:
@@ -280,19 +298,27 @@ class ChunkIO:
         )
 
     def submit_chunk(self, path: str | os.PathLike, dest: Any, key: str | None = None,
-                     token_ids: Any = None) -> Future:
+                     token_ids: Any = None, trust: VerifiedFiles | None = None) -> Future:
         """Verify a chunk file's header (and `key`, `token_ids` if given) and read its payload
-        into the first bytes of `dest` -> Future[ChunkHeader]."""
+        into the first bytes of `dest` -> Future[ChunkHeader].
+
+        `trust` (a FileStore, with `key`): a file it has already verified whole, and that has
+        not changed since (same inode, size, mtime, ctime), is read without its header and
+        without the payload hash, as the store's own reads do under `verify=changed`; a file
+        this read checksums is reported back to it."""
         return self._requests.submit(
-            self._read_chunk_sync, os.fspath(path), dest, key, token_ids, self._ready_event(dest)
+            self._read_chunk_sync, os.fspath(path), dest, key, token_ids, self._ready_event(dest),
+            trust,
         )
 
     def read_chunk_blocking(self, path: str | os.PathLike, dest: Any, key: str | None = None,
-                            token_ids: Any = None) -> ChunkHeader:
+                            token_ids: Any = None, trust: VerifiedFiles | None = None,
+                            ) -> ChunkHeader:
         """`submit_chunk(...).result()` without the hand-offs: runs on the calling thread
         (pieces still fan out to the I/O pool) and is not counted against `max_inflight`.
         For synchronous callers; raises ReadError like the future would."""
-        return self._read_chunk_sync(os.fspath(path), dest, key, token_ids, self._ready_event(dest))
+        return self._read_chunk_sync(os.fspath(path), dest, key, token_ids,
+                                     self._ready_event(dest), trust)
 
     def submit_reads(self, ranges: Iterable[tuple[str | os.PathLike, int, int, Any]]) -> list[Future]:
         """`submit_read` for many (path, offset, length, dest) ranges at once."""

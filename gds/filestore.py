@@ -40,7 +40,7 @@ def submit_store_chunks(io: ChunkIO, store: FileStore, keys: Sequence[str], dest
         raise ValueError("keys, dests and token_ids must have the same length")
     return [
         io.submit_chunk(_chunk_path(store.root, key), dest, key,
-                        None if token_ids is None else token_ids[i])
+                        None if token_ids is None else token_ids[i], trust=store)
         for i, (key, dest) in enumerate(zip(keys, dests, strict=True))
     ]
 

@@ -50,6 +50,7 @@ class OpenFile:
         self.flags = flags
         self.support = support
         st = os.fstat(fd)
+        self.stat = st
         self.dev = st.st_dev
         self.size = st.st_size
         self._direct_fd: int | None = None

@@ -5,9 +5,8 @@ Publish: write `.<digest>.tmp.<host>.<pid>.<rand>` in the destination directory,
 then `link()` it to the final name (atomic and create-only on local filesystems and NFS:
 EEXIST means another writer won, which is success) and unlink the tmp. Readers therefore
 never see a partial chunk. `ENOENT`/`ESTALE` while reading (a peer evicted the file) is
-a miss. A synced put starts writeback of each 1 MiB as it is written (sync_file_range),
-and checks the payload's hash while the fsync waits on the disk; a chunk that fails the
-check is never linked and evicts nothing.
+a miss. A put checks the payload's hash while the fsync waits on the disk; a chunk that
+fails the check is never linked and evicts nothing.
 
 Verification (`verify=`): `changed` (default) checks the payload's xxh3 the first time
 this process reads a file and again whenever its identity (inode, size, mtime, ctime)
@@ -25,13 +24,11 @@ each keep their own index; `kvstash gc` enforces a capacity exactly from a fresh
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import errno
 import logging
 import os
 import secrets
 import socket
-import sys
 import threading
 import time
 from collections import OrderedDict
@@ -108,37 +105,10 @@ def _read_into(fd: int, view: memoryview, offset: int) -> int:
     return done
 
 
-def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc's sync_file_range(2), or None where there is none (not Linux, no libc)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
-
-
-# Early writeback: a synced put hands each written piece to the disk at once
-# (SYNC_FILE_RANGE_WRITE starts writeback and does not wait), so the disk writes piece k
-# while the CPU copies piece k+1 and the final fsync waits for the tail only (`kvstash
-# bench store` prints the put beside plain write+fsync+rename of the same bytes).
-_START_WRITEBACK = _libc_sync_file_range()
-SYNC_FILE_RANGE_WRITE = 2
-WRITEBACK_PIECE = 1 << 20
-
-
-def _write_all(fd: int, data: memoryview, early_writeback: bool = False) -> None:
-    start = _START_WRITEBACK if early_writeback else None
-    off = 0
-    while off < data.nbytes:
-        end = min(off + WRITEBACK_PIECE, data.nbytes) if start is not None else data.nbytes
-        n = os.write(fd, data[off:end])
-        if start is not None:
-            start(fd, off, n, SYNC_FILE_RANGE_WRITE)  # a failure here is fsync's to report
-        off += n
+def _write_all(fd: int, data: memoryview) -> None:
+    while data.nbytes:
+        n = os.write(fd, data)
+        data = data[n:]
 
 
 def link_publish(tmp: Path, final: Path) -> bool:
@@ -199,7 +169,7 @@ def _atomic_publish(final: Path, data: memoryview, fsync: bool,
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
         try:
-            _write_all(fd, data, early_writeback=fsync)
+            _write_all(fd, data)
             if fsync:
                 _sync_while(fd, before_link)
             else:
@@ -396,6 +366,18 @@ class FileStore(Store):
     def _remember_verified(self, key: str, st: os.stat_result, header: ChunkHeader) -> None:
         if time.time() - st.st_ctime > _SETTLED_S:
             self._verified[key] = (_identity(st), header)
+
+    # Readers that open chunk files themselves (gds.ChunkIO) share this store's `verify=`
+    # policy through these two: see ChunkIO.submit_chunk(trust=...).
+    def known_header(self, key: str, st: os.stat_result) -> ChunkHeader | None:
+        """Under `verify=changed`: the header of `key` if this very file (same inode, size,
+        mtime, ctime) was verified whole before, so a reader may skip the header and the
+        payload hash; else None."""
+        return self._known_header(key, st) if self.verify == "changed" else None
+
+    def note_verified(self, key: str, st: os.stat_result, header: ChunkHeader) -> None:
+        """A reader checked this file's header and payload hash against `key`."""
+        self._remember_verified(key, st, header)
 
     def _touch(self, key: str, path: Path, st: os.stat_result) -> None:
         self._note(key, st.st_size)

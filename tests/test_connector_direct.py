@@ -8,6 +8,7 @@ tests/test_gds_cuda.py where a GPU is present and by `kvstash bench gds` on a GP
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import pytest
@@ -110,6 +111,35 @@ def test_a_corrupt_chunk_ends_the_hit_is_quarantined_and_later_reads_are_not_sta
     conn.close()
     io.submit_read(__file__, 0, 1, bytearray(1)).result()  # a ChunkIO passed in stays open
     io.close()
+
+
+def test_files_the_store_verified_are_trusted_until_they_change(tmp_path):
+    # The store's verify=changed policy holds on the direct path too: a file verified whole
+    # once, and unchanged since, is read without its header or payload hash; a write
+    # through the filesystem changes its identity and brings the full check back.
+    conn = saved(file_connector(tmp_path))
+    keys = keys_of(conn)
+    time.sleep(1.1)  # past the store's ctime settling time, so verifications are remembered
+    for expect_known in (0, N):
+        engine = ListEngine(N)
+        assert conn.load(TOKENS, N * 16, engine) == N * 16
+        for i, buf in enumerate(engine.bufs):
+            assert np.array_equal(buf, payload_of(i))
+        counters = conn.stats()["chunk_io"]["counters"]
+        assert counters.get("chunks_known_verified", 0) == expect_known
+    flip_payload_byte(conn.store, keys[2])
+    engine = ListEngine(N)
+    assert conn.load(TOKENS, N * 16, engine) == 2 * 16
+    assert conn.stats()["verify_failures"] == 1
+    assert not conn.store.chunk_path(keys[2]).exists()  # quarantined
+    conn.close()
+    strict = saved(KVConnector(f"file://{tmp_path / 'always'}?verify=always", namespace(),
+                               layout=LAYOUT))  # verify=always: every read checks everything
+    time.sleep(1.1)
+    for _ in range(2):
+        assert strict.load(TOKENS, N * 16, ListEngine(N)) == N * 16
+    assert strict.stats()["chunk_io"]["counters"].get("chunks_known_verified", 0) == 0
+    strict.close()
 
 
 def test_a_missing_chunk_is_a_miss_and_the_store_forgets_it(tmp_path):

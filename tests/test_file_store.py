@@ -92,34 +92,6 @@ async def test_a_bad_payload_is_refused_after_the_write_and_neither_lands_nor_ev
         assert store.stats()["evictions"] == 1
 
 
-@pytest.mark.parametrize("writeback", [True, False])
-async def test_synced_puts_start_writeback_per_piece_and_fall_back_without_it(
-        tmp_path, ns, monkeypatch, writeback):
-    import storage.file as file_mod
-
-    calls = []
-    real = file_mod._START_WRITEBACK
-
-    def spy(fd, offset, length, flags):
-        calls.append((offset, length, flags))
-        return real(fd, offset, length, flags) if real is not None else 0
-
-    monkeypatch.setattr(file_mod, "_START_WRITEBACK", spy if writeback else None)
-    store = FileStore(tmp_path)
-    (key, _, blob), = make_chunks(ns, 1, payload_size=3 * file_mod.WRITEBACK_PIECE + 123)
-    assert await store.put(key, blob)
-    assert _chunk_path(tmp_path, key).read_bytes() == blob
-    if writeback:
-        piece = file_mod.WRITEBACK_PIECE
-        assert [c[0] for c in calls] == list(range(0, len(blob), piece))
-        assert sum(c[1] for c in calls) == len(blob)
-        assert {c[2] for c in calls} == {file_mod.SYNC_FILE_RANGE_WRITE}
-    unsynced = FileStore(tmp_path / "nosync", fsync=False)  # no fsync: no writeback either
-    calls.clear()
-    assert await unsynced.put(key, blob)
-    assert calls == []
-
-
 async def test_eviction_order_follows_use_across_a_restart(tmp_path, ns):
     chunks = make_chunks(ns, 3, payload_size=1000)
     size = len(chunks[0][2])
