@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from connector.engine_io import direct_chunk_io
+from connector.engine_io import direct_chunk_io, direct_file_tier
 from connector.layout import ChunkLayout
 from connector.policy import LoadPlan, LoadPolicy
 from connector.writebehind import SaveJob, WriteBehindQueue
@@ -353,49 +353,104 @@ class KVConnector:
         most `max_inflight`, in order). ChunkIO checks the header against the key and, with
         verify="checksum", the payload's xxh3 (on device for CUDA destinations); the layout
         and token ids are checked here. The store is told of each read (hits refresh its
-        LRU, corrupt files are quarantined). Past the first chunk that cannot be used the
-        reads not yet started are cancelled."""
+        LRU, corrupt files are quarantined). With a tier list whose first tier is the file
+        store, a chunk that fails there is read through the tier list (`_from_lower_tiers`).
+        Past the first chunk that cannot be used the reads not yet started are cancelled."""
         from gds.filestore import settle
 
-        io, store = self.chunk_io, self.store
+        io, files = self.chunk_io, direct_file_tier(self.store)
+        tiers = self.store if files is not self.store else None
         n = self.chunk_tokens
         futures: list[concurrent.futures.Future[Any]] = []
+
+        def finish(i: int, ok: bool) -> None:
+            _resolve(done[i], ok)
+            if not ok:
+                for later in futures[i + 1 :]:
+                    later.cancel()
 
         def landed(i: int, fut: concurrent.futures.Future[Any]) -> None:
             # On ChunkIO's request thread, where the store's own reads would have run.
             ok = False
             try:
                 if not fut.cancelled():
-                    header, why = settle(store, keys[i], fut)
+                    header, why = settle(files, keys[i], fut)
                     if header is not None:
                         ok = self._accept(keys[i], tokens[i * n : (i + 1) * n], None, layout, header)
+                    elif tiers is not None:
+                        # Missing, corrupt (now quarantined) or unreadable in the file tier:
+                        # the tier list reads it from below, as its own get_into would.
+                        self._loop.call_soon_threadsafe(from_lower, i)
+                        return  # done[i] is resolved once the lower tiers answer
                     else:
                         self._count(**{_MISS_COUNTER.get(why, "load_misses"): 1})
             except Exception as exc:  # noqa: BLE001 - any failure is a miss
                 self._count(load_errors=1)
-                log.warning("chunk %s from %s: %s", keys[i], store, exc)
-            _resolve(done[i], ok)
-            if not ok:
-                for later in futures[i + 1 :]:
-                    later.cancel()
+                log.warning("chunk %s from %s: %s", keys[i], files, exc)
+            finish(i, ok)
+
+        lower_reads: set[asyncio.Task] = set()
+
+        def from_lower(i: int) -> None:
+            async def read() -> None:
+                ok = False
+                try:
+                    ok = await self._from_lower_tiers(keys[i], tokens[i * n : (i + 1) * n],
+                                                      dests[i], layout)
+                except Exception as exc:  # noqa: BLE001 - any failure is a miss
+                    self._count(load_errors=1)
+                    log.warning("chunk %s from %s: %s", keys[i], self.store, exc)
+                finish(i, ok)
+
+            task = asyncio.ensure_future(read())
+            lower_reads.add(task)
+            task.add_done_callback(lower_reads.discard)
 
         try:
             for key, dest in zip(keys, dests, strict=True):
-                futures.append(io.submit_chunk(store.chunk_path(key), dest, key, trust=store))
+                futures.append(io.submit_chunk(files.chunk_path(key), dest, key, trust=files))
             for i, fut in enumerate(futures):  # once the list is whole: `landed` reads it
                 fut.add_done_callback(lambda f, i=i: landed(i, f))
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures),
+            # Every chunk's answer: from ChunkIO, or from the lower tiers it handed over to.
+            # (shielded: cancelling this fetch must not cancel the engine's futures)
+            await asyncio.gather(*(asyncio.shield(asyncio.wrap_future(f)) for f in done),
                                  return_exceptions=True)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any failure is a miss
             self._count(load_errors=1)
-            log.warning("direct read from %s failed: %s", store, exc)
+            log.warning("direct read from %s failed: %s", files, exc)
         finally:
             for f in futures:
                 f.cancel()  # only those not yet started: no read starts after we give up
+            for task in list(lower_reads):
+                task.cancel()
             for f in done:
                 _resolve(f, False)
+
+    async def _from_lower_tiers(self, key: str, tokens: np.ndarray, dest: Any,
+                                layout: ChunkLayout) -> bool:
+        """A chunk the file tier lacks (or failed to read), read through the tier list (which tries the lower
+        tiers and promotes a hit) into `dest`; a CUDA destination is filled from pinned
+        host memory, as for any S3 or HTTP store."""
+        from gds.buffers import is_cuda
+
+        if not is_cuda(dest):
+            host = host_view(dest)
+            return self._accept(key, tokens, host, layout, await self.store.get_into(key, host))
+        import torch
+
+        staging = torch.empty(layout.payload_nbytes, dtype=torch.uint8, pin_memory=True)
+        host = host_view(staging)
+        if not self._accept(key, tokens, host, layout, await self.store.get_into(key, host)):
+            return False
+        flat = dest.detach().reshape(-1).view(torch.uint8)
+        flat[: layout.payload_nbytes].copy_(staging, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(dest.device))
+        while not done.query():  # the engine thread places it next: the copy must be done
+            await asyncio.sleep(0.0002)
+        return True
 
     def _accept(self, key: str, tokens: np.ndarray, buf: memoryview | None, layout: ChunkLayout,
                 header: ChunkHeader | None) -> bool:

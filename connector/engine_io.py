@@ -49,23 +49,36 @@ async def each_bounded(work: Callable[[int], Awaitable[bool]], n: int, limit: in
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-def direct_chunk_io(store: Store, wanted: Any = True, max_in_flight: int = 8) -> Any:
-    """The `gds.ChunkIO` a connector reads `store` through, or None: only a file:// store is
-    read that way (S3 and HTTP bytes go through the store into pinned host buffers).
-    `wanted`: True (or "true", from an engine's config) builds one for the store's
-    directory; False none; a ChunkIO is used as given."""
+def direct_file_tier(store: Store) -> Any:
+    """The FileStore a connector may read through ChunkIO: `store` itself if it is one, the
+    first tier of a tier list that starts with one (`[file:///nvme, s3://...]`), else None.
+    Chunks that tier lacks are read through the tier list (lower tiers, promotion)."""
     from storage.file import FileStore
+    from storage.tiered import TieredStore
+
+    if isinstance(store, TieredStore) and store.tiers:
+        store = store.tiers[0]
+    return store if isinstance(store, FileStore) else None
+
+
+def direct_chunk_io(store: Store, wanted: Any = True, max_in_flight: int = 8) -> Any:
+    """The `gds.ChunkIO` a connector reads `store` through, or None: only a file:// store,
+    or the file:// first tier of a tier list, is read that way (S3 and HTTP bytes go
+    through the store into pinned host buffers). `wanted`: True (or "true", from an
+    engine's config) builds one for the store's directory; False none; a ChunkIO is used
+    as given."""
     from storage.options import parse_bool
 
     if isinstance(wanted, str):
         wanted = parse_bool(wanted)
-    if not isinstance(store, FileStore) or not wanted:
+    files = direct_file_tier(store)
+    if files is None or not wanted:
         return None
     if wanted is not True:
         return wanted
     from gds import ChunkIO, IOConfig
 
-    return ChunkIO(IOConfig(max_inflight=max_in_flight), probe_dir=store.root)
+    return ChunkIO(IOConfig(max_inflight=max_in_flight), probe_dir=files.root)
 
 
 class StoreLoop:

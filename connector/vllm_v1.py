@@ -51,7 +51,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.engine_io import StoreLoop, direct_chunk_io, each_bounded
+from connector.engine_io import StoreLoop, direct_chunk_io, direct_file_tier, each_bounded
 from connector.writebehind import SaveJob, WriteBehindQueue
 from gds.buffers import aligned_empty
 from gds.filestore import settle
@@ -397,20 +397,26 @@ class KvstashConnector(KVConnectorBase_V1):
         }
 
     async def _read_chunk(self, store: Store, key: str) -> tuple[Any, torch.Tensor]:
-        """(header or None, the chunk's payload buffer). A file:// store's chunk goes
-        through gds.ChunkIO straight to the KV cache's device (cuFile, or pinned bounce
-        buffers; ChunkIO checks its header and payload checksum, or trusts a file the store
-        verified before and that is unchanged since); any other store's bytes
-        land in host memory, pinned when the KV cache is on a GPU."""
+        """(header or None, the chunk's payload buffer). A file:// store's chunk (or its
+        file:// first tier's) goes through gds.ChunkIO straight to the KV cache's device
+        (cuFile, or pinned bounce buffers; ChunkIO checks its header and payload checksum,
+        or trusts a file the store verified before and that is unchanged since); any other
+        store's bytes, and a chunk the file tier fails on, land in host memory through the
+        store (pinned when the KV cache is on a GPU)."""
         device = next(iter(self._kv.values())).device
-        if self._chunk_io is not None:
+        files = direct_file_tier(store) if self._chunk_io is not None else None
+        if files is not None:
             if device.type == "cuda":
                 buf = torch.empty(self._chunk_nbytes, dtype=torch.uint8, device=device)
             else:
                 buf = aligned_empty(self._chunk_nbytes)
-            fut = self._chunk_io.submit_chunk(store.chunk_path(key), buf, key, trust=store)
-            await asyncio.wait([asyncio.wrap_future(fut)])
-            return settle(store, key, fut)[0], buf
+            fut = self._chunk_io.submit_chunk(files.chunk_path(key), buf, key, trust=files)
+            await asyncio.gather(asyncio.wrap_future(fut), return_exceptions=True)  # settle() reads it
+            header = settle(files, key, fut)[0]
+            if header is not None or files is store:
+                return header, buf
+            # Missing, corrupt (now quarantined) or unreadable in the file tier: the tier
+            # list reads it from below, as its own get_into would.
         buf = torch.empty(self._chunk_nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
         return await store.get_into(key, buf.numpy()), buf
 

@@ -460,12 +460,14 @@ class FileStore(Store):
         return header
 
     def _exists_sync(self, keys: Sequence[str], stop_at_gap: bool) -> list[bool]:
-        # Plain strings and os.path.exists: a Path per key costs 4x the stat itself, and a
-        # lookup may carry thousands of keys.
+        # Plain strings and access(F_OK): a Path per key costs 4x the syscall itself, and
+        # access() builds no stat result (half the time of os.path.exists here); a lookup
+        # may carry thousands of keys.
         root = str(self.root)
+        access, exists = os.access, os.F_OK
         out = []
         for k in keys:
-            present = os.path.exists(f"{root}/{k[:16]}/{k[17:19]}/{k[19:21]}/{k[17:]}{SUFFIX}")
+            present = access(f"{root}/{k[:16]}/{k[17:19]}/{k[19:21]}/{k[17:]}{SUFFIX}", exists)
             out.append(present)
             if stop_at_gap and not present:
                 break

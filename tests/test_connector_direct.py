@@ -92,6 +92,48 @@ def test_direct_io_false_and_other_stores_read_through_the_store(tmp_path):
     mem.close()
 
 
+def test_a_tier_list_starting_with_a_file_store_reads_that_tier_through_chunkio(tmp_path):
+    # [file://, memory://]: the file tier's chunks come through ChunkIO; a chunk evicted
+    # from it, or corrupt in it, is read through the tier list from memory:// and promoted.
+    conn = KVConnector([f"file://{tmp_path}", "memory://?capacity=64MiB"], namespace(),
+                       layout=LAYOUT)
+    saved(conn)
+    assert conn.reads_direct
+    files = conn.store.tiers[0]
+    keys = keys_of(conn)
+    conn._call(conn.store.flush(), 10)  # the cascade to memory:// runs behind the put
+    os.unlink(files.chunk_path(keys[1]))
+    flip_payload_byte(files, keys[4])
+    engine = ListEngine(N)
+    assert conn.load(TOKENS, N * 16, engine) == N * 16
+    for i, buf in enumerate(engine.bufs):
+        assert np.array_equal(buf, payload_of(i))
+    counters = conn.stats()["chunk_io"]["counters"]
+    assert counters["chunk_reads"] == N - 2
+    assert counters["read_missing"] == 1 and counters["read_corrupt"] == 1
+    assert conn.stats()["verify_failures"] == 0 and conn.stats()["load_misses"] == 0
+    conn._call(conn.store.flush(), 10)  # promotion back into the file tier
+    assert files.chunk_path(keys[1]).exists() and files.chunk_path(keys[4]).exists()
+    engine = ListEngine(N)
+    assert conn.load(TOKENS, N * 16, engine) == N * 16
+    assert conn.stats()["chunk_io"]["counters"]["chunk_reads"] == 2 * N - 2
+    conn.close()
+
+
+def test_a_tier_list_that_misses_everywhere_is_a_shorter_hit(tmp_path):
+    conn = saved(KVConnector([f"file://{tmp_path}", "memory://?capacity=64MiB"], namespace(),
+                             layout=LAYOUT))
+    keys = keys_of(conn)
+    conn._call(conn.store.flush(), 10)
+    os.unlink(conn.store.tiers[0].chunk_path(keys[3]))
+    conn._call(conn.store.tiers[1].delete(keys[3]), 10)
+    engine = ListEngine(N)
+    assert conn.load(TOKENS, N * 16, engine) == 3 * 16
+    assert engine.placed == [0, 1, 2]
+    assert conn.stats()["load_misses"] == 1
+    conn.close()
+
+
 def test_a_corrupt_chunk_ends_the_hit_is_quarantined_and_later_reads_are_not_started(tmp_path):
     io = ChunkIO(IOConfig(max_inflight=1), probe_dir=tmp_path)
     conn = saved(file_connector(tmp_path, direct_io=io, max_in_flight=1))

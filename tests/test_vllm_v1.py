@@ -8,6 +8,8 @@ vLLM's attention layers and model runner do (a GPU build cannot run here).
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-engines.sh)")
@@ -100,6 +102,36 @@ def test_saved_blocks_load_into_another_engine(store_url):
     for name in writer.kv:
         assert torch.equal(reader.kv[name][10:16], writer.kv[name][0:6])
         assert not reader.kv[name][16].any(), "the partial block is computed, not loaded"
+
+
+def test_a_tier_list_reads_its_file_tier_through_chunkio_and_the_rest_from_below(tmp_path):
+    # [file://fast, file://slow]: chunks in the first tier come through gds.ChunkIO; one
+    # evicted from it (and one corrupted in it) is read from the second tier instead.
+    fast, slow = tmp_path / "fast", tmp_path / "slow"
+    urls = [f"file://{fast}", f"file://{slow}"]
+    writer = V1Engine(urls, chunk_blocks=CHUNK_BLOCKS)
+    reader = V1Engine(urls, chunk_blocks=CHUNK_BLOCKS)
+    try:
+        write_prompt(writer, list(range(7)))
+        files = sorted(fast.rglob("*.kv"))
+        assert len(files) == 3
+        wait_until(lambda: len(list(slow.rglob("*.kv"))) == 3)  # the tier cascade runs behind
+        by_age = sorted(files, key=lambda p: p.stat().st_mtime_ns)
+        by_age[0].unlink()
+        with open(by_age[1], "r+b") as f:  # flip a payload byte
+            f.seek(-3, os.SEEK_END)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 1]))
+        ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
+        counters = reader.worker._chunk_io.stats()["counters"]
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert (ext, errors) == (6 * BLOCK_SIZE, set())
+    assert counters["chunk_reads"] == 1 and counters["read_corrupt"] == 1
+    for name in writer.kv:
+        assert torch.equal(reader.kv[name][10:16], writer.kv[name][0:6])
 
 
 def test_local_prefix_blocks_are_not_overwritten(store_url):
