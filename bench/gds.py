@@ -79,10 +79,16 @@ class _Staged:
 
 
 def _connector_paths(args: argparse.Namespace, root: str, refs: list, host: list,
-                     check_host: Callable[[], bool], baseline: str, paths: list[ReadPath]):
+                     check_host: Callable[[], bool], baseline: str, paths: list[ReadPath],
+                     cuda: tuple | None = None):
     """Rows for the engine's whole load: `KVConnector.load` of every chunk from a file://
     store, through ChunkIO (the default) and through the store's own reads
-    (direct_io=False), into the same host destinations. Both verify each payload's xxh3."""
+    (direct_io=False), into the same host destinations. Both verify each payload's xxh3.
+
+    `cuda` = (device tensors, pinned host tensors, their check, the H2D baseline's name):
+    two more rows as a GPU engine loads, into device staging through ChunkIO (cuFile or
+    bounce buffers), and through the store's reads into pinned memory plus one H2D copy
+    per chunk as it is placed."""
     from connector import ChunkLayout, KVConnector
     from hashing import Namespace, chunk_keys
     from storage.codec import encode_chunk
@@ -108,21 +114,45 @@ def _connector_paths(args: argparse.Namespace, root: str, refs: list, host: list
     for i, (k, r) in enumerate(zip(keys, refs, strict=True)):
         blob = encode_chunk(k, tokens[i * chunk_tokens : (i + 1) * chunk_tokens], r, layout.meta())
         conns[0].run(conns[0].store.put(k, blob))
-    target = _Staged(host)
-
-    def loader(conn: KVConnector) -> Callable[[], None]:
+    def loader(conn: KVConnector, target: Any, synced: bool = False) -> Callable[[], None]:
         def go() -> None:
             if conn.load(tokens, len(tokens), target, deadline_s=60.0) != len(tokens):
                 raise RuntimeError(f"{conn}: load missed: {conn.stats()}")
+            if synced:  # the H2D copies queued by place() are part of the load
+                import torch
+
+                torch.cuda.synchronize()
         return go
 
     paths += [
-        ReadPath(f"connector load, ChunkIO, {len(refs)} in flight", loader(conns[0]), check_host,
-                 baseline, conns[0].chunk_io),
-        ReadPath(f"connector load, store reads, {len(refs)} in flight", loader(conns[1]),
-                 check_host, baseline),
+        ReadPath(f"connector load, ChunkIO, {len(refs)} in flight", loader(conns[0], _Staged(host)),
+                 check_host, baseline, conns[0].chunk_io),
+        ReadPath(f"connector load, store reads, {len(refs)} in flight",
+                 loader(conns[1], _Staged(host)), check_host, baseline),
     ]
+    if cuda is not None:
+        dev, pinned, check_dev, cuda_base = cuda
+        backend = conns[0].chunk_io.stats()["backends"]["cuda"]
+        paths += [
+            ReadPath(f"connector load -> CUDA, ChunkIO ({backend}), {len(refs)} in flight",
+                     loader(conns[0], _Staged(dev)), check_dev, cuda_base, conns[0].chunk_io),
+            ReadPath(f"connector load -> CUDA, store reads + H2D, {len(refs)} in flight",
+                     loader(conns[1], _CopiedToDevice(pinned, dev), synced=dev[0].is_cuda), check_dev,
+                     cuda_base),
+        ]
     return conns, store_root
+
+
+class _CopiedToDevice(_Staged):
+    """Staging in pinned host memory; placing chunk i queues its H2D copy into `dev[i]`,
+    as a GPU engine does with chunks from a store it does not read through ChunkIO."""
+
+    def __init__(self, pinned: list, dev: list):
+        super().__init__(pinned)
+        self.dev = dev
+
+    def place(self, i: int) -> None:
+        self.dev[i].copy_(self.dests[i], non_blocking=True)
 
 
 def _drop_cache(paths: list[str]) -> None:
@@ -243,8 +273,7 @@ def run(args: argparse.Namespace) -> int:
                        verify="header", direct="always"),
         ]
 
-        conns, store_root = _connector_paths(args, root, refs, host, check_host, base, paths)
-
+        cuda = None
         if caps.cuda:
             from gds.probe import CUDA_BACKENDS
 
@@ -275,6 +304,9 @@ def run(args: argparse.Namespace) -> int:
                         all_at_once(f"cuda {name}, verify=header", dev, check_dev, cuda_base,
                                     verify="header", cuda_backend=name),
                     ]
+            cuda = (dev, pinned, check_dev, cuda_base)
+
+        conns, store_root = _connector_paths(args, root, refs, host, check_host, base, paths, cuda)
 
         for p in paths:
             for d in clear:

@@ -37,3 +37,41 @@ def test_bench_gds_verifies_every_path_and_writes_json(tmp_path, capsys):
 def test_the_command_module_does_not_import_torch():
     code = "import sys, bench.gds, gds; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_connector_rows_for_device_staging_fill_the_destinations(tmp_path):
+    # The two "connector load -> CUDA" rows with CPU tensors standing in for the device
+    # ones (no GPU here): ChunkIO straight into the staging, and store reads into the
+    # "pinned" staging with one copy per chunk as it is placed. On a GPU host `kvstash
+    # bench gds` runs the same rows with CUDA tensors.
+    import numpy as np
+    import torch
+
+    from gds import aligned_empty
+
+    size = 256 * 2 * 128 * 2  # one KV head of 256 tokens: the smallest connector layout
+    refs = [np.frombuffer(np.random.default_rng(i).bytes(size), dtype=np.uint8) for i in range(3)]
+    host = [aligned_empty(size).numpy() for _ in refs]
+    dev = [torch.zeros(size, dtype=torch.uint8) for _ in refs]
+    pinned = [torch.zeros(size, dtype=torch.uint8) for _ in refs]
+
+    def check_dev() -> bool:
+        return all(np.array_equal(d.numpy(), r) for d, r in zip(dev, refs, strict=True))
+
+    paths = []
+    conns, _ = bench.gds._connector_paths(
+        argparse.Namespace(), str(tmp_path), refs, host, lambda: True, "readinto", paths,
+        (dev, pinned, check_dev, "torch H2D copy from pinned memory"))
+    try:
+        rows = {p.name: p for p in paths}
+        direct = rows["connector load -> CUDA, ChunkIO (None), 3 in flight"]
+        copied = rows["connector load -> CUDA, store reads + H2D, 3 in flight"]
+        for row in (direct, copied):
+            for d in dev:
+                d.zero_()
+            row.read_all()
+            assert row.check()
+        assert conns[0].stats()["chunk_io"]["counters"]["chunk_reads"] == 3
+    finally:
+        for c in conns:
+            c.close()
