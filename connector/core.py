@@ -430,9 +430,9 @@ class KVConnector:
 
     async def _from_lower_tiers(self, key: str, tokens: np.ndarray, dest: Any,
                                 layout: ChunkLayout) -> bool:
-        """A chunk the file tier lacks (or failed to read), read through the tier list (which tries the lower
-        tiers and promotes a hit) into `dest`; a CUDA destination is filled from pinned
-        host memory, as for any S3 or HTTP store."""
+        """A chunk the file tier lacks (or failed to read), read through the tier list
+        (which tries the lower tiers and promotes a hit) into `dest`; a CUDA destination is
+        filled from pinned host memory, as for any S3 or HTTP store."""
         from gds.buffers import is_cuda
 
         if not is_cuda(dest):

@@ -65,9 +65,15 @@ async def test_capacity_is_never_exceeded_and_survives_reopen(tmp_path):
     assert reopened.stats()["chunks"] == len(list(tmp_path.rglob("*.kv")))
 
 
-async def test_a_bad_payload_is_refused_after_the_write_and_neither_lands_nor_evicts(tmp_path, ns):
-    # The payload hash runs while the tmp file syncs: a mismatch must still publish nothing,
-    # leave no tmp file and evict nothing, also on a full store and with fsync off.
+@pytest.mark.parametrize("overlap", [True, False])
+async def test_a_bad_payload_is_refused_after_the_write_and_neither_lands_nor_evicts(
+        tmp_path, ns, monkeypatch, overlap):
+    # The payload hash runs after the write (for large chunks, while the tmp file syncs): a
+    # mismatch must still publish nothing, leave no tmp file and evict nothing, also on a
+    # full store and with fsync off.
+    import storage.file as file_mod
+
+    monkeypatch.setattr(file_mod, "OVERLAP_MIN", 0 if overlap else 1 << 40)
     chunks = make_chunks(ns, 4, payload_size=5000)
     size = len(chunks[0][2])
     for fsync in (True, False):
