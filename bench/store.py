@@ -146,16 +146,20 @@ async def measure_store(url: str, size: int, count: int, concurrency: int, round
             await asyncio.to_thread(cleanup)
 
     try:
-        # Every round starts settled: what the last round wrote is deleted and flushed, and
-        # its chunks made, before the clock starts. Round 0's chunks stay for the reads.
+        # Every round starts settled: what the last round wrote is deleted and flushed
+        # before the clock starts. Round 0's chunks stay for the reads; later rounds put one
+        # other set of chunks again and again (deleted in between), so from round 2 on their
+        # fan-out directories exist, as in a store that has been running a while, and the
+        # store is timed in the steady state (the baseline writes into one directory).
+        again = make_chunks(size, count, f"{tag}-again") if rounds > 1 else []
         for r in range(rounds):
-            batch = make_chunks(size, count, f"{tag}-{r}") if r else chunks
+            batch = again if r else chunks
             await _settle_disk()
             await put_round(r, batch)
             if r:
                 for k, _ in batch:
                     await store.delete(k)
-            del batch
+        del again
         # Destination memory decides copy speed (4 KiB vs huge pages: 2-3x on a VM), so the
         # store and the raw baseline fill the very same buffers: one per chunk.
         buffers = [host_buffer(size) for _ in chunks]
