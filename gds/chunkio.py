@@ -3,7 +3,9 @@
 Threading contract: `submit_read`, `submit_chunk` and `submit_write` never block and may be
 called from any thread, an event loop's included; each returns a
 `concurrent.futures.Future`. `read`, `read_chunk` and `write` are the awaitable versions.
-At most `max_inflight` requests run at once; more wait in a FIFO queue. A read's future
+At most `max_inflight` requests run at once; more wait in a FIFO queue. A caller blocked
+in `result()` on a request no request thread has started yet runs it on its own thread
+(if a slot is free), saving two thread hand-offs (gds.requests). A read's future
 resolves once the bytes are in the destination (for CUDA destinations: once the copies or
 DMA have completed), or fails with `ReadError`; a write's future resolves to True (created)
 or False (the chunk already existed), or fails with `WriteError`. Synchronous callers
@@ -28,13 +30,14 @@ has verified whole before and that is unchanged since (its `verify=changed` poli
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import secrets
 import socket
 import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +58,7 @@ from gds.errors import CORRUPT, IO, SHORT, TOO_SMALL, ChunkIOError, ReadError, W
 from gds.fsprobe import DirectIOSupport
 from gds.hostio import DIRECT_MODES, OpenFile, read_range, write_error, write_range
 from gds.probe import Capabilities, choose_cuda_backend, probe
+from gds.requests import Request
 from storage.codec import (
     HEADER_SIZE,
     MAX_HEADER_SIZE,
@@ -120,6 +124,7 @@ class ChunkIO:
         threads = self.config.threads
         self._pool = ThreadPoolExecutor(threads, "kvstash-gds-io")
         self._requests = ThreadPoolExecutor(self.config.max_inflight, "kvstash-gds-req")
+        self._inflight = threading.Semaphore(self.config.max_inflight)  # see gds.requests
         self.support = DirectIOSupport(self.config.direct != "never")
         self.host = HostBackend(self._pool, self.config.piece_bytes, self.config.direct, threads)
         self._device_lock = threading.Lock()
@@ -184,6 +189,14 @@ class ChunkIO:
             return None
         with OpenFile.for_read(os.fspath(path), self.support) as f:
             return self._device_backend_name(f)
+
+    def _submit(self, fn: Callable[..., Any], *args: Any) -> Request:
+        """Queue `fn(*args)` for a request thread; a caller blocking on the returned future
+        runs it itself if no request thread has started it (gds.requests)."""
+        request = Request(functools.partial(fn, *args), self._inflight,
+                          lambda: self._count(requests_run_by_waiter=1))
+        self._requests.submit(request.run)
+        return request
 
     # -- counters --------------------------------------------------------------------------
 
@@ -293,9 +306,8 @@ class ChunkIO:
         """Read `length` bytes at `offset` into the first bytes of `dest` -> Future[int]."""
         if offset < 0 or length < 0 or nbytes(dest) < length:
             raise ValueError(f"bad range: offset {offset}, length {length}, destination {nbytes(dest)} bytes")
-        return self._requests.submit(
-            self._read_range_sync, os.fspath(path), offset, length, dest, self._ready_event(dest)
-        )
+        return self._submit(self._read_range_sync, os.fspath(path), offset, length, dest,
+                            self._ready_event(dest))
 
     def submit_chunk(self, path: str | os.PathLike, dest: Any, key: str | None = None,
                      token_ids: Any = None, trust: VerifiedFiles | None = None) -> Future:
@@ -306,10 +318,8 @@ class ChunkIO:
         not changed since (same inode, size, mtime, ctime), is read without its header and
         without the payload hash, as the store's own reads do under `verify=changed`; a file
         this read checksums is reported back to it."""
-        return self._requests.submit(
-            self._read_chunk_sync, os.fspath(path), dest, key, token_ids, self._ready_event(dest),
-            trust,
-        )
+        return self._submit(self._read_chunk_sync, os.fspath(path), dest, key, token_ids,
+                            self._ready_event(dest), trust)
 
     def read_chunk_blocking(self, path: str | os.PathLike, dest: Any, key: str | None = None,
                             token_ids: Any = None, trust: VerifiedFiles | None = None,
@@ -415,8 +425,8 @@ class ChunkIO:
                      meta: dict | None = None) -> Future:
         """Write `payload` (a tensor or buffer) as the chunk file `path`, create-only and
         atomic (tmp in the same directory, fsync, link) -> Future[bool]."""
-        return self._requests.submit(self._write_sync, os.fspath(path), key, token_ids, payload,
-                                     meta, self._ready_event(payload))
+        return self._submit(self._write_sync, os.fspath(path), key, token_ids, payload, meta,
+                            self._ready_event(payload))
 
     async def write(self, path: str | os.PathLike, key: str, token_ids: Any, payload: Any,
                     meta: dict | None = None) -> bool:
