@@ -359,7 +359,7 @@ class KVConnector:
         from gds.filestore import settle
 
         io, files = self.chunk_io, direct_file_tier(self.store)
-        tiers = self.store if files is not self.store else None
+        has_lower_tiers = files is not self.store
         n = self.chunk_tokens
         futures: list[concurrent.futures.Future[Any]] = []
 
@@ -377,7 +377,7 @@ class KVConnector:
                     header, why = settle(files, keys[i], fut)
                     if header is not None:
                         ok = self._accept(keys[i], tokens[i * n : (i + 1) * n], None, layout, header)
-                    elif tiers is not None:
+                    elif has_lower_tiers:
                         # Missing, corrupt (now quarantined) or unreadable in the file tier:
                         # the tier list reads it from below, as its own get_into would.
                         self._loop.call_soon_threadsafe(from_lower, i)

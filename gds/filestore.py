@@ -1,6 +1,6 @@
 """Reading a FileStore's chunks straight into destination tensors through ChunkIO.
 
-The store's layout (`storage.file._chunk_path`) names the file of each key; ChunkIO verifies
+The store's layout (`FileStore.chunk_path`) names the file of each key; ChunkIO verifies
 each header against its key (and token ids, when given) and lands the payload in its
 destination. A failed key is a miss (None), never an exception: absent, evicted, corrupt
 and unreadable chunks all read as None, and ChunkIO's stats count the reasons.
@@ -16,7 +16,7 @@ from typing import Any
 from gds.chunkio import ChunkIO
 from gds.errors import CORRUPT, IO, ReadError
 from storage.codec import ChunkHeader
-from storage.file import FileStore, _chunk_path
+from storage.file import FileStore
 
 
 def settle(store: FileStore, key: str, fut: Future) -> tuple[ChunkHeader | None, str | None]:
@@ -39,7 +39,7 @@ def submit_store_chunks(io: ChunkIO, store: FileStore, keys: Sequence[str], dest
     if len(dests) != len(keys) or (token_ids is not None and len(token_ids) != len(keys)):
         raise ValueError("keys, dests and token_ids must have the same length")
     return [
-        io.submit_chunk(_chunk_path(store.root, key), dest, key,
+        io.submit_chunk(store.chunk_path(key), dest, key,
                         None if token_ids is None else token_ids[i], trust=store)
         for i, (key, dest) in enumerate(zip(keys, dests, strict=True))
     ]

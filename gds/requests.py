@@ -57,7 +57,7 @@ class Request(Future):
         return True
 
     def _run_here(self) -> None:
-        if not self.done() and self.run(wait_for_slot=False) and self._on_waiter_run:
+        if self.run(wait_for_slot=False) and self._on_waiter_run:
             self._on_waiter_run()
 
     def result(self, timeout: float | None = None) -> Any:

@@ -364,28 +364,24 @@ class FileStore(Store):
     def _needs_payload_check(self, key: str, st: os.stat_result) -> bool:
         if self.verify == "header":
             return False
-        return self.verify == "always" or self._known_header(key, st) is None
+        return self.verify == "always" or self.known_header(key, st) is None
 
-    def _known_header(self, key: str, st: os.stat_result) -> ChunkHeader | None:
-        """The header verified earlier for this very file (same identity), if any."""
-        known = self._verified.get(key)
-        return known[1] if known is not None and known[0] == _identity(st) else None
-
-    def _remember_verified(self, key: str, st: os.stat_result, header: ChunkHeader) -> None:
-        if time.time() - st.st_ctime > _SETTLED_S:
-            self._verified[key] = (_identity(st), header)
-
-    # Readers that open chunk files themselves (gds.ChunkIO) share this store's `verify=`
-    # policy through these two: see ChunkIO.submit_chunk(trust=...).
+    # Also the interface for readers that open chunk files themselves (gds.ChunkIO), so
+    # they share this store's `verify=` policy: see ChunkIO.submit_chunk(trust=...).
     def known_header(self, key: str, st: os.stat_result) -> ChunkHeader | None:
         """Under `verify=changed`: the header of `key` if this very file (same inode, size,
         mtime, ctime) was verified whole before, so a reader may skip the header and the
         payload hash; else None."""
-        return self._known_header(key, st) if self.verify == "changed" else None
+        if self.verify != "changed":
+            return None
+        known = self._verified.get(key)
+        return known[1] if known is not None and known[0] == _identity(st) else None
 
     def note_verified(self, key: str, st: os.stat_result, header: ChunkHeader) -> None:
-        """A reader checked this file's header and payload hash against `key`."""
-        self._remember_verified(key, st, header)
+        """A reader checked this file's header and payload hash against `key` (trusted only
+        once the file's ctime has settled)."""
+        if time.time() - st.st_ctime > _SETTLED_S:
+            self._verified[key] = (_identity(st), header)
 
     def _touch(self, key: str, path: Path, st: os.stat_result) -> None:
         self._note(key, st.st_size)
@@ -416,9 +412,9 @@ class FileStore(Store):
             os.close(fd)
         try:
             if self._needs_payload_check(key, st):
-                self._remember_verified(key, st, decode_chunk(blob, key).header)
+                self.note_verified(key, st, decode_chunk(blob, key).header)
             else:
-                header = self._known_header(key, st) or decode_header(blob, key)
+                header = self.known_header(key, st) or decode_header(blob, key)
                 if len(blob) != header.total_len:
                     raise ChunkError("short read")
         except ChunkError as exc:
@@ -435,7 +431,7 @@ class FileStore(Store):
         try:
             st = os.fstat(fd)
             # An unchanged, already verified file needs neither its header read nor parsed.
-            header = self._known_header(key, st) if self.verify == "changed" else None
+            header = self.known_header(key, st)
             if header is None:
                 head = _read_all(fd, HEADER_SIZE)
                 try:
@@ -454,7 +450,7 @@ class FileStore(Store):
                 raise ChunkError("short read")
             if self._needs_payload_check(key, st):
                 header.verify_payload(dst)
-                self._remember_verified(key, st, header)
+                self.note_verified(key, st, header)
         except ChunkError as exc:
             self._quarantine(key, path, str(exc))
             return None
