@@ -28,11 +28,12 @@ from starlette.requests import ClientDisconnect
 
 from hashing import KEY_PATTERN
 from kvserver.auth import TokenTable
-from kvserver.bodies import BufferPool, ViewResponse
+from kvserver.bodies import BufferPool, FileBodyResponse, ViewResponse
 from kvserver.config import CONFIG_ENV, ServerConfig
 from kvserver.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvserver.metrics import MetricsMiddleware, ServerMetrics
-from storage.base import Store
+from kvserver.protocol import ZEROCOPY
+from storage.base import BlobFile, Store
 from storage.errors import InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
 from storage.registry import open_store
 
@@ -303,18 +304,27 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         },
     )
     async def get_chunk(
-        ns_id: NsId, digest: Digest, s: TenantStore,
+        request: Request, ns_id: NsId, digest: Digest, s: TenantStore,
         range_: Annotated[str | None, Header(alias="Range")] = None,
     ) -> Response:
         buf, release = bodies.borrow(bodies.hint)
+        key = f"{ns_id}/{digest}"
         try:
-            view = await s.get_blob_into(f"{ns_id}/{digest}", buf)
-            if view is None:
+            if ZEROCOPY in request.scope.get("extensions", {}):
+                got = await s.open_blob(key, buf)
+            else:
+                got = await s.get_blob_into(key, buf)
+            if got is None:
                 metrics.misses.inc()
                 raise HTTPException(404, "chunk not found")
             metrics.hits.inc()
-            bodies.saw(view.nbytes)
-            total = view.nbytes
+            if isinstance(got, BlobFile):
+                release()
+                release = got.close
+                total = got.size
+            else:
+                bodies.saw(got.nbytes)
+                total = got.nbytes
             headers = {"accept-ranges": "bytes", "cache-control": "max-age=31536000, immutable"}
             status = 200
             if range_ is not None:
@@ -325,13 +335,17 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
                 except LookupError as exc:
                     raise HTTPException(416, str(exc), headers={"content-range": f"bytes */{total}"}) from None
                 headers["content-range"] = f"bytes {start}-{stop - 1}/{total}"
-                view = view[start:stop]
                 status = 206
+            else:
+                start, stop = 0, total
         except BaseException:
             release()
             raise
-        metrics.bytes_out.inc(view.nbytes)
-        return ViewResponse(view, status, headers, OCTETS, release)
+        metrics.bytes_out.inc(stop - start)
+        if isinstance(got, BlobFile):
+            metrics.bytes_sendfile.inc(stop - start)
+            return FileBodyResponse(got, start, stop, status, headers, OCTETS)
+        return ViewResponse(got[start:stop], status, headers, OCTETS, release)
 
     @app.head(
         chunk_path, tags=["chunks"], status_code=200, response_class=Response,

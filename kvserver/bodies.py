@@ -10,16 +10,24 @@ buffer goes back to the pool once the last slice is sent or the client is gone.
 
 The pool never makes a request wait: when every buffer is lent (more GETs in flight than
 `max_buffers`, say slow readers), a GET falls back to a buffer of its own.
+
+A chunk file the store can vouch for without reading it (`Store.open_blob`) skips the
+buffer altogether: `FileBodyResponse` hands the open file to the server's zero-copy send
+(sendfile(2), kvserver/protocol.py).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import threading
 from collections.abc import Callable
 from typing import Any
 
 from starlette.responses import Response
 
+from kvserver.protocol import ZEROCOPY
+from storage.base import BlobFile
 from storage.buffers import host_buffer
 
 PIECE = 1 << 20
@@ -99,3 +107,41 @@ class ViewResponse(Response):
         finally:
             self.view = memoryview(b"")
             self.release()
+
+
+class FileBodyResponse(Response):
+    """Bytes [start, stop) of an open chunk file as the body, sent with the server's
+    zero-copy send when it offers one; the file is closed when the response is done."""
+
+    def __init__(self, file: BlobFile, start: int, stop: int, status_code: int,
+                 headers: dict[str, str], media_type: str):
+        self.file = file
+        self.start, self.stop = start, stop
+        super().__init__(None, status_code, {**headers, "content-length": str(stop - start)},
+                         media_type)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            if ZEROCOPY in scope.get("extensions", {}):
+                await send({"type": ZEROCOPY, "file": self.file, "offset": self.start,
+                            "count": self.stop - self.start, "more_body": False})
+            else:  # a server without it: read the bytes
+                body = await asyncio.to_thread(_pread_all, self.file.fileno(), self.start,
+                                               self.stop - self.start)
+                await send({"type": "http.response.body", "body": body, "more_body": False})
+        finally:
+            self.file.close()
+
+
+def _pread_all(fd: int, offset: int, count: int) -> bytes:
+    parts = []
+    while count > 0:
+        part = os.pread(fd, count, offset)
+        if not part:
+            raise OSError(f"file ended {count} bytes early")
+        parts.append(part)
+        offset += len(part)
+        count -= len(part)
+    return b"".join(parts)

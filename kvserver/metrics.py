@@ -36,6 +36,9 @@ class ServerMetrics:
         self.lookup_keys = Counter("kvstash_lookup_keys", "keys asked about in lookups", registry=r)
         self.lookup_present = Counter("kvstash_lookup_present", "keys found by lookups", registry=r)
         self.bytes_out = Counter("kvstash_bytes_served", "chunk bytes sent to clients", registry=r)
+        self.bytes_sendfile = Counter(
+            "kvstash_bytes_sendfile", "chunk bytes sent from their files with sendfile(2), "
+            "not read by the server (part of kvstash_bytes_served)", registry=r)
         self.bytes_in = Counter("kvstash_bytes_received", "chunk bytes stored from clients",
                                 registry=r)
         self.used = Gauge("kvstash_store_used_bytes", "bytes held by the store (all tenants)",

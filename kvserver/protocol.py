@@ -5,19 +5,32 @@ head, so without these bounds one client could make the server hold megabytes of
 per connection (20 connections x 4 MiB of headers grew the server by ~90 MiB), or keep a
 connection forever by trickling a head byte by byte (tests/test_reliability_hostile_http).
 Bodies are bounded by the app (`--max-chunk-bytes`, `--body-timeout`).
+
+It also offers the ASGI "Zero Copy Send" extension (`http.response.zerocopysend`) on
+plain-TCP connections: the app hands over an open file and the bytes go to the socket
+with sendfile(2) (kvserver/sendfile.py). uvicorn has no such extension; this wraps the
+`send` of each request it starts.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from kvserver.sendfile import PeerGone, sendfile_to
 
 # Request line + headers. kvstash's own requests carry well under 1 KiB.
 MAX_HEAD_BYTES = 64 * 1024
 # From the first byte of a request (or the accepted connection) to the end of its head.
 HEAD_TIMEOUT_S = 10.0
+
+ZEROCOPY = "http.response.zerocopysend"
+# The hook that wraps each request's `send` (uvicorn's own method): without it, no offer.
+_CAN_WRAP_SEND = hasattr(HttpToolsProtocol, "_start_asgi_task")
 
 
 def _refusal(status: int, reason: str, message: str) -> bytes:
@@ -35,9 +48,13 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     _head_bytes = 0
     _feeding = 0  # size of the packet being parsed (a head may begin inside it)
     _head_timer: asyncio.TimerHandle | None = None
+    _zerocopy = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._zerocopy = (_CAN_WRAP_SEND and hasattr(os, "sendfile")
+                          and transport.get_extra_info("sslcontext") is None
+                          and transport.get_extra_info("socket") is not None)
         self._begin_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -59,12 +76,19 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        if self._zerocopy:
+            self.scope["extensions"] = {ZEROCOPY: {}}
         if not self._in_head:  # the next request on a kept-alive connection
             self._begin_head(self._feeding)
 
     def on_headers_complete(self) -> None:
         self._end_head()
         super().on_headers_complete()
+
+    def _start_asgi_task(self, cycle: Any, app: Any) -> None:
+        if self._zerocopy:
+            app = _with_zerocopy(app, cycle)
+        super()._start_asgi_task(cycle, app)
 
     def _begin_head(self, already: int = 0) -> None:
         self._in_head = True
@@ -88,3 +112,49 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         if not self.transport.is_closing():
             self.transport.write(_refusal(status, reason, message))
             self.transport.close()
+
+
+def _with_zerocopy(app: Any, cycle: Any) -> Any:
+    """`app` with a `send` that carries out zerocopysend messages for this request."""
+    async def app_with_zerocopy(scope: Any, receive: Any, send: Any) -> None:
+        async def send_or_sendfile(message: Any) -> None:
+            if message["type"] == ZEROCOPY:
+                await _send_file(cycle, send, message)
+            else:
+                await send(message)
+        await app(scope, receive, send_or_sendfile)
+    return app_with_zerocopy
+
+
+async def _send_file(cycle: Any, send: Any, message: Any) -> None:
+    """One zerocopysend message: the file's bytes as (part of) the body under the
+    response's Content-Length; then an empty body message ends it or keeps it open."""
+    if cycle.disconnected:
+        return  # as uvicorn's own send: a gone client's messages are dropped
+    if not cycle.response_started or cycle.response_complete:
+        raise RuntimeError(f"Unexpected ASGI message {ZEROCOPY!r} outside a response body")
+    more_body = message.get("more_body", False)
+    if cycle.scope["method"] != "HEAD":
+        fd = message["file"].fileno()
+        offset = message.get("offset")
+        at_position = offset is None
+        if at_position:
+            offset = os.lseek(fd, 0, os.SEEK_CUR)
+        count = message.get("count")
+        if count is None:
+            count = os.fstat(fd).st_size - offset
+        if cycle.chunked_encoding or count > cycle.expected_content_length:
+            raise RuntimeError("zerocopysend needs a Content-Length that covers the file")
+        try:
+            sent = await sendfile_to(cycle.transport, fd, offset, count)
+        except (PeerGone, TimeoutError):
+            sent = -1
+        if sent != count:
+            # The head promised bytes that will not come: only a cut connection says so.
+            cycle.transport.abort()
+            cycle.disconnected = True
+            return
+        cycle.expected_content_length -= count
+        if at_position:  # as sendfile(2) without an offset: the file position moves on
+            os.lseek(fd, offset + count, os.SEEK_SET)
+    await send({"type": "http.response.body", "body": b"", "more_body": more_body})

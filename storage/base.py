@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import re
 import time
 from abc import ABC, abstractmethod
@@ -88,6 +89,29 @@ def check_batch(keys: Sequence[str], outs: Sequence[Any]) -> None:
         raise ValueError(f"{len(keys)} keys but {len(outs)} destination buffers")
 
 
+class BlobFile:
+    """An open file whose bytes [0, size) are a verified blob, for senders that move file
+    bytes without reading them (sendfile(2)). The holder closes it."""
+
+    def __init__(self, fd: int, size: int):
+        self.fd = fd
+        self.size = size
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
+    def __enter__(self) -> BlobFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 def verify_blob(key: str, blob: Any) -> ChunkHeader | None:
     """Header + checksum verification of a fetched blob; None if it is not the chunk."""
     try:
@@ -141,6 +165,13 @@ class Store(ABC):
         """
         blob = await self.get(key)
         return None if blob is None else memoryview(blob).cast("B")
+
+    async def open_blob(self, key: str, out: Any) -> memoryview | BlobFile | None:
+        """The verified blob of `key` for sending, or None on a miss: an open `BlobFile`
+        where the store can vouch for a file's bytes without reading them (a chunk file it
+        verified before and that has not changed since), else the blob as `get_blob_into`
+        gives it. A server sends the file with sendfile(2) and closes it."""
+        return await self.get_blob_into(key, out)
 
     async def get_into_many(
         self,

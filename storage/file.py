@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.base import (
+    BlobFile,
     Store,
     check_batch,
     check_blob_header,
@@ -392,14 +393,21 @@ class FileStore(Store):
             except OSError:
                 pass
 
-    def _get_sync(self, key: str, out: memoryview | None = None) -> Any:
-        """The verified blob: a new bytes object, or a view of `out` if given and big enough."""
+    def _get_sync(self, key: str, out: memoryview | None = None, as_file: bool = False) -> Any:
+        """The verified blob: a new bytes object, or a view of `out` if given and big enough;
+        with `as_file`, the open file instead where its bytes need no reading to be vouched
+        for (a file verified before and unchanged since, or any file under verify=header
+        whose header checks)."""
         opened = self._open_for_read(key)
         if opened is None:
             return None
         fd, path = opened
         try:
             st = os.fstat(fd)
+            if as_file and self._vouch_unread(key, fd, st):
+                self._touch(key, path, st)
+                file, fd = BlobFile(fd, st.st_size), -1  # the caller closes it now
+                return file
             if out is not None and out.nbytes >= st.st_size:
                 blob = out[: _read_into(fd, out[: st.st_size], 0)]
             else:
@@ -409,7 +417,8 @@ class FileStore(Store):
                 self.counters["errors"] += 1
             return None
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)
         try:
             if self._needs_payload_check(key, st):
                 self.note_verified(key, st, decode_chunk(blob, key).header)
@@ -422,6 +431,15 @@ class FileStore(Store):
             return None
         self._touch(key, path, st)
         return blob
+
+    def _vouch_unread(self, key: str, fd: int, st: os.stat_result) -> bool:
+        header = self.known_header(key, st)
+        if header is None and self.verify == "header":
+            try:
+                header = decode_header(os.pread(fd, HEADER_SIZE, 0), key)
+            except ChunkError:
+                return False  # the full read that follows decides (and quarantines)
+        return header is not None and header.total_len == st.st_size
 
     def _get_into_sync(self, key: str, out: memoryview) -> ChunkHeader | None:
         opened = self._open_for_read(key)
@@ -524,6 +542,15 @@ class FileStore(Store):
         blob = await asyncio.to_thread(self._get_sync, key, memoryview(out).cast("B"))
         self._count_get(None if blob is None else len(blob))
         return None if blob is None else memoryview(blob)
+
+    async def open_blob(self, key: str, out: Any) -> memoryview | BlobFile | None:
+        check_key(key)
+        got = await asyncio.to_thread(self._get_sync, key, memoryview(out).cast("B"), True)
+        if isinstance(got, BlobFile):
+            self._count_get(got.size)
+            return got
+        self._count_get(None if got is None else len(got))
+        return None if got is None else memoryview(got)
 
     async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
         check_key(key)

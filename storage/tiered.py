@@ -10,7 +10,7 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from storage.base import Store, check_blob
+from storage.base import BlobFile, Store, check_blob
 from storage.codec import ChunkHeader
 from storage.errors import StoreError
 
@@ -59,9 +59,12 @@ class TieredStore(Store):
                 self._spawn(upper, key, blob)
 
     async def get(self, key: str) -> bytes | None:
+        return await self._get_from(0, key)
+
+    async def _get_from(self, first: int, key: str) -> bytes | None:
         self.counters["gets"] += 1
-        for i, tier in enumerate(self.tiers):
-            blob = await tier.get(key)
+        for i in range(first, len(self.tiers)):
+            blob = await self.tiers[i].get(key)
             if blob is not None:
                 self.counters["hits"] += 1
                 self.counters["bytes_read"] += len(blob)
@@ -69,6 +72,16 @@ class TieredStore(Store):
                 return blob
         self.counters["misses"] += 1
         return None
+
+    async def open_blob(self, key: str, out: Any) -> memoryview | BlobFile | None:
+        """The first tier's answer (a file to send, where it can give one); a miss there
+        reads the lower tiers as `get` does."""
+        got = await self.tiers[0].open_blob(key, out)
+        if got is None:
+            blob = await self._get_from(1, key)
+            return None if blob is None else memoryview(blob).cast("B")
+        self._count_get(got.size if isinstance(got, BlobFile) else got.nbytes)
+        return got
 
     async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
         self.counters["gets"] += 1

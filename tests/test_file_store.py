@@ -301,3 +301,43 @@ async def test_cancelled_batch_read_writes_no_further_buffer(tmp_path, ns):
     assert bytes(bufs[0]) == chunks[0][2][-4096:]
     assert all(bytes(b) == bytes(4096) for b in bufs[1:])
     assert store.stats()["gets"] == 1
+
+
+@pytest.mark.parametrize("verify", ["changed", "header", "always"])
+async def test_open_blob_hands_over_a_file_only_when_it_needs_no_reading(tmp_path, ns, monkeypatch,
+                                                                         verify):
+    import storage.file as file_mod
+    from storage.base import BlobFile
+    from storage.tiered import TieredStore
+    monkeypatch.setattr(file_mod, "_SETTLED_S", -1.0)  # trust a verified file at once
+    store = FileStore(tmp_path, verify=verify)
+    (key, _, blob), (absent, _, _) = make_chunks(ns, 2, payload_size=10_000)
+    await store.put(key, blob)
+    buf = bytearray(len(blob))
+    got = await store.open_blob(key, buf)
+    if verify == "header":  # the header is all this policy ever checks
+        assert isinstance(got, BlobFile)
+    else:  # read (and under `changed`, verified and remembered) like get_blob_into
+        assert bytes(got) == blob
+        got = await store.open_blob(key, buf)
+        assert isinstance(got, BlobFile) == (verify == "changed")
+    if isinstance(got, BlobFile):
+        with got:
+            assert got.size == len(blob) and os.pread(got.fileno(), got.size + 1, 0) == blob
+        assert got.fileno() == -1
+    assert await store.open_blob(absent, buf) is None
+    assert store.counters["hits"] == (2 if verify != "header" else 1)
+    assert store.counters["misses"] == 1
+
+    # A tier list hands over its first tier's file and reads lower tiers as get() does.
+    lower = FileStore(tmp_path / "lower", verify=verify)
+    (low_key, _, low_blob), = make_chunks(ns, 1, payload_size=5000, seed=3)
+    await lower.put(low_key, low_blob)
+    tiers = TieredStore([store, lower])
+    first = await tiers.open_blob(key, buf)
+    assert isinstance(first, BlobFile) if verify != "always" else bytes(first) == blob
+    if isinstance(first, BlobFile):
+        first.close()
+    assert bytes(await tiers.open_blob(low_key, buf)) == low_blob
+    assert await tiers.open_blob(absent, buf) is None
+    assert (tiers.counters["hits"], tiers.counters["misses"]) == (2, 1)
