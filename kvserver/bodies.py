@@ -19,7 +19,6 @@ buffer altogether: `FileBodyResponse` hands the open file to the server's zero-c
 from __future__ import annotations
 
 import asyncio
-import os
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +26,7 @@ from typing import Any
 from starlette.responses import Response
 
 from kvserver.protocol import ZEROCOPY
+from kvserver.sendfile import pread_exact
 from storage.base import BlobFile
 from storage.buffers import host_buffer
 
@@ -128,20 +128,8 @@ class FileBodyResponse(Response):
                 await send({"type": ZEROCOPY, "file": self.file, "offset": self.start,
                             "count": self.stop - self.start, "more_body": False})
             else:  # a server without it: read the bytes
-                body = await asyncio.to_thread(_pread_all, self.file.fileno(), self.start,
+                body = await asyncio.to_thread(pread_exact, self.file.fileno(), self.start,
                                                self.stop - self.start)
                 await send({"type": "http.response.body", "body": body, "more_body": False})
         finally:
             self.file.close()
-
-
-def _pread_all(fd: int, offset: int, count: int) -> bytes:
-    parts = []
-    while count > 0:
-        part = os.pread(fd, count, offset)
-        if not part:
-            raise OSError(f"file ended {count} bytes early")
-        parts.append(part)
-        offset += len(part)
-        count -= len(part)
-    return b"".join(parts)

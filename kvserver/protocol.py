@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvserver.sendfile import PeerGone, sendfile_to
+from kvserver.sendfile import NoSendfile, PeerGone, pread_exact, sendfile_to
 
 # Request line + headers. kvstash's own requests carry well under 1 KiB.
 MAX_HEAD_BYTES = 64 * 1024
@@ -29,6 +30,7 @@ MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 10.0
 
 ZEROCOPY = "http.response.zerocopysend"
+log = logging.getLogger("kvstash.kvserver")
 # The hook that wraps each request's `send` (uvicorn's own method): without it, no offer.
 _CAN_WRAP_SEND = hasattr(HttpToolsProtocol, "_start_asgi_task")
 
@@ -147,7 +149,16 @@ async def _send_file(cycle: Any, send: Any, message: Any) -> None:
             raise RuntimeError("zerocopysend needs a Content-Length that covers the file")
         try:
             sent = await sendfile_to(cycle.transport, fd, offset, count)
+        except NoSendfile:
+            body = await asyncio.to_thread(pread_exact, fd, offset, count)
+            if at_position:
+                os.lseek(fd, offset + count, os.SEEK_SET)
+            await send({"type": "http.response.body", "body": body, "more_body": more_body})
+            return
         except (PeerGone, TimeoutError):
+            sent = -1
+        except OSError as exc:
+            log.warning("sendfile of %d bytes failed: %s", count, exc)
             sent = -1
         if sent != count:
             # The head promised bytes that will not come: only a cut connection says so.

@@ -34,15 +34,22 @@ STALL_TIMEOUT_S = 60.0
 STEP = 64 << 20
 
 _GONE = (errno.EPIPE, errno.ECONNRESET, errno.ENOTCONN, errno.ESHUTDOWN, errno.EBADF)
+_UNSUPPORTED = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
 
 
 class PeerGone(Exception):
     """The client closed the connection while its body was being sent."""
 
 
-def _send_some(sock_fd: int, file_fd: int, offset: int, count: int) -> tuple[int, bool]:
+class NoSendfile(Exception):
+    """sendfile(2) refused this file before sending anything (a filesystem without it)."""
+
+
+def _send_some(sock_fd: int, file_fd: int, offset: int, count: int,
+               start: int | None = None) -> tuple[int, bool]:
     """sendfile until `count` bytes are sent, the file ends, or the socket stays full for
-    POLL_S. Returns (bytes sent, socket full)."""
+    POLL_S. Returns (bytes sent, socket full). `start`: the body's first offset (a refusal
+    there is NoSendfile: nothing went out yet)."""
     sent = 0
     poller = None
     while sent < count:
@@ -58,6 +65,8 @@ def _send_some(sock_fd: int, file_fd: int, offset: int, count: int) -> tuple[int
         except OSError as exc:
             if exc.errno in _GONE:
                 raise PeerGone(str(exc)) from None
+            if exc.errno in _UNSUPPORTED and offset + sent == start:
+                raise NoSendfile(str(exc)) from None
             raise
         if n == 0:  # the file is shorter than promised
             return sent, False
@@ -95,8 +104,10 @@ async def _drained(transport: asyncio.WriteTransport, timeout: float) -> bool:
 async def sendfile_to(transport: Any, file_fd: int, offset: int, count: int,
                       timeout: float = STALL_TIMEOUT_S) -> int:
     """Send `count` bytes of `file_fd` from `offset` on the transport's socket; the bytes
-    sent (fewer when the file is shorter). Raises PeerGone when the client went away and
-    TimeoutError when it took nothing for `timeout` seconds."""
+    sent (fewer when the file is shorter). Raises PeerGone when the client went away,
+    TimeoutError when it took nothing for `timeout` seconds, NoSendfile when the file's
+    filesystem has no sendfile (nothing was sent: the caller may send the bytes itself),
+    and OSError for an I/O error reading the file."""
     if not await _drained(transport, timeout):
         raise PeerGone("connection closed before the body")
     loop = asyncio.get_running_loop()
@@ -111,7 +122,7 @@ async def sendfile_to(transport: Any, file_fd: int, offset: int, count: int,
         sent = 0
         while sent < count:
             in_thread = loop.run_in_executor(None, _send_some, sock_fd, file_fd,
-                                             offset + sent, count - sent)
+                                             offset + sent, count - sent, offset)
             n, full = await asyncio.shield(in_thread)
             in_thread = None
             sent += n
@@ -131,3 +142,16 @@ async def sendfile_to(transport: Any, file_fd: int, offset: int, count: int,
 def _close(*fds: int) -> None:
     for fd in fds:
         os.close(fd)
+
+
+def pread_exact(fd: int, offset: int, count: int) -> bytes:
+    """`count` bytes of the file from `offset` (OSError if it ends first)."""
+    parts = []
+    while count > 0:
+        part = os.pread(fd, count, offset)
+        if not part:
+            raise OSError(f"file ended {count} bytes early")
+        parts.append(part)
+        offset += len(part)
+        count -= len(part)
+    return b"".join(parts)

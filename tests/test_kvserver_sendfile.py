@@ -233,3 +233,41 @@ def test_zerocopysend_sends_file_parts_and_cuts_a_body_the_file_cannot_fill(data
             httpx.get(f"{url}/short")
         assert httpx.get(f"{url}/parts").status_code == 200  # the server goes on
     assert seen_extension == [True, True, True]
+
+
+def test_a_filesystem_without_sendfile_gets_the_bytes_sent_and_an_io_error_cuts_the_body(
+        data_file: Path, monkeypatch):
+    """sendfile(2) refusing a file (EINVAL, as from a filesystem without it) and failing
+    mid-body (EIO) cannot be produced on this machine's filesystems: os.sendfile is
+    replaced for this test."""
+    import errno
+
+    import kvserver.sendfile as sf
+
+    data = data_file.read_bytes()
+    real_sendfile = os.sendfile
+    mode = {"now": "refuse"}
+
+    def sendfile(out_fd, in_fd, offset, count):
+        if mode["now"] == "refuse":
+            raise OSError(errno.EINVAL, "Invalid argument")
+        if offset >= 1 << 20:
+            raise OSError(errno.EIO, "Input/output error")
+        return real_sendfile(out_fd, in_fd, offset, min(count, 256 << 10))
+    monkeypatch.setattr(sf.os, "sendfile", sendfile)
+
+    async def app(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-length", str(len(data) - 100).encode())]})
+        with BlobFile(os.open(data_file, os.O_RDONLY), len(data)) as f:
+            await send({"type": ZEROCOPY, "file": f, "offset": 100})
+
+    with serving(app) as url:
+        assert httpx.get(url).content == data[100:]
+        mode["now"] = "fail mid-body"
+        with pytest.raises(httpx.RemoteProtocolError):
+            httpx.get(url)
+        mode["now"] = "refuse"
+        assert httpx.get(url).content == data[100:]
