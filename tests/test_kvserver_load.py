@@ -1,11 +1,16 @@
 """Load: 32 concurrent http:// clients against one kvserver, bounded in time and count,
-end with zero errors, every read verified, and the server's memory bounded."""
+end with zero errors, every read verified, and the server's memory bounded. A second
+phase re-reads every chunk once the files have settled, so those GETs go out by
+sendfile(2) under the same load."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
+
+import httpx
 
 from hashing import Namespace, chunk_keys
 from storage import open_store
@@ -23,7 +28,8 @@ MiB = 1024 * 1024
 RSS_GROWTH_LIMIT = 64 * MiB
 
 
-async def client(url: str, i: int, deadline: float) -> tuple[int, list[str]]:
+async def client(url: str, i: int, deadline: float,
+                 written: dict[str, bytes]) -> tuple[int, list[str]]:
     ns = Namespace(model="load", dtype="u8", layout="raw", chunk_tokens=8, salt=f"client-{i}")
     tokens = [i * 100_000 + t for t in range(8 * ROUNDS)]
     keys = chunk_keys(tokens, ns)
@@ -40,6 +46,7 @@ async def client(url: str, i: int, deadline: float) -> tuple[int, list[str]]:
             blob = encode_chunk(key, tokens[8 * r : 8 * r + 8], payload)
             if not await store.put(key, blob):
                 problems.append(f"put {key} reported an existing key")
+            written[key] = payload
             header = await store.get_into(key, buf)
             if header is None or buf != payload:
                 problems.append(f"get_into {key} returned wrong bytes")
@@ -57,6 +64,23 @@ async def client(url: str, i: int, deadline: float) -> tuple[int, list[str]]:
     return ops, problems
 
 
+async def reread(url: str, written: dict[str, bytes], passes: int = 2) -> tuple[int, list[str]]:
+    store = open_store(f"{url}?pool=2&timeout=30s")
+    buf = bytearray(PAYLOAD)
+    problems: list[str] = []
+    try:
+        for _ in range(passes):
+            for key, payload in written.items():
+                header = await store.get_into(key, buf)
+                if header is None or buf != payload:
+                    problems.append(f"re-read of {key} returned wrong bytes")
+        if store.counters["errors"] or store.counters["corrupt"]:
+            problems.append(f"client counters show failures: {store.stats()}")
+    finally:
+        await store.close()
+    return passes * len(written), problems
+
+
 async def test_32_concurrent_clients_end_with_zero_errors_and_bounded_memory(tmp_path):
     with running_kvserver("--store", f"file://{tmp_path}/store?fsync=false") as server:
         rss_before = server.rss_bytes()
@@ -71,7 +95,11 @@ async def test_32_concurrent_clients_end_with_zero_errors_and_bounded_memory(tmp
 
         sampler = asyncio.create_task(sample())
         deadline = time.monotonic() + TIME_LIMIT_S
-        results = await asyncio.gather(*(client(server.url, i, deadline) for i in range(CLIENTS)))
+        written: list[dict[str, bytes]] = [{} for _ in range(CLIENTS)]
+        results = await asyncio.gather(*(client(server.url, i, deadline, written[i])
+                                         for i in range(CLIENTS)))
+        await asyncio.sleep(1.1)  # the file store trusts a verified file once it has settled
+        results += await asyncio.gather(*(reread(server.url, w) for w in written))
         done.set()
         await sampler
         ops = sum(n for n, _ in results)
@@ -80,3 +108,5 @@ async def test_32_concurrent_clients_end_with_zero_errors_and_bounded_memory(tmp
         assert ops >= CLIENTS * 5, "the time limit cut the run before every client finished one round"
         assert peak - rss_before < RSS_GROWTH_LIMIT, (rss_before, peak)
         assert "Traceback" not in server.log()
+        sent = httpx.get(f"{server.url}/metrics").text
+        assert re.search(r"^kvstash_bytes_sendfile_total [1-9]", sent, re.M), "no GET used sendfile"
