@@ -105,6 +105,9 @@ class BlobFile:
             fd, self.fd = self.fd, -1
             os.close(fd)
 
+    def __del__(self) -> None:  # a holder that never got to close it (a cancelled request)
+        self.close()
+
     def __enter__(self) -> BlobFile:
         return self
 
