@@ -128,9 +128,18 @@ def _with_zerocopy(app: Any, cycle: Any) -> Any:
     return app_with_zerocopy
 
 
+# uvicorn's per-request state that the zero-copy send reads (and the byte count it keeps).
+_CYCLE_STATE = ("disconnected", "response_started", "response_complete", "chunked_encoding",
+                "expected_content_length", "transport", "scope")
+
+
 async def _send_file(cycle: Any, send: Any, message: Any) -> None:
     """One zerocopysend message: the file's bytes as (part of) the body under the
     response's Content-Length; then an empty body message ends it or keeps it open."""
+    if not all(hasattr(cycle, name) for name in _CYCLE_STATE):
+        # A uvicorn whose request state looks different: send the bytes the plain way.
+        await _send_read(send, message, message.get("offset"), message.get("count"))
+        return
     if cycle.disconnected:
         return  # as uvicorn's own send: a gone client's messages are dropped
     if not cycle.response_started or cycle.response_complete:
@@ -150,10 +159,7 @@ async def _send_file(cycle: Any, send: Any, message: Any) -> None:
         try:
             sent = await sendfile_to(cycle.transport, fd, offset, count)
         except NoSendfile:
-            body = await asyncio.to_thread(pread_exact, fd, offset, count)
-            if at_position:
-                os.lseek(fd, offset + count, os.SEEK_SET)
-            await send({"type": "http.response.body", "body": body, "more_body": more_body})
+            await _send_read(send, message, None if at_position else offset, count)
             return
         except (PeerGone, TimeoutError):
             sent = -1
@@ -169,3 +175,18 @@ async def _send_file(cycle: Any, send: Any, message: Any) -> None:
         if at_position:  # as sendfile(2) without an offset: the file position moves on
             os.lseek(fd, offset + count, os.SEEK_SET)
     await send({"type": "http.response.body", "body": b"", "more_body": more_body})
+
+
+async def _send_read(send: Any, message: Any, offset: int | None, count: int | None) -> None:
+    """A zerocopysend message carried out by reading the bytes and sending them."""
+    fd = message["file"].fileno()
+    at_position = offset is None
+    if at_position:
+        offset = os.lseek(fd, 0, os.SEEK_CUR)
+    if count is None:
+        count = os.fstat(fd).st_size - offset
+    body = await asyncio.to_thread(pread_exact, fd, offset, count)
+    if at_position:
+        os.lseek(fd, offset + count, os.SEEK_SET)
+    await send({"type": "http.response.body", "body": body,
+                "more_body": message.get("more_body", False)})
