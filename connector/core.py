@@ -415,9 +415,7 @@ class KVConnector:
             # (shielded: cancelling this fetch must not cancel the engine's futures)
             await asyncio.gather(*(asyncio.shield(asyncio.wrap_future(f)) for f in done),
                                  return_exceptions=True)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any failure is a miss
+        except Exception as exc:  # noqa: BLE001 - any failure is a miss (not a cancellation)
             self._count(load_errors=1)
             log.warning("direct read from %s failed: %s", files, exc)
         finally:

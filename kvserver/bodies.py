@@ -18,7 +18,6 @@ buffer altogether: `FileBodyResponse` hands the open file to the server's zero-c
 
 from __future__ import annotations
 
-import asyncio
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -26,7 +25,6 @@ from typing import Any
 from starlette.responses import Response
 
 from kvserver.protocol import ZEROCOPY
-from kvserver.sendfile import pread_exact
 from storage.base import BlobFile
 from storage.buffers import host_buffer
 
@@ -110,8 +108,9 @@ class ViewResponse(Response):
 
 
 class FileBodyResponse(Response):
-    """Bytes [start, stop) of an open chunk file as the body, sent with the server's
-    zero-copy send when it offers one; the file is closed when the response is done."""
+    """Bytes [start, stop) of an open chunk file as the body, handed to the server's
+    zero-copy send (built only for requests whose scope offers it); the file is closed
+    when the response is done."""
 
     def __init__(self, file: BlobFile, start: int, stop: int, status_code: int,
                  headers: dict[str, str], media_type: str):
@@ -124,12 +123,7 @@ class FileBodyResponse(Response):
         try:
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
-            if ZEROCOPY in scope.get("extensions", {}):
-                await send({"type": ZEROCOPY, "file": self.file, "offset": self.start,
-                            "count": self.stop - self.start, "more_body": False})
-            else:  # a server without it: read the bytes
-                body = await asyncio.to_thread(pread_exact, self.file.fileno(), self.start,
-                                               self.stop - self.start)
-                await send({"type": "http.response.body", "body": body, "more_body": False})
+            await send({"type": ZEROCOPY, "file": self.file, "offset": self.start,
+                        "count": self.stop - self.start, "more_body": False})
         finally:
             self.file.close()

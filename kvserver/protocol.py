@@ -22,7 +22,8 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvserver.sendfile import NoSendfile, PeerGone, pread_exact, sendfile_to
+from kvserver.sendfile import NoSendfile, PeerGone, sendfile_to
+from storage.file import read_at
 
 # Request line + headers. kvstash's own requests carry well under 1 KiB.
 MAX_HEAD_BYTES = 64 * 1024
@@ -138,28 +139,20 @@ async def _send_file(cycle: Any, send: Any, message: Any) -> None:
     response's Content-Length; then an empty body message ends it or keeps it open."""
     if not all(hasattr(cycle, name) for name in _CYCLE_STATE):
         # A uvicorn whose request state looks different: send the bytes the plain way.
-        await _send_read(send, message, message.get("offset"), message.get("count"))
+        await _send_read(send, message)
         return
     if cycle.disconnected:
         return  # as uvicorn's own send: a gone client's messages are dropped
     if not cycle.response_started or cycle.response_complete:
         raise RuntimeError(f"Unexpected ASGI message {ZEROCOPY!r} outside a response body")
-    more_body = message.get("more_body", False)
     if cycle.scope["method"] != "HEAD":
-        fd = message["file"].fileno()
-        offset = message.get("offset")
-        at_position = offset is None
-        if at_position:
-            offset = os.lseek(fd, 0, os.SEEK_CUR)
-        count = message.get("count")
-        if count is None:
-            count = os.fstat(fd).st_size - offset
+        fd, offset, count = _span(message)
         if cycle.chunked_encoding or count > cycle.expected_content_length:
             raise RuntimeError("zerocopysend needs a Content-Length that covers the file")
         try:
             sent = await sendfile_to(cycle.transport, fd, offset, count)
         except NoSendfile:
-            await _send_read(send, message, None if at_position else offset, count)
+            await _send_read(send, message)
             return
         except (PeerGone, TimeoutError):
             sent = -1
@@ -172,21 +165,35 @@ async def _send_file(cycle: Any, send: Any, message: Any) -> None:
             cycle.disconnected = True
             return
         cycle.expected_content_length -= count
-        if at_position:  # as sendfile(2) without an offset: the file position moves on
-            os.lseek(fd, offset + count, os.SEEK_SET)
-    await send({"type": "http.response.body", "body": b"", "more_body": more_body})
+        _moved_on(message, offset + count)
+    await send({"type": "http.response.body", "body": b"", "more_body": message.get("more_body", False)})
 
 
-async def _send_read(send: Any, message: Any, offset: int | None, count: int | None) -> None:
-    """A zerocopysend message carried out by reading the bytes and sending them."""
+def _span(message: Any) -> tuple[int, int, int]:
+    """(fd, offset, count) of a zerocopysend message: no offset means the file position,
+    no count means up to the end of the file."""
     fd = message["file"].fileno()
-    at_position = offset is None
-    if at_position:
+    offset = message.get("offset")
+    if offset is None:
         offset = os.lseek(fd, 0, os.SEEK_CUR)
+    count = message.get("count")
     if count is None:
         count = os.fstat(fd).st_size - offset
-    body = await asyncio.to_thread(pread_exact, fd, offset, count)
-    if at_position:
-        os.lseek(fd, offset + count, os.SEEK_SET)
+    return fd, offset, count
+
+
+def _moved_on(message: Any, end: int) -> None:
+    """As sendfile(2) without an offset: the file position moves past what was sent."""
+    if message.get("offset") is None:
+        os.lseek(message["file"].fileno(), end, os.SEEK_SET)
+
+
+async def _send_read(send: Any, message: Any) -> None:
+    """A zerocopysend message carried out by reading the bytes and sending them."""
+    fd, offset, count = _span(message)
+    body = await asyncio.to_thread(read_at, fd, count, offset)
+    if len(body) != count:
+        raise OSError(f"file ended {count - len(body)} bytes early")
+    _moved_on(message, offset + count)
     await send({"type": "http.response.body", "body": body,
                 "more_body": message.get("more_body", False)})

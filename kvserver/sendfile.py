@@ -143,15 +143,3 @@ def _close(*fds: int) -> None:
     for fd in fds:
         os.close(fd)
 
-
-def pread_exact(fd: int, offset: int, count: int) -> bytes:
-    """`count` bytes of the file from `offset` (OSError if it ends first)."""
-    parts = []
-    while count > 0:
-        part = os.pread(fd, count, offset)
-        if not part:
-            raise OSError(f"file ended {count} bytes early")
-        parts.append(part)
-        offset += len(part)
-        count -= len(part)
-    return b"".join(parts)

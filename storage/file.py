@@ -84,7 +84,8 @@ def _key_of(path: Path) -> str | None:
     return f"{path.parent.parent.parent.name}/{name[: -len(SUFFIX)]}"
 
 
-def _read_all(fd: int, size: int, offset: int = 0) -> bytes:
+def read_at(fd: int, size: int, offset: int = 0) -> bytes:
+    """Up to `size` bytes of `fd` from `offset` (fewer only where the file ends)."""
     parts = []
     while size > 0:
         part = os.pread(fd, size, offset)
@@ -411,7 +412,7 @@ class FileStore(Store):
             if out is not None and out.nbytes >= st.st_size:
                 blob = out[: _read_into(fd, out[: st.st_size], 0)]
             else:
-                blob = _read_all(fd, st.st_size)
+                blob = read_at(fd, st.st_size)
         except OSError as exc:
             if exc.errno not in _MISS_ERRNOS:
                 self.counters["errors"] += 1
@@ -451,12 +452,12 @@ class FileStore(Store):
             # An unchanged, already verified file needs neither its header read nor parsed.
             header = self.known_header(key, st)
             if header is None:
-                head = _read_all(fd, HEADER_SIZE)
+                head = read_at(fd, HEADER_SIZE)
                 try:
                     header = decode_header(head, key)
                 except ChunkError as exc:
                     if len(head) == HEADER_SIZE and exc.args and "truncated header" in exc.args[0]:
-                        header = decode_header(_read_all(fd, st.st_size), key)
+                        header = decode_header(read_at(fd, st.st_size), key)
                     else:
                         raise
             if st.st_size != header.total_len:
@@ -538,14 +539,14 @@ class FileStore(Store):
         return blob
 
     async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
-        check_key(key)
-        blob = await asyncio.to_thread(self._get_sync, key, memoryview(out).cast("B"))
-        self._count_get(None if blob is None else len(blob))
-        return None if blob is None else memoryview(blob)
+        return await self._blob(key, out, as_file=False)  # type: ignore[return-value]
 
     async def open_blob(self, key: str, out: Any) -> memoryview | BlobFile | None:
+        return await self._blob(key, out, as_file=True)
+
+    async def _blob(self, key: str, out: Any, as_file: bool) -> memoryview | BlobFile | None:
         check_key(key)
-        got = await asyncio.to_thread(self._get_sync, key, memoryview(out).cast("B"), True)
+        got = await asyncio.to_thread(self._get_sync, key, memoryview(out).cast("B"), as_file)
         if isinstance(got, BlobFile):
             self._count_get(got.size)
             return got
