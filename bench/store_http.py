@@ -7,6 +7,8 @@
 2. A plain loopback socket stream: one thread per connection on each side, `sendall` of
    the same number of bytes per chunk and `recv_into` a preallocated buffer. No HTTP, no
    verification: the practical limit for any Python client and server on this machine.
+   When the URL names a `unix_socket`, the same stream over a Unix socket too (with the
+   send buffer kvserver asks for), the limit of that transport.
 
 3. With `--lmcache HOST:PORT`: LMCache's legacy cache server (`python -m lmcache.v1.server
    HOST PORT cpu`), the same sizes, through a minimal client of its wire protocol (a
@@ -26,6 +28,7 @@ import os
 import socket
 import statistics
 import struct
+import tempfile
 import threading
 import time
 import uuid
@@ -36,6 +39,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from storage.codec import HEADER_SIZE
+from storage.http import UNIX_SNDBUF
 from storage.options import StoreURL
 
 LOOKUP_KEYS = 512
@@ -65,7 +69,9 @@ async def backend_url(url: str) -> str:
     u = StoreURL(url)
     token = _token(url)
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with httpx.AsyncClient(timeout=10) as client:
+    unix = StoreURL(url).take("unix_socket")
+    transport = httpx.AsyncHTTPTransport(uds=unix) if unix else None
+    async with httpx.AsyncClient(timeout=10, transport=transport) as client:
         r = await client.get(f"{u.scheme}://{u.netloc}{u.path.rstrip('/')}/v1/stats", headers=headers)
         r.raise_for_status()
         stats = r.json()
@@ -93,14 +99,24 @@ def _timed_threads(fn, n: int) -> float:
     return time.perf_counter() - t0
 
 
-def raw_stream_gbps(size: int, count: int, concurrency: int, rounds: int) -> float:
-    """Median GB/s of `count` transfers of `size` bytes over `concurrency` loopback sockets."""
+def raw_stream_gbps(size: int, count: int, concurrency: int, rounds: int,
+                    unix_dir: str | None = None) -> float:
+    """Median GB/s of `count` transfers of `size` bytes over `concurrency` loopback TCP
+    sockets, or Unix sockets in `unix_dir`."""
     data = os.urandom(size)
-    listener = socket.create_server(("127.0.0.1", 0))
-    port = listener.getsockname()[1]
+    if unix_dir is None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        address: Any = ("127.0.0.1", listener.getsockname()[1])
+    else:
+        address = os.path.join(unix_dir, "raw.sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(concurrency)
 
     def sender(conn: socket.socket) -> None:
         with conn:
+            if unix_dir is not None:
+                conn.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
             while conn.recv(1):
                 conn.sendall(data)
 
@@ -111,7 +127,10 @@ def raw_stream_gbps(size: int, count: int, concurrency: int, rounds: int) -> flo
 
     acceptor = threading.Thread(target=accept, daemon=True)
     acceptor.start()
-    clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(concurrency)]
+    clients = []
+    for _ in range(concurrency):
+        clients.append(socket.socket(listener.family, socket.SOCK_STREAM))
+        clients[-1].connect(address)
     acceptor.join()
     buffers = [memoryview(bytearray(size)) for _ in range(concurrency)]
     shares = [count // concurrency + (i < count % concurrency) for i in range(concurrency)]
@@ -214,6 +233,12 @@ async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
         {"name": "raw loopback socket stream into a preallocated buffer",
          "put_gbps": None, "get_gbps": raw},
     ]
+    if StoreURL(url).take("unix_socket"):
+        with tempfile.TemporaryDirectory(prefix="kvstash-raw-") as where:
+            raw_unix = await asyncio.to_thread(raw_stream_gbps, size + HEADER_SIZE, count,
+                                               concurrency, rounds, where)
+        rows.append({"name": "raw Unix socket stream into a preallocated buffer",
+                     "put_gbps": None, "get_gbps": raw_unix})
     if getattr(args, "lmcache", None):
         # LMCache's own `lm://` connector holds one socket per connector and serializes
         # requests on it; the best case gives each request lane its own socket and thread.

@@ -1,7 +1,9 @@
 """`kvstash serve`: flags -> ServerConfig -> the app under uvicorn, on a socket bound here.
 
 The socket is bound before uvicorn starts so that `--port 0` works: the line printed at
-start-up names the real port (tests and scripts read it).
+start-up names the real port (tests and scripts read it). With `--unix-socket PATH` the
+same app also listens on a Unix stream socket, for clients on this host: a second line
+names the store URL they use.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ import argparse
 import ipaddress
 import os
 import socket
+import stat
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 from kvserver.config import (
     CONFIG_ENV,
@@ -29,6 +33,8 @@ from storage.options import StoreURL, parse_seconds, parse_size
 # Idle keep-alive connections live longer than the client pool's idle limit (30 s), so a
 # pooled connection is normally closed by the client, not by surprise under it.
 KEEP_ALIVE_S = 75
+# A --unix-socket file's permissions: the server's user and group connect; others do not.
+UNIX_SOCKET_MODE = 0o660
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -38,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT,
                    help=f"port (default {DEFAULT_PORT}; 0 picks a free one)")
+    p.add_argument("--unix-socket", metavar="PATH", type=Path,
+                   help="also listen on this Unix socket (mode 0660), for clients on this "
+                        "host: faster than loopback TCP")
     p.add_argument("--auth-tokens", metavar="FILE", type=Path,
                    help="`TENANT TOKEN` lines; each token gets its tenant's private key space")
     p.add_argument("--max-chunk-bytes", type=parse_size, default=DEFAULT_MAX_CHUNK_BYTES,
@@ -84,6 +93,37 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def bind_unix(path: Path) -> socket.socket:
+    """A listening Unix stream socket at `path`. A socket file left by a server that is gone
+    is replaced; a live server's socket, or any other file, is an error."""
+    try:
+        mode = path.lstat().st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None:
+        if not stat.S_ISSOCK(mode):
+            raise OSError(f"cannot listen on {path}: it exists and is not a socket")
+        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):
+            path.unlink(missing_ok=True)  # stale: nobody listens on it
+        else:
+            raise OSError(f"cannot listen on {path}: another server is listening there")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.bind(str(path))
+        os.chmod(path, UNIX_SOCKET_MODE)
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {path}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def _is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
@@ -113,12 +153,24 @@ def run(args: argparse.Namespace) -> int:
     # Built here even with workers: bad stores or tokens fail now, in one line.
     app = create_app(config)
     sock = bind(args.host, args.port)
+    sockets = [sock]
+    unix_path = getattr(args, "unix_socket", None)
+    if unix_path is not None:
+        unix_path = unix_path.absolute()
+        try:
+            sockets.append(bind_unix(unix_path))
+        except OSError:
+            sock.close()
+            raise
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     stores = ", ".join(StoreURL(u).redacted() for u in config.store_urls)
     auth = f"tenants: {', '.join(app.state.tenancy.scopes)}" if config.tokens_file else "no auth"
     scheme = "https" if args.tls_cert else "http"
     print(f"kvstash serve: {scheme}://{shown}:{port} -> {stores} ({auth})", flush=True)
+    if unix_path is not None:
+        local = f"{scheme}://localhost?unix_socket={quote(str(unix_path), safe='/')}"
+        print(f"kvstash serve: clients on this host: {local}", flush=True)
     if not config.tokens_file and not _is_loopback(host):
         print("kvstash serve: warning: listening beyond loopback without --auth-tokens",
               file=sys.stderr, flush=True)
@@ -130,13 +182,30 @@ def run(args: argparse.Namespace) -> int:
     }
     if args.tls_cert:
         common |= {"ssl_certfile": str(args.tls_cert), "ssl_keyfile": str(args.tls_key)}
-    if workers == 1:
-        uvicorn.Server(uvicorn.Config(app, **common)).run(sockets=[sock])
+    def remove_unix_socket() -> None:
+        if unix_path is not None:
+            unix_path.unlink(missing_ok=True)
+
+    class Server(uvicorn.Server):
+        # Removed at shutdown, before uvicorn re-raises the signal that stopped it (which
+        # ends the process before any `finally` below could run).
+        async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+            try:
+                await super().shutdown(sockets=sockets)
+            finally:
+                remove_unix_socket()
+
+    try:
+        if workers == 1:
+            Server(uvicorn.Config(app, **common)).run(sockets=sockets)
+            return 0
+        os.environ[CONFIG_ENV] = config.to_json()
+        uv_config = uvicorn.Config("kvserver.app:app_from_env", factory=True, workers=workers,
+                                   **common)
+        Multiprocess(uv_config, sockets=sockets).run()
         return 0
-    os.environ[CONFIG_ENV] = config.to_json()
-    uv_config = uvicorn.Config("kvserver.app:app_from_env", factory=True, workers=workers, **common)
-    Multiprocess(uv_config, sockets=[sock]).run()
-    return 0
+    finally:
+        remove_unix_socket()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,9 +7,13 @@ connection forever by trickling a head byte by byte (tests/test_reliability_host
 Bodies are bounded by the app (`--max-chunk-bytes`, `--body-timeout`).
 
 It also offers the ASGI "Zero Copy Send" extension (`http.response.zerocopysend`) on
-plain-TCP connections: the app hands over an open file and the bytes go to the socket
-with sendfile(2) (kvserver/sendfile.py). uvicorn has no such extension; this wraps the
-`send` of each request it starts.
+connections without TLS (TCP or Unix socket): the app hands over an open file and the
+bytes go to the socket with sendfile(2) (kvserver/sendfile.py). uvicorn has no such
+extension; this wraps the `send` of each request it starts.
+
+Unix-socket connections get a larger send buffer: a Unix stream socket's sender may have
+at most its send buffer in flight, and the 208 KiB default makes a 16 MiB body some 80
+round trips between the server's sendfile and the client's receive.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ import asyncio
 import json
 import logging
 import os
+import socket
 from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvserver.sendfile import NoSendfile, PeerGone, sendfile_to
 from storage.file import read_at
+from storage.http import UNIX_SNDBUF
 
 # Request line + headers. kvstash's own requests carry well under 1 KiB.
 MAX_HEAD_BYTES = 64 * 1024
@@ -55,9 +61,11 @@ class BoundedHeadProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._zerocopy = (_CAN_WRAP_SEND and hasattr(os, "sendfile")
-                          and transport.get_extra_info("sslcontext") is None
-                          and transport.get_extra_info("socket") is not None)
+        sock = transport.get_extra_info("socket")
+        self._zerocopy = (_CAN_WRAP_SEND and hasattr(os, "sendfile") and sock is not None
+                          and transport.get_extra_info("sslcontext") is None)
+        if sock is not None and sock.family == socket.AF_UNIX:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
         self._begin_head()
 
     def connection_lost(self, exc: Exception | None) -> None:

@@ -6,7 +6,7 @@ client buffer (recv). sendfile(2) moves the file's pages into the socket inside 
 kernel, which drops the first copy and leaves the server process no per-byte work.
 
 Protocol side: `send_file` runs for an ASGI `http.response.zerocopysend` message (the
-ASGI "Zero Copy Send" extension), which kvserver.protocol offers on plain-TCP connections.
+ASGI "Zero Copy Send" extension), which kvserver.protocol offers on connections without TLS.
 
 The socket belongs to the event loop's transport, so this code writes only once the
 transport's own buffer is empty (the response head went out first), and through a

@@ -1,0 +1,175 @@
+"""`kvstash serve --unix-socket PATH` and the http:// store's `unix_socket` option: the same
+API, auth and zero-copy GETs over a Unix stream socket for clients on the server's host.
+All against real uvicorn and real sockets."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import quote
+
+import httpx
+import pytest
+
+from storage import open_store
+from storage.errors import ConfigError
+from tests.kvserver_fixtures import running_kvserver
+from tests.store_helpers import make_chunks
+from tests.test_http_store_client import self_signed_cert
+from tests.test_kvserver_sendfile import SETTLE_S, sendfile_bytes
+
+TOKEN = "unix-socket-token-0123456789"
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short directory: a Unix socket path must fit in 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="kvs-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def unix_url(path: Path, scheme: str = "http", host: str = "localhost", **opts: str) -> str:
+    extra = "".join(f"&{k}={quote(v, safe='/')}" for k, v in opts.items())
+    return f"{scheme}://{host}?unix_socket={quote(str(path), safe='/')}{extra}"
+
+
+def serve_error(*flags: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvserver.cli", "--port", "0", *flags],
+                          capture_output=True, text=True, timeout=60)
+
+
+async def test_the_store_api_works_over_the_unix_socket_and_gets_use_sendfile(tmp_path, sock_dir, ns):
+    path = sock_dir / "kv.sock"
+    chunks = make_chunks(ns, 3, payload_size=(3 << 20) + 17)
+    with running_kvserver("--store", f"file://{tmp_path}", "--unix-socket", str(path)) as server:
+        assert stat.S_ISSOCK(path.lstat().st_mode)
+        assert stat.S_IMODE(path.lstat().st_mode) == 0o660
+        store = open_store(unix_url(path))
+        try:
+            keys = [k for k, _, _ in chunks]
+            for key, _, blob in chunks:
+                assert await store.put(key, blob) is True
+            assert await store.put(keys[0], chunks[0][2]) is False  # already there
+            assert await store.prefix_len(keys) == 3
+            assert await store.exists([keys[2], "ab" * 8 + "/" + "cd" * 16]) == [True, False]
+            time.sleep(SETTLE_S)
+            for key, _, blob in chunks:  # the first reads verify the files ...
+                assert await store.get(key) == blob
+            before = sendfile_bytes(server.url)
+            out = bytearray(4 << 20)
+            for key, _, blob in chunks:  # ... later ones are sent from them
+                header = await store.get_into(key, out)
+                assert header is not None
+                assert bytes(out[: header.payload_len]) == blob[header.header_len :]
+            assert sendfile_bytes(server.url) - before == sum(len(b) for _, _, b in chunks)
+            assert await store.delete(keys[1]) is True
+            assert await store.prefix_len(keys) == 1
+            # A TCP client sees the same chunks: one app behind both listeners.
+            tcp = open_store(server.url)
+            try:
+                assert await tcp.get(keys[0]) == chunks[0][2]
+                assert await tcp.get(keys[1]) is None
+            finally:
+                await tcp.close()
+        finally:
+            await store.close()
+    assert not path.exists(), "the socket file outlived the server"
+
+
+async def test_auth_and_tenancy_hold_on_the_unix_socket(tmp_path, sock_dir, ns):
+    path = sock_dir / "kv.sock"
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {TOKEN}\n")
+    (key, _, blob), = make_chunks(ns, 1)
+    with running_kvserver("--store", f"file://{tmp_path / 'root'}", "--auth-tokens", str(tokens),
+                          "--unix-socket", str(path)):
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path))) as client:
+            r = client.get(f"http://localhost/v1/chunks/{key}")
+            assert r.status_code == 401 and r.json()["error"]
+        anonymous = open_store(unix_url(path))
+        alice = open_store(unix_url(path, token=TOKEN))
+        try:
+            with pytest.raises(Exception, match="401"):
+                await anonymous.put(key, blob)
+            assert await alice.put(key, blob) is True
+            assert await alice.get(key) == blob
+            assert await anonymous.get(key) is None
+        finally:
+            await anonymous.close()
+            await alice.close()
+
+
+async def test_https_over_the_unix_socket(tmp_path, sock_dir, ns):
+    cert, key_file = self_signed_cert(tmp_path)
+    path = sock_dir / "kv.sock"
+    (key, _, blob), = make_chunks(ns, 1, payload_size=2 << 20)
+    with running_kvserver("--store", f"file://{tmp_path / 'root'}", "--tls-cert", cert,
+                          "--tls-key", key_file, "--unix-socket", str(path)):
+        store = open_store(unix_url(path, "https", "127.0.0.1", ca=cert))
+        untrusting = open_store(unix_url(path, "https", "127.0.0.1"))
+        try:
+            assert await store.put(key, blob) is True
+            assert await store.get(key) == blob
+            assert await untrusting.get(key) is None  # unknown CA: a miss, not an exception
+        finally:
+            await store.close()
+            await untrusting.close()
+
+
+def test_a_stale_socket_file_is_replaced(tmp_path, sock_dir):
+    path = sock_dir / "kv.sock"
+    dead = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    dead.bind(str(path))
+    dead.close()  # the file stays behind, nobody listens
+    with running_kvserver("--store", f"file://{tmp_path}", "--unix-socket", str(path)):
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path))) as client:
+            assert client.get("http://localhost/healthz").status_code == 200
+
+
+def test_a_live_socket_or_another_file_is_left_alone(tmp_path, sock_dir):
+    live_path = sock_dir / "live.sock"
+    live = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    live.bind(str(live_path))
+    live.listen(1)
+    try:
+        result = serve_error("--store", f"file://{tmp_path}", "--unix-socket", str(live_path))
+        assert result.returncode == 2
+        assert "another server is listening" in result.stderr
+        assert stat.S_ISSOCK(live_path.lstat().st_mode)
+    finally:
+        live.close()
+    other = sock_dir / "data.txt"
+    other.write_text("keep me")
+    result = serve_error("--store", f"file://{tmp_path}", "--unix-socket", str(other))
+    assert result.returncode == 2 and "is not a socket" in result.stderr
+    assert other.read_text() == "keep me"
+    result = serve_error("--store", f"file://{tmp_path}", "--unix-socket", "/" + "x" * 120)
+    assert result.returncode == 2 and "cannot listen on" in result.stderr
+
+
+async def test_a_client_whose_socket_is_missing_misses(sock_dir, ns):
+    (key, _, blob), = make_chunks(ns, 1)
+    store = open_store(unix_url(sock_dir / "nobody.sock", breaker_failures="100"))
+    try:
+        assert await store.get(key) is None
+        assert await store.get_into(key, bytearray(4096)) is None
+        assert await store.prefix_len([key]) == 0
+        assert store.stats()["errors"] >= 2
+    finally:
+        await store.close()
+    with pytest.raises(ConfigError, match="unix_socket"):
+        open_store("http://localhost?unix_socket=")
+
+
+def test_the_bench_raw_stream_runs_over_a_unix_socket(sock_dir):
+    from bench.store_http import raw_stream_gbps
+
+    assert raw_stream_gbps(1 << 20, 8, 2, 1, str(sock_dir)) > 0
