@@ -207,7 +207,7 @@ def lmcache_gbps(addr: str, size: int, count: int, concurrency: int,
 async def setup(args: argparse.Namespace, url: str) -> tuple[str, Callable[[], Awaitable[None]]]:
     """Refuse a remote server before anything is measured."""
     host = urlsplit(url).hostname or ""
-    if host not in ("127.0.0.1", "::1", "localhost"):
+    if host not in ("127.0.0.1", "::1", "localhost") and not StoreURL(url).take("unix_socket"):
         # Both baselines are loopback measurements of this host; opening a remote server's
         # backend URL here would touch a local path of the same name instead.
         raise SystemExit(f"bench store: {host} is not loopback; run the bench on the server's host")
