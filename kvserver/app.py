@@ -28,11 +28,11 @@ from starlette.requests import ClientDisconnect
 
 from hashing import KEY_PATTERN
 from kvserver.auth import TokenTable
-from kvserver.bodies import BufferPool, FileBodyResponse, ViewResponse
+from kvserver.bodies import BufferPool, FdResponse, FileBodyResponse, ViewResponse
 from kvserver.config import CONFIG_ENV, ServerConfig
 from kvserver.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvserver.metrics import MetricsMiddleware, ServerMetrics
-from kvserver.protocol import ZEROCOPY
+from kvserver.protocol import FDPASS, ZEROCOPY
 from storage.base import BlobFile, Store
 from storage.errors import InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
 from storage.registry import open_store
@@ -306,6 +306,10 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     async def get_chunk(
         request: Request, ns_id: NsId, digest: Digest, s: TenantStore,
         range_: Annotated[str | None, Header(alias="Range")] = None,
+        want_fd: Annotated[str | None, Header(
+            alias="Kvstash-Fd", description="`1`: on a Unix-socket connection, the chunk may "
+            "come as its open file's descriptor (SCM_RIGHTS) with a 1-byte body, the response "
+            "header `Kvstash-Fd` giving the chunk's size; elsewhere ignored")] = None,
     ) -> Response:
         buf, release = bodies.borrow(bodies.hint)
         key = f"{ns_id}/{digest}"
@@ -342,6 +346,10 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             release()
             raise
         metrics.bytes_out.inc(stop - start)
+        if isinstance(got, BlobFile) and want_fd == "1" and range_ is None and (
+                FDPASS in request.scope.get("extensions", {})):
+            metrics.bytes_fd.inc(stop - start)
+            return FdResponse(got, headers, OCTETS)
         if isinstance(got, BlobFile):
             metrics.bytes_sendfile.inc(stop - start)
             return FileBodyResponse(got, start, stop, status, headers, OCTETS)

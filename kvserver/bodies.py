@@ -24,7 +24,7 @@ from typing import Any
 
 from starlette.responses import Response
 
-from kvserver.protocol import ZEROCOPY
+from kvserver.protocol import FDPASS_MESSAGE, ZEROCOPY
 from storage.base import BlobFile
 from storage.buffers import host_buffer
 
@@ -125,5 +125,24 @@ class FileBodyResponse(Response):
                         "headers": self.raw_headers})
             await send({"type": ZEROCOPY, "file": self.file, "offset": self.start,
                         "count": self.stop - self.start, "more_body": False})
+        finally:
+            self.file.close()
+
+
+class FdResponse(Response):
+    """A whole chunk handed over as its open file: a 1-byte body that carries the file's
+    descriptor (the server's `kvstash.fdpass`, Unix sockets only); `Kvstash-Fd` names the
+    chunk's size. The server's descriptor is closed when the response is done."""
+
+    def __init__(self, file: BlobFile, headers: dict[str, str], media_type: str):
+        self.file = file
+        super().__init__(None, 200, {**headers, "content-length": "1",
+                                     "kvstash-fd": str(file.size)}, media_type)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await send({"type": "http.response.start", "status": self.status_code,
+                        "headers": self.raw_headers})
+            await send({"type": FDPASS_MESSAGE, "file": self.file})
         finally:
             self.file.close()

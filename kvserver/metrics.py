@@ -39,6 +39,9 @@ class ServerMetrics:
         self.bytes_sendfile = Counter(
             "kvstash_bytes_sendfile", "chunk bytes sent from their files with sendfile(2), "
             "not read by the server (part of kvstash_bytes_served)", registry=r)
+        self.bytes_fd = Counter(
+            "kvstash_bytes_fd_passed", "chunk bytes whose open file was handed to a client on "
+            "the Unix socket, which read it itself (part of kvstash_bytes_served)", registry=r)
         self.bytes_in = Counter("kvstash_bytes_received", "chunk bytes stored from clients",
                                 registry=r)
         self.used = Gauge("kvstash_store_used_bytes", "bytes held by the store (all tenants)",

@@ -11,6 +11,11 @@ connections without TLS (TCP or Unix socket): the app hands over an open file an
 bytes go to the socket with sendfile(2) (kvserver/sendfile.py). uvicorn has no such
 extension; this wraps the `send` of each request it starts.
 
+On Unix-socket connections it also offers `kvstash.fdpass`: the app hands over an open
+chunk file and the client receives its descriptor (SCM_RIGHTS) with the body's one byte,
+and reads the file itself (kvserver/sendfile.py `pass_fd`; the client side is
+storage/http.py).
+
 Unix-socket connections get a larger send buffer: a Unix stream socket's sender may have
 at most its send buffer in flight, and the 208 KiB default makes a 16 MiB body some 80
 round trips between the server's sendfile and the client's receive.
@@ -27,7 +32,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvserver.sendfile import NoSendfile, PeerGone, sendfile_to
+from kvserver.sendfile import NoSendfile, PeerGone, pass_fd, sendfile_to
 from storage.file import read_at
 from storage.http import UNIX_SNDBUF
 
@@ -37,6 +42,8 @@ MAX_HEAD_BYTES = 64 * 1024
 HEAD_TIMEOUT_S = 10.0
 
 ZEROCOPY = "http.response.zerocopysend"
+FDPASS = "kvstash.fdpass"  # scope extension; its message type is FDPASS_MESSAGE
+FDPASS_MESSAGE = "kvstash.response.fd"
 log = logging.getLogger("kvstash.kvserver")
 # The hook that wraps each request's `send` (uvicorn's own method): without it, no offer.
 _CAN_WRAP_SEND = hasattr(HttpToolsProtocol, "_start_asgi_task")
@@ -58,6 +65,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     _feeding = 0  # size of the packet being parsed (a head may begin inside it)
     _head_timer: asyncio.TimerHandle | None = None
     _zerocopy = False
+    _fdpass = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -66,6 +74,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
                           and transport.get_extra_info("sslcontext") is None)
         if sock is not None and sock.family == socket.AF_UNIX:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
+            self._fdpass = self._zerocopy
         self._begin_head()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -88,7 +97,7 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         if self._zerocopy:
-            self.scope["extensions"] = {ZEROCOPY: {}}
+            self.scope["extensions"] = {ZEROCOPY: {}, FDPASS: {}} if self._fdpass else {ZEROCOPY: {}}
         if not self._in_head:  # the next request on a kept-alive connection
             self._begin_head(self._feeding)
 
@@ -131,6 +140,8 @@ def _with_zerocopy(app: Any, cycle: Any) -> Any:
         async def send_or_sendfile(message: Any) -> None:
             if message["type"] == ZEROCOPY:
                 await _send_file(cycle, send, message)
+            elif message["type"] == FDPASS_MESSAGE:
+                await _send_fd(cycle, send, message)
             else:
                 await send(message)
         await app(scope, receive, send_or_sendfile)
@@ -175,6 +186,27 @@ async def _send_file(cycle: Any, send: Any, message: Any) -> None:
         cycle.expected_content_length -= count
         _moved_on(message, offset + count)
     await send({"type": "http.response.body", "body": b"", "more_body": message.get("more_body", False)})
+
+
+async def _send_fd(cycle: Any, send: Any, message: Any) -> None:
+    """One kvstash.response.fd message: the body's single byte goes out with the file's
+    descriptor attached (SCM_RIGHTS), and the response ends."""
+    if not all(hasattr(cycle, name) for name in _CYCLE_STATE):
+        raise RuntimeError(f"{FDPASS_MESSAGE!r} needs uvicorn's request state")
+    if cycle.disconnected:
+        return
+    if not cycle.response_started or cycle.response_complete or cycle.expected_content_length != 1:
+        raise RuntimeError(f"{FDPASS_MESSAGE!r} must be the whole body of a 1-byte response")
+    if cycle.scope["method"] != "HEAD":
+        try:
+            await pass_fd(cycle.transport, message["file"].fileno())
+        except (PeerGone, TimeoutError, OSError) as exc:
+            log.debug("passing a descriptor failed: %s", exc)
+            cycle.transport.abort()
+            cycle.disconnected = True
+            return
+        cycle.expected_content_length = 0
+    await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 
 def _span(message: Any) -> tuple[int, int, int]:

@@ -24,6 +24,7 @@ import asyncio
 import errno
 import os
 import select
+import socket
 from typing import Any
 
 # How long a worker thread waits for socket room before handing the wait to the loop.
@@ -137,6 +138,30 @@ async def sendfile_to(transport: Any, file_fd: int, offset: int, count: int,
             in_thread.add_done_callback(lambda _: _close(sock_fd, file_fd))
         else:
             _close(sock_fd, file_fd)
+
+
+async def pass_fd(transport: Any, file_fd: int, timeout: float = STALL_TIMEOUT_S) -> None:
+    """Send one byte on the transport's Unix socket with `file_fd` attached (SCM_RIGHTS):
+    the receiver gets its own descriptor of the same open file. Through a duplicate of the
+    socket's descriptor, once the transport's own buffer is empty, as `sendfile_to`."""
+    if not await _drained(transport, timeout):
+        raise PeerGone("connection closed before the body")
+    loop = asyncio.get_running_loop()
+    sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+    try:
+        while True:
+            try:
+                if socket.send_fds(sock, [b"\0"], [file_fd]) == 1:
+                    return
+            except BlockingIOError:
+                pass
+            except OSError as exc:
+                if exc.errno in _GONE:
+                    raise PeerGone(str(exc)) from None
+                raise
+            await _writable(loop, sock.fileno(), timeout)
+    finally:
+        sock.close()
 
 
 def _close(*fds: int) -> None:

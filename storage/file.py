@@ -97,7 +97,8 @@ def read_at(fd: int, size: int, offset: int = 0) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
-def _read_into(fd: int, view: memoryview, offset: int) -> int:
+def read_into_at(fd: int, view: memoryview, offset: int) -> int:
+    """Fill `view` from `fd` at `offset` -> the bytes read (fewer only where the file ends)."""
     done = 0
     while done < view.nbytes:
         n = os.preadv(fd, [view[done:]], offset + done)
@@ -410,7 +411,7 @@ class FileStore(Store):
                 file, fd = BlobFile(fd, st.st_size), -1  # the caller closes it now
                 return file
             if out is not None and out.nbytes >= st.st_size:
-                blob = out[: _read_into(fd, out[: st.st_size], 0)]
+                blob = out[: read_into_at(fd, out[: st.st_size], 0)]
             else:
                 blob = read_at(fd, st.st_size)
         except OSError as exc:
@@ -465,7 +466,7 @@ class FileStore(Store):
             if out.nbytes < header.payload_len:
                 return None
             dst = out[: header.payload_len]
-            if _read_into(fd, dst, header.header_len) != header.payload_len:
+            if read_into_at(fd, dst, header.header_len) != header.payload_len:
                 raise ChunkError("short read")
             if self._needs_payload_check(key, st):
                 header.verify_payload(dst)

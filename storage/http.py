@@ -19,17 +19,23 @@ Options: `token` (else $KVSTASH_TOKEN), `timeout` (per request, default 10s),
 `connect_timeout` (1s), `pool` (connections, default 16), `verify` (re-check payload
 checksums here, default true), `breaker_failures` (3), `breaker_cooldown` (2s),
 `unix_socket` (connect to a kvserver's `--unix-socket` path instead of HOST:PORT; HOST
-still names the server in the Host header), and for https:// `ca` (a PEM file of trusted
-CAs; default: the system's).
+still names the server in the Host header), `fd` (over a plain Unix socket, ask for chunk
+files as descriptors: default true), and for https:// `ca` (a PEM file of trusted CAs;
+default: the system's).
 
 Why a Unix socket for a client on the server's host: every byte of a loopback TCP stream
 goes through the TCP stack, which caps any loopback stream; a Unix stream socket skips
 it, and the server's sendfile(2) hands the file's pages to the socket without a copy
-(docs/kvserver.md has the figures).
+(docs/kvserver.md has the figures). Better still, `get_into` over a plain Unix socket asks
+for the chunk's open file (`Kvstash-Fd: 1`): a file-backed server that has verified the file
+answers with a 1-byte body carrying the descriptor (SCM_RIGHTS), and the payload is read
+from the page cache straight into the caller's buffer on a worker thread, header and
+checksum checked here as for any body. No chunk byte crosses the socket.
 """
 
 from __future__ import annotations
 
+import array
 import asyncio
 import base64
 import json
@@ -54,6 +60,7 @@ from storage.codec import (
     decode_header,
 )
 from storage.errors import ConfigError, InvalidChunk, StoreFull, StoreUnavailable
+from storage.file import read_at, read_into_at
 from storage.options import StoreURL, parse_bool, parse_seconds
 
 log = logging.getLogger("kvstash.storage.http")
@@ -203,6 +210,90 @@ class _Connection:
                 raise _HttpError(0, "chunked body is missing a CRLF")
 
 
+# Read-then-hash unit of a handed-over chunk file: small enough to stay in the CPU's L2
+# cache between the read and the hash (a hash pass over the whole payload rereads memory).
+_FILE_PIECE = 256 << 10
+_FD_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize) if hasattr(socket, "CMSG_SPACE") else 0
+
+
+class _UnixConnection(_Connection):
+    """A plain Unix-socket connection that keeps the descriptors the server sends along
+    (SCM_RIGHTS) for `take_fd`; any it does not claim are closed with it."""
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop):
+        super().__init__(sock, loop)
+        self.fds: list[int] = []
+
+    async def recv_into(self, view: memoryview) -> int:
+        assert self.sock is not None
+        while True:
+            try:
+                n, ancillary, flags, _ = self.sock.recvmsg_into([view], _FD_SPACE)
+                break
+            except (BlockingIOError, InterruptedError):
+                await self._readable()
+        for level, kind, data in ancillary:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds = array.array("i")
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+                self.fds.extend(fds)
+        if flags & socket.MSG_CTRUNC:
+            raise _HttpError(0, "the server sent more descriptors than asked for")
+        return n
+
+    async def _readable(self) -> None:
+        assert self.sock is not None
+        ready = self.loop.create_future()
+        fd = self.sock.fileno()
+        self.loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+        try:
+            await ready
+        finally:
+            self.loop.remove_reader(fd)
+
+    def take_fd(self) -> int:
+        if len(self.fds) != 1:
+            raise _HttpError(0, f"expected one descriptor with the body, got {len(self.fds)}")
+        return self.fds.pop()
+
+    def close(self) -> None:
+        while self.fds:
+            os.close(self.fds.pop())
+        super().close()
+
+
+def _read_chunk_file(fd: int, key: str, dst: memoryview, verify: bool) -> ChunkHeader | None:
+    """The chunk in the open file `fd` (handed over by the server): header checked, payload
+    read into `dst` (None when it does not fit), checksum checked when `verify`. Closes fd."""
+    try:
+        size = os.fstat(fd).st_size
+        head = read_at(fd, HEADER_SIZE)
+        header_len = int.from_bytes(head[12:16], "little") if len(head) >= 16 else 0
+        if HEADER_SIZE < header_len <= min(MAX_HEADER_SIZE, size):
+            head = read_at(fd, header_len)
+        header = decode_header(head, key)
+        if header.total_len != size:
+            raise ChunkError(f"file is {size} bytes, header says {header.total_len}")
+        if dst.nbytes < header.payload_len:
+            return None
+        payload = dst[: header.payload_len]
+        hasher = xxhash.xxh3_64(seed=0) if verify else None
+        step = _FILE_PIECE if verify else payload.nbytes
+        for start in range(0, payload.nbytes, step):
+            # Hashed piece by piece right after it is read, while it is still in the CPU's
+            # cache: a second pass over the whole payload would read it from memory again.
+            piece = payload[start : start + step]
+            if read_into_at(fd, piece, header.header_len + start) != piece.nbytes:
+                raise ChunkError("the chunk file ended early")
+            if hasher is not None:
+                hasher.update(piece)
+        if hasher is not None and hasher.intdigest() != header.payload_checksum:
+            raise ChunkError(f"payload checksum mismatch for {key}")
+        return header
+    finally:
+        os.close(fd)
+
+
 class _TlsConnection(_Connection):
     """https:// through asyncio streams: TLS decrypts into its own buffers anyway."""
 
@@ -252,6 +343,7 @@ class HttpStore(Store):
         breaker_cooldown: float = 2.0,
         ca_file: str | None = None,
         unix_socket: str | None = None,
+        fd: bool = True,
         url: str | None = None,
     ):
         super().__init__()
@@ -289,6 +381,8 @@ class HttpStore(Store):
         if unix_socket is not None and not unix_socket:
             raise ConfigError(f"{self.url}: unix_socket needs a path")
         self.unix_socket = unix_socket
+        self.fd = fd
+        self._want_fd = "Kvstash-Fd: 1\r\n" if unix_socket and fd and not self.tls else ""
 
     @classmethod
     def from_url(cls, u: StoreURL) -> HttpStore:
@@ -302,6 +396,7 @@ class HttpStore(Store):
             "breaker_cooldown": u.take("breaker_cooldown", parse_seconds, 2.0),
             "ca_file": u.take("ca"),
             "unix_socket": u.take("unix_socket"),
+            "fd": u.take("fd", parse_bool, True),
         }
         u.finish()
         if opts["pool"] < 1 or opts["breaker_failures"] < 1:
@@ -333,7 +428,8 @@ class HttpStore(Store):
                 opening = asyncio.open_connection(self.host, self.port, ssl=self._tls_context)
             reader, writer = await asyncio.wait_for(opening, self.connect_timeout)
             return _TlsConnection(reader, writer, loop)
-        if self.unix_socket:
+        unix = bool(self.unix_socket)
+        if unix:
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, UNIX_SNDBUF)
             addr: Any = self.unix_socket
@@ -352,7 +448,7 @@ class HttpStore(Store):
         except BaseException:
             sock.close()
             raise
-        return _Connection(sock, loop)
+        return _UnixConnection(sock, loop) if unix else _Connection(sock, loop)
 
     def _take_idle(self) -> _Connection | None:
         now = time.monotonic()
@@ -491,12 +587,13 @@ class HttpStore(Store):
             self.counters["put_skipped"] += 1
         return wrote
 
-    async def _get_response(self, conn: _Connection, key: str) -> int | None:
-        """Send a GET; the body's length on 200, None on 404 (body consumed)."""
-        await conn.sendall(self._head("GET", self._chunk_path(key)))
+    async def _get_response(self, conn: _Connection, key: str,
+                            extra: str = "") -> tuple[int, dict[str, str]] | None:
+        """Send a GET; (the body's length, the headers) on 200, None on 404 (body consumed)."""
+        await conn.sendall(self._head("GET", self._chunk_path(key), extra=extra))
         status, headers = await conn.read_head()
         if status == 200:
-            return _content_length(headers)
+            return _content_length(headers), headers
         err = await self._error_of(conn, status, headers)
         if status == 404:
             return None
@@ -514,9 +611,10 @@ class HttpStore(Store):
         check_key(key)
 
         async def op(conn: _Connection) -> bytes | None:
-            length = await self._get_response(conn, key)
-            if length is None:
+            answer = await self._get_response(conn, key)
+            if answer is None:
                 return None
+            length = answer[0]
             blob = await conn.read_exact(length)
             conn.reusable = True
             if self.verify:
@@ -538,9 +636,17 @@ class HttpStore(Store):
         dst = memoryview(out).cast("B")
 
         async def op(conn: _Connection) -> ChunkHeader | None:
-            length = await self._get_response(conn, key)
-            if length is None:
+            answer = await self._get_response(conn, key, self._want_fd)
+            if answer is None:
                 return None
+            length, headers = answer
+            if "kvstash-fd" in headers and isinstance(conn, _UnixConnection):
+                if length != 1:
+                    raise _HttpError(0, f"a descriptor answer with a {length}-byte body")
+                await conn.read_exact(1)
+                fd = conn.take_fd()
+                conn.reusable = True
+                return await asyncio.to_thread(_read_chunk_file, fd, key, dst, self.verify)
             if length < HEADER_SIZE:
                 raise ChunkError(f"body of {length} bytes is too short for a chunk")
             head = await conn.read_exact(HEADER_SIZE)

@@ -1,9 +1,12 @@
 """`kvstash serve --unix-socket PATH` and the http:// store's `unix_socket` option: the same
-API, auth and zero-copy GETs over a Unix stream socket for clients on the server's host.
-All against real uvicorn and real sockets."""
+API, auth and zero-copy GETs over a Unix stream socket for clients on the server's host,
+and chunk files handed over as descriptors (SCM_RIGHTS) to `get_into`. All against real
+uvicorn, real sockets and real files."""
 
 from __future__ import annotations
 
+import os
+import re
 import shutil
 import socket
 import stat
@@ -24,6 +27,7 @@ from tests.kvserver_fixtures import running_kvserver
 from tests.store_helpers import make_chunks
 from tests.test_http_store_client import self_signed_cert
 from tests.test_kvserver_sendfile import SETTLE_S, sendfile_bytes
+from tests.test_kvserver_sendfile import open_fds as process_fds
 
 TOKEN = "unix-socket-token-0123456789"
 
@@ -41,12 +45,19 @@ def unix_url(path: Path, scheme: str = "http", host: str = "localhost", **opts: 
     return f"{scheme}://{host}?unix_socket={quote(str(path), safe='/')}{extra}"
 
 
+def fd_bytes(url: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    m = re.search(r"^kvstash_bytes_fd_passed_total (\S+)$", text, re.M)
+    assert m, "no descriptor counter in /metrics"
+    return float(m.group(1))
+
+
 def serve_error(*flags: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvserver.cli", "--port", "0", *flags],
                           capture_output=True, text=True, timeout=60)
 
 
-async def test_the_store_api_works_over_the_unix_socket_and_gets_use_sendfile(tmp_path, sock_dir, ns):
+async def test_the_store_api_works_over_the_unix_socket_with_descriptors_and_sendfile(tmp_path, sock_dir, ns):
     path = sock_dir / "kv.sock"
     chunks = make_chunks(ns, 3, payload_size=(3 << 20) + 17)
     with running_kvserver("--store", f"file://{tmp_path}", "--unix-socket", str(path)) as server:
@@ -63,13 +74,26 @@ async def test_the_store_api_works_over_the_unix_socket_and_gets_use_sendfile(tm
             time.sleep(SETTLE_S)
             for key, _, blob in chunks:  # the first reads verify the files ...
                 assert await store.get(key) == blob
-            before = sendfile_bytes(server.url)
+            total = sum(len(b) for _, _, b in chunks)
+            sent, passed = sendfile_bytes(server.url), fd_bytes(server.url)
             out = bytearray(4 << 20)
-            for key, _, blob in chunks:  # ... later ones are sent from them
+            for key, _, blob in chunks:  # ... later get_intos get the files themselves
                 header = await store.get_into(key, out)
                 assert header is not None
                 assert bytes(out[: header.payload_len]) == blob[header.header_len :]
-            assert sendfile_bytes(server.url) - before == sum(len(b) for _, _, b in chunks)
+            assert fd_bytes(server.url) - passed == total
+            for key, _, blob in chunks:  # and a whole-blob get is sent from them
+                assert await store.get(key) == blob
+            assert sendfile_bytes(server.url) - sent == total
+            no_fd = open_store(unix_url(path, fd="false"))
+            try:
+                header = await no_fd.get_into(keys[0], out)
+                assert header is not None
+                assert bytes(out[: header.payload_len]) == chunks[0][2][header.header_len :]
+            finally:
+                await no_fd.close()
+            assert fd_bytes(server.url) - passed == total
+            assert sendfile_bytes(server.url) - sent == total + len(chunks[0][2])
             assert await store.delete(keys[1]) is True
             assert await store.prefix_len(keys) == 1
             # A TCP client sees the same chunks: one app behind both listeners.
@@ -122,6 +146,64 @@ async def test_https_over_the_unix_socket(tmp_path, sock_dir, ns):
         finally:
             await store.close()
             await untrusting.close()
+
+
+async def test_descriptors_leak_nowhere_and_a_changed_payload_is_caught(tmp_path, sock_dir, ns):
+    """verify=header: the server vouches for any file whose header checks, so a payload
+    damaged in place reaches the client as a descriptor; the client's checksum catches it."""
+    path = sock_dir / "kv.sock"
+    root = tmp_path / "root"
+    chunks = make_chunks(ns, 4, payload_size=(1 << 20) + 5)
+    with running_kvserver("--store", f"file://{root}?verify=header", "--unix-socket", str(path)) as server:
+        store = open_store(unix_url(path))
+        try:
+            for key, _, blob in chunks:
+                assert await store.put(key, blob) is True
+            out = bytearray(2 << 20)
+            await store.get_into(chunks[0][0], out)  # connections opened, pool warm
+            mine, theirs = process_fds(os.getpid()), process_fds(server.pid)
+            for _ in range(5):
+                for key, _, blob in chunks:
+                    header = await store.get_into(key, out)
+                    assert header is not None
+                    assert bytes(out[: header.payload_len]) == blob[header.header_len :]
+            assert await store.get_into(chunks[0][0], bytearray(100)) is None  # too small
+            assert process_fds(os.getpid()) == mine
+            assert process_fds(server.pid) == theirs
+            assert fd_bytes(server.url) > 0
+            # Damage one payload byte in place.
+            key, _, blob = chunks[1]
+            (victim,) = [p for p in root.rglob("*.kv") if p.stem == key.split("/")[1]]
+            with open(victim, "r+b") as f:
+                f.seek(len(blob) - 1)
+                f.write(bytes([blob[-1] ^ 0xFF]))
+            corrupt = store.stats()["corrupt"]
+            assert await store.get_into(key, out) is None
+            assert store.stats()["corrupt"] == corrupt + 1
+            assert process_fds(os.getpid()) <= mine  # (the connection involved is dropped)
+        finally:
+            await store.close()
+
+
+def test_ranges_and_tcp_ignore_the_descriptor_request(tmp_path, sock_dir, ns):
+    path = sock_dir / "kv.sock"
+    (key, _, blob), = make_chunks(ns, 1, payload_size=100_000)
+    want = {"Kvstash-Fd": "1"}
+    with running_kvserver("--store", f"file://{tmp_path}", "--unix-socket", str(path)) as server:
+        assert httpx.put(f"{server.url}/v1/chunks/{key}", content=blob,
+                         headers={"content-type": "application/octet-stream"}).status_code == 201
+        time.sleep(SETTLE_S)
+        assert httpx.get(f"{server.url}/v1/chunks/{key}").content == blob  # verified now
+        r = httpx.get(f"{server.url}/v1/chunks/{key}", headers=want)  # TCP: a plain body
+        assert r.status_code == 200 and r.content == blob and "kvstash-fd" not in r.headers
+        with httpx.Client(transport=httpx.HTTPTransport(uds=str(path))) as client:
+            r = client.get(f"http://localhost/v1/chunks/{key}", headers={**want, "Range": "bytes=10-99"})
+            assert r.status_code == 206 and r.content == blob[10:100]
+            r = client.get(f"http://localhost/v1/chunks/{key}", headers=want)
+            # httpx reads no ancillary data, so the kernel drops the descriptor; the answer
+            # is the documented 1-byte body with the chunk's size in a header.
+            assert r.status_code == 200 and r.content == b"\0"
+            assert r.headers["kvstash-fd"] == str(len(blob))
 
 
 def test_a_stale_socket_file_is_replaced(tmp_path, sock_dir):
