@@ -43,6 +43,7 @@ import logging
 import os
 import socket
 import ssl
+import stat
 import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -251,14 +252,18 @@ class _UnixConnection(_Connection):
         finally:
             self.loop.remove_reader(fd)
 
+    def discard_fds(self) -> None:
+        """Close descriptors no response claimed (a server may not pile them up here)."""
+        while self.fds:
+            os.close(self.fds.pop())
+
     def take_fd(self) -> int:
         if len(self.fds) != 1:
             raise _HttpError(0, f"expected one descriptor with the body, got {len(self.fds)}")
         return self.fds.pop()
 
     def close(self) -> None:
-        while self.fds:
-            os.close(self.fds.pop())
+        self.discard_fds()
         super().close()
 
 
@@ -266,7 +271,10 @@ def _read_chunk_file(fd: int, key: str, dst: memoryview, verify: bool) -> ChunkH
     """The chunk in the open file `fd` (handed over by the server): header checked, payload
     read into `dst` (None when it does not fit), checksum checked when `verify`. Closes fd."""
     try:
-        size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # a pipe, socket or device: never read
+            raise ChunkError("the descriptor handed over is not a regular file")
+        size = st.st_size
         head = read_at(fd, HEADER_SIZE)
         header_len = int.from_bytes(head[12:16], "little") if len(head) >= 16 else 0
         if HEADER_SIZE < header_len <= min(MAX_HEADER_SIZE, size):
@@ -481,6 +489,8 @@ class HttpStore(Store):
                 except BaseException:
                     conn.close()
                     raise
+                if isinstance(conn, _UnixConnection):
+                    conn.discard_fds()
                 if conn.reusable:
                     conn.idle_since = time.monotonic()
                     self._idle.append(conn)

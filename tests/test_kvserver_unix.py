@@ -5,6 +5,7 @@ uvicorn, real sockets and real files."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import shutil
@@ -13,6 +14,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,3 +257,81 @@ def test_the_bench_raw_stream_runs_over_a_unix_socket(sock_dir):
     from bench.store_http import raw_stream_gbps
 
     assert raw_stream_gbps(1 << 20, 8, 2, 1, str(sock_dir)) > 0
+
+
+class LyingUnixServer:
+    """A Unix socket that answers every request with `head` and one body byte carrying the
+    descriptors `fds()` makes (a kvserver never sends these)."""
+
+    def __init__(self, path: Path, head: bytes, fds):
+        self.head, self.fds = head, fds
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.bind(str(path))
+        self.sock.listen(8)
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: socket.socket) -> None:
+        with conn:
+            try:
+                while conn.recv(65536):
+                    fds = self.fds()
+                    conn.sendall(self.head)
+                    socket.send_fds(conn, [b"\0"], fds) if fds else conn.sendall(b"\0")
+                    for fd in fds:
+                        os.close(fd)
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+@pytest.mark.parametrize("lie", ["pipe", "other_chunk", "two_fds", "no_fd", "stray_fd_on_404"])
+async def test_lying_descriptor_answers_are_misses_and_leak_nothing(tmp_path, sock_dir, ns, lie):
+    (key, _, blob), (_, _, other_blob) = make_chunks(ns, 2, payload_size=5000)
+    other = tmp_path / "other.kv"
+    other.write_bytes(other_blob)
+    pipes: list[int] = []
+
+    def fds() -> list[int]:
+        if lie == "pipe":  # not a regular file (the test holds the write end open)
+            r, w = os.pipe()
+            pipes.append(w)
+            return [r]
+        if lie == "two_fds":
+            return [os.open(other, os.O_RDONLY), os.open(other, os.O_RDONLY)]
+        if lie == "no_fd":
+            return []
+        return [os.open(other, os.O_RDONLY)]
+
+    status = b"404 Not Found" if lie == "stray_fd_on_404" else b"200 OK"
+    head = b"HTTP/1.1 %s\r\nContent-Length: 1\r\nKvstash-Fd: 5000\r\n\r\n" % status
+    server = LyingUnixServer(sock_dir / "liar.sock", head, fds)
+    store = open_store(unix_url(sock_dir / "liar.sock", timeout="3s", breaker_failures="100"))
+    try:
+        assert await store.get_into(key, bytearray(10_000)) is None  # connections opened
+        mine, held = process_fds(os.getpid()), len(pipes)
+        t0 = time.monotonic()
+        for _ in range(5):
+            assert await store.get_into(key, bytearray(10_000)) is None
+        assert time.monotonic() - t0 < 5
+        # The liar runs in this process: only the pipe ends the test holds may be new, once
+        # its threads have closed the connections the client dropped.
+        deadline = time.monotonic() + 2
+        while process_fds(os.getpid()) > mine + len(pipes) - held and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert process_fds(os.getpid()) <= mine + len(pipes) - held
+        assert store.stats()["hits"] == 0
+    finally:
+        await store.close()
+        server.close()
+        for w in pipes:
+            os.close(w)
