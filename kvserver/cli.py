@@ -14,7 +14,9 @@ import os
 import socket
 import stat
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 from urllib.parse import quote
 
 from kvserver.config import (
@@ -79,18 +81,27 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def _listening(sock: socket.socket, address: Any, where: str,
+               after_bind: Callable[[], None] | None = None) -> socket.socket:
+    """`sock` bound to `address` and listening, inheritable by worker processes; on
+    failure closed, and one line naming `where`."""
+    try:
+        sock.bind(address)
+        if after_bind is not None:
+            after_bind()
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
+
+
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
+    return _listening(sock, (host, port), f"{host}:{port}")
 
 
 def bind_unix(path: Path) -> socket.socket:
@@ -112,16 +123,8 @@ def bind_unix(path: Path) -> socket.socket:
             raise OSError(f"cannot listen on {path}: another server is listening there")
         finally:
             probe.close()
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        sock.bind(str(path))
-        os.chmod(path, UNIX_SOCKET_MODE)
-    except OSError as exc:
-        sock.close()
-        raise OSError(f"cannot listen on {path}: {exc.strerror or exc}") from None
-    sock.listen(2048)
-    sock.set_inheritable(True)
-    return sock
+    return _listening(socket.socket(socket.AF_UNIX, socket.SOCK_STREAM), str(path), str(path),
+                      lambda: os.chmod(path, UNIX_SOCKET_MODE))
 
 
 def _is_loopback(host: str) -> bool:

@@ -389,7 +389,6 @@ class HttpStore(Store):
         if unix_socket is not None and not unix_socket:
             raise ConfigError(f"{self.url}: unix_socket needs a path")
         self.unix_socket = unix_socket
-        self.fd = fd
         self._want_fd = "Kvstash-Fd: 1\r\n" if unix_socket and fd and not self.tls else ""
 
     @classmethod
