@@ -1,7 +1,8 @@
 """Real kvservers for tests: `kvstash serve` in a subprocess on 127.0.0.1 and a free port.
 
 `kvserver_url` (session-scoped) serves an in-memory store and yields its http:// URL, so
-any suite can add http:// to its store URLs. `running_kvserver(*flags)` starts one with
+any suite can add http:// to its store URLs; `kvserver_unix_url` serves a file store on a
+Unix socket too and yields the socket's URL. `running_kvserver(*flags)` starts one with
 any flags for a single test and always stops it.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import select
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -113,6 +115,19 @@ def kvserver_url() -> Iterator[str]:
     """http://127.0.0.1:PORT of a kvserver over memory:// (no auth), for the whole session."""
     with running_kvserver("--store", "memory://?capacity=1GiB") as server:
         yield server.url
+
+
+@pytest.fixture(scope="session")
+def kvserver_unix_url() -> Iterator[str]:
+    """http://localhost?unix_socket=PATH of a kvserver over file:// (no auth) that also
+    listens on a Unix socket, for the whole session."""
+    where = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")  # a socket path fits in 107 bytes
+    try:
+        with running_kvserver("--store", f"file://{where}/store", "--unix-socket",
+                              f"{where}/kv.sock"):
+            yield f"http://localhost?unix_socket={where}/kv.sock"
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture

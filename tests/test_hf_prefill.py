@@ -274,3 +274,37 @@ def test_batches_and_explicit_caches_bypass_the_connector():
     assert torch.equal(out.logits, plain_forward(model, ids).logits)
     assert prefill.connector.stats()["lookups"] == 0
     prefill.connector.close()
+
+
+def test_a_hit_through_a_same_host_kvserver_receives_chunk_files_and_is_exact(store_dir):
+    """Real kvserver on file:// with --unix-socket: the hit's chunks arrive as descriptors
+    of the server's verified files, and the logits are still exactly the plain ones."""
+    import re
+    import shutil
+    import tempfile
+    import time
+
+    import httpx
+
+    from tests.kvserver_fixtures import running_kvserver
+
+    model = tiny_model()
+    ids = prompt(200)
+    ref = plain_forward(model, ids)
+    where = tempfile.mkdtemp(prefix="kvs-", dir="/tmp")
+    try:
+        with running_kvserver("--store", f"file://{store_dir}", "--unix-socket",
+                              f"{where}/kv.sock") as server:
+            prefill = make_prefill(model, f"http://localhost?unix_socket={where}/kv.sock")
+            warm(prefill, ids)
+            time.sleep(1.1)  # the server trusts a file it verified once its ctime is 1 s old
+            prefill(ids)  # the server verifies each file as it first sends it ...
+            hit = prefill(ids)  # ... and hands the files themselves over after that
+            assert prefill.last_hit_tokens == 192
+            assert_exact(hit, ref, 192)
+            metrics = httpx.get(f"{server.url}/metrics").text
+            passed = float(re.search(r"^kvstash_bytes_fd_passed_total (\S+)$", metrics, re.M)[1])
+            assert passed >= 6 * prefill.layout.payload_nbytes
+            prefill.connector.close()
+    finally:
+        shutil.rmtree(where, ignore_errors=True)

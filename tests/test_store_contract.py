@@ -18,9 +18,9 @@ try:
 except ImportError:
     pass
 try:
-    from tests.kvserver_fixtures import kvserver_url  # noqa: F401
+    from tests.kvserver_fixtures import kvserver_unix_url, kvserver_url  # noqa: F401
 
-    BACKENDS += ["http"]
+    BACKENDS += ["http", "http-unix"]
 except ImportError:
     pass
 
@@ -38,6 +38,8 @@ async def store(request, tmp_path):
         s = open_store(request.getfixturevalue("moto_s3_url"))
     elif kind == "seaweedfs":
         s = open_store(request.getfixturevalue("seaweed_s3_url"))
+    elif kind == "http-unix":
+        s = open_store(request.getfixturevalue("kvserver_unix_url"))
     else:
         s = open_store(request.getfixturevalue("kvserver_url"))
     yield s
