@@ -286,6 +286,7 @@ def test_a_hit_through_a_same_host_kvserver_receives_chunk_files_and_is_exact(st
 
     import httpx
 
+    from connector.policy import LoadPolicy
     from tests.kvserver_fixtures import running_kvserver
 
     model = tiny_model()
@@ -295,7 +296,10 @@ def test_a_hit_through_a_same_host_kvserver_receives_chunk_files_and_is_exact(st
     try:
         with running_kvserver("--store", f"file://{store_dir}", "--unix-socket",
                               f"{where}/kv.sock") as server:
-            prefill = make_prefill(model, f"http://localhost?unix_socket={where}/kv.sock")
+            # Every hit loads: the first load (the server verifying each file) is slow enough
+            # that the adaptive policy would recompute this tiny model's prefix instead.
+            prefill = make_prefill(model, f"http://localhost?unix_socket={where}/kv.sock",
+                                   policy=LoadPolicy(adaptive=False))
             warm(prefill, ids)
             time.sleep(1.1)  # the server trusts a file it verified once its ctime is 1 s old
             prefill(ids)  # the server verifies each file as it first sends it ...
