@@ -38,6 +38,7 @@ from __future__ import annotations
 import array
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import os
@@ -302,6 +303,34 @@ def _read_chunk_file(fd: int, key: str, dst: memoryview, verify: bool) -> ChunkH
         return header
     finally:
         os.close(fd)
+
+
+async def _read_handed_over(fd: int, key: str, dst: memoryview, verify: bool) -> ChunkHeader | None:
+    """`_read_chunk_file` on a worker thread, which owns `fd` once it starts. Cancelled
+    before it starts, the read never starts and `fd` is closed here; cancelled while it
+    runs, it is waited for: no byte lands in the caller's buffer after this returns."""
+    unclaimed = [fd]
+
+    def read() -> ChunkHeader | None:
+        try:
+            mine = unclaimed.pop()
+        except IndexError:
+            return None  # given up before this thread got to it
+        return _read_chunk_file(mine, key, dst, verify)
+
+    work = asyncio.get_running_loop().run_in_executor(None, read)
+    try:
+        return await asyncio.shield(work)
+    except asyncio.CancelledError:
+        try:
+            os.close(unclaimed.pop())
+        except IndexError:  # the read is running
+            while not work.done():
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait({work})
+            if not work.cancelled():
+                work.exception()  # retrieved: the cancellation is what the caller sees
+        raise
 
 
 class _TlsConnection(_Connection):
@@ -657,7 +686,7 @@ class HttpStore(Store):
                 await conn.read_exact(1)
                 fd = conn.take_fd()
                 conn.reusable = True
-                return await asyncio.to_thread(_read_chunk_file, fd, key, dst, self.verify)
+                return await _read_handed_over(fd, key, dst, self.verify)
             if length < HEADER_SIZE:
                 raise ChunkError(f"body of {length} bytes is too short for a chunk")
             head = await conn.read_exact(HEADER_SIZE)

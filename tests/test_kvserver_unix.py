@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import random
 import re
 import shutil
 import socket
@@ -335,3 +336,49 @@ async def test_lying_descriptor_answers_are_misses_and_leak_nothing(tmp_path, so
         server.close()
         for w in pipes:
             os.close(w)
+
+
+async def test_cancelled_reads_of_handed_over_files_leave_no_descriptor_open(tmp_path, sock_dir, ns):
+    """Reads given up at random points (before the server answers, while the descriptor
+    waits for a thread, while the thread reads): none leaves a chunk file open here."""
+    path = sock_dir / "kv.sock"
+    chunks = make_chunks(ns, 8, payload_size=(4 << 20) + 3)
+    with running_kvserver("--store", f"file://{tmp_path}", "--unix-socket", str(path)) as server:
+        store = open_store(unix_url(path, pool="32", breaker_failures="100000"))
+        try:
+            for key, _, blob in chunks:
+                assert await store.put(key, blob) is True
+            time.sleep(SETTLE_S)
+            for key, _, _ in chunks:  # verified by the server: handed over from now on
+                assert await store.get(key) is not None
+            rng = random.Random(7)
+            given_up = 0
+
+            async def lane(j: int) -> None:
+                nonlocal given_up
+                out = bytearray(5 << 20)
+                for _ in range(12):
+                    key, _, blob = rng.choice(chunks)
+                    try:
+                        async with asyncio.timeout(rng.random() * 0.01):
+                            header = await store.get_into(key, out)
+                    except TimeoutError:
+                        given_up += 1
+                        continue
+                    if header is not None:
+                        assert bytes(out[: header.payload_len]) == blob[header.header_len :]
+
+            async def crowd() -> None:
+                # Keeps the worker threads busy now and then, so that some handed-over
+                # descriptors are still waiting for a thread when their caller gives up.
+                for _ in range(20):
+                    await asyncio.to_thread(time.sleep, 0.01)
+
+            await asyncio.gather(*(lane(j) for j in range(32)), *(crowd() for _ in range(8)))
+            assert given_up > 0 and fd_bytes(server.url) > 0
+        finally:
+            await store.close()
+        await asyncio.sleep(0.2)  # reads still running when their caller gave up end here
+        left = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
+                if os.path.exists(f"/proc/self/fd/{fd}")]
+        assert not [p for p in left if p.endswith(".kv")], left
