@@ -382,3 +382,26 @@ async def test_cancelled_reads_of_handed_over_files_leave_no_descriptor_open(tmp
         left = [os.readlink(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")
                 if os.path.exists(f"/proc/self/fd/{fd}")]
         assert not [p for p in left if p.endswith(".kv")], left
+
+
+async def test_worker_processes_share_the_unix_socket(tmp_path, sock_dir, ns):
+    from tests.test_kvserver_shared import worker_pids
+
+    path = sock_dir / "kv.sock"
+    chunks = make_chunks(ns, 8, payload_size=20_000)
+    with running_kvserver("--store", f"file://{tmp_path}/store", "--workers", "2",
+                          "--unix-socket", str(path)) as server:
+        assert len(worker_pids(server.pid)) >= 2
+        stores = [open_store(unix_url(path, pool="1")) for _ in range(4)]
+        try:
+            for i, (key, _, blob) in enumerate(chunks):
+                assert await stores[i % 4].put(key, blob) is True
+            keys = [k for k, _, _ in chunks]
+            for store in stores:
+                assert await store.prefix_len(keys) == len(chunks)
+                for key, _, blob in chunks[:3]:
+                    assert await store.get(key) == blob
+        finally:
+            for store in stores:
+                await store.close()
+    assert not path.exists(), "the socket file outlived the server"
