@@ -313,8 +313,9 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     ) -> Response:
         buf, release = bodies.borrow(bodies.hint)
         key = f"{ns_id}/{digest}"
+        offered = request.scope.get("extensions", {})
         try:
-            if ZEROCOPY in request.scope.get("extensions", {}):
+            if ZEROCOPY in offered:
                 got = await s.open_blob(key, buf)
             else:
                 got = await s.get_blob_into(key, buf)
@@ -346,8 +347,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             release()
             raise
         metrics.bytes_out.inc(stop - start)
-        if isinstance(got, BlobFile) and want_fd == "1" and range_ is None and (
-                FDPASS in request.scope.get("extensions", {})):
+        if isinstance(got, BlobFile) and want_fd == "1" and range_ is None and FDPASS in offered:
             metrics.bytes_fd.inc(stop - start)
             return FdResponse(got, headers, OCTETS)
         if isinstance(got, BlobFile):

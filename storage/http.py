@@ -95,7 +95,9 @@ class _Connection:
     """One HTTP/1.1 connection with a small read-ahead buffer for response heads.
 
     `reusable` turns True only once a response has been read to its end, so a connection
-    abandoned mid-body (error, timeout, cancellation) is closed instead of pooled.
+    abandoned mid-body (error, timeout, cancellation) is closed instead of pooled. `fds`:
+    descriptors that arrived with responses (only a Unix socket receives any), for
+    `take_fd`; those no response claims are closed after each exchange and on close.
     """
 
     def __init__(self, sock: socket.socket | None, loop: asyncio.AbstractEventLoop):
@@ -108,6 +110,7 @@ class _Connection:
         self.reused = False
         self.reusable = False
         self.answered = False  # a response head arrived on this connection
+        self.fds: list[int] = []
 
     async def sendall(self, data: Any) -> None:
         await self.loop.sock_sendall(self.sock, data)
@@ -115,7 +118,17 @@ class _Connection:
     async def recv_into(self, view: memoryview) -> int:
         return await self.loop.sock_recv_into(self.sock, view)
 
+    def discard_fds(self) -> None:
+        while self.fds:
+            os.close(self.fds.pop())
+
+    def take_fd(self) -> int:
+        if len(self.fds) != 1:
+            raise _HttpError(0, f"expected one descriptor with the body, got {len(self.fds)}")
+        return self.fds.pop()
+
     def close(self) -> None:
+        self.discard_fds()
         if self.sock is not None:
             self.sock.close()
 
@@ -222,11 +235,7 @@ _FD_SPACE = socket.CMSG_SPACE(4 * array.array("i").itemsize) if hasattr(socket, 
 
 class _UnixConnection(_Connection):
     """A plain Unix-socket connection that keeps the descriptors the server sends along
-    (SCM_RIGHTS) for `take_fd`; any it does not claim are closed with it."""
-
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop):
-        super().__init__(sock, loop)
-        self.fds: list[int] = []
+    (SCM_RIGHTS) in `fds`."""
 
     async def recv_into(self, view: memoryview) -> int:
         assert self.sock is not None
@@ -255,19 +264,12 @@ class _UnixConnection(_Connection):
         finally:
             self.loop.remove_reader(fd)
 
-    def discard_fds(self) -> None:
-        """Close descriptors no response claimed (a server may not pile them up here)."""
-        while self.fds:
-            os.close(self.fds.pop())
 
-    def take_fd(self) -> int:
-        if len(self.fds) != 1:
-            raise _HttpError(0, f"expected one descriptor with the body, got {len(self.fds)}")
-        return self.fds.pop()
-
-    def close(self) -> None:
-        self.discard_fds()
-        super().close()
+def _more_header(head: Any, total: int) -> int:
+    """How many header bytes follow the first HEADER_SIZE of `head` (a chunk of `total`
+    bytes whose header is longer than the usual 4 KiB); 0 if none or if the field is off."""
+    n = int.from_bytes(head[12:16], "little") if len(head) >= 16 else 0
+    return n - HEADER_SIZE if HEADER_SIZE < n <= min(MAX_HEADER_SIZE, total) else 0
 
 
 def _read_chunk_file(fd: int, key: str, dst: memoryview, verify: bool) -> ChunkHeader | None:
@@ -279,9 +281,8 @@ def _read_chunk_file(fd: int, key: str, dst: memoryview, verify: bool) -> ChunkH
             raise ChunkError("the descriptor handed over is not a regular file")
         size = st.st_size
         head = read_at(fd, HEADER_SIZE)
-        header_len = int.from_bytes(head[12:16], "little") if len(head) >= 16 else 0
-        if HEADER_SIZE < header_len <= min(MAX_HEADER_SIZE, size):
-            head = read_at(fd, header_len)
+        if more := _more_header(head, size):
+            head = read_at(fd, HEADER_SIZE + more)
         header = decode_header(head, key)
         if header.total_len != size:
             raise ChunkError(f"file is {size} bytes, header says {header.total_len}")
@@ -519,8 +520,7 @@ class HttpStore(Store):
                 except BaseException:
                     conn.close()
                     raise
-                if isinstance(conn, _UnixConnection):
-                    conn.discard_fds()
+                conn.discard_fds()  # unannounced ones: a server may not pile them up here
                 if conn.reusable:
                     conn.idle_since = time.monotonic()
                     self._idle.append(conn)
@@ -690,9 +690,8 @@ class HttpStore(Store):
             if length < HEADER_SIZE:
                 raise ChunkError(f"body of {length} bytes is too short for a chunk")
             head = await conn.read_exact(HEADER_SIZE)
-            header_len = int.from_bytes(head[12:16], "little")
-            if HEADER_SIZE < header_len <= min(MAX_HEADER_SIZE, length):
-                head += await conn.read_exact(header_len - HEADER_SIZE)
+            if more := _more_header(head, length):
+                head += await conn.read_exact(more)
             header = decode_header(head, key)
             if header.total_len != length:
                 raise ChunkError(f"body is {length} bytes, header says {header.total_len}")

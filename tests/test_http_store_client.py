@@ -114,16 +114,13 @@ async def test_a_restarted_server_is_reached_again_through_the_pool(tmp_path, ns
         await store.close()
 
 
-class OneReplyServer:
-    """A socket that answers every request with the same raw bytes (for damaged replies
-    that a real kvserver never sends)."""
+class ScriptedServer:
+    """A listening socket whose connections `answer(conn)` serves one at a time, on a
+    thread of its own (for replies a real kvserver never sends)."""
 
-    def __init__(self, reply: bytes):
-        self.reply = reply
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
         while True:
@@ -133,13 +130,28 @@ class OneReplyServer:
                 return
             with conn:
                 try:
-                    if conn.recv(65536):
-                        conn.sendall(self.reply)
+                    self.answer(conn)
                 except OSError:
                     pass
 
+    def answer(self, conn: socket.socket) -> None:
+        raise NotImplementedError
+
     def close(self) -> None:
         self.sock.close()
+
+
+class OneReplyServer(ScriptedServer):
+    """Answers every request with the same raw bytes (for damaged replies)."""
+
+    def __init__(self, reply: bytes):
+        self.reply = reply
+        super().__init__(socket.create_server(("127.0.0.1", 0)))
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+
+    def answer(self, conn: socket.socket) -> None:
+        if conn.recv(65536):
+            conn.sendall(self.reply)
 
 
 @pytest.mark.parametrize("damage", ["flip_payload_byte", "truncate", "wrong_key", "not_http"])

@@ -52,23 +52,28 @@ def worker_pids(pid: int) -> list[int]:
         return [int(p) for p in f.read().split()]
 
 
+async def each_connection_sees_every_chunk(url: str, chunks, gets: int) -> None:
+    """Puts spread over 4 one-connection stores (which land on either worker), then every
+    store sees every chunk and gets the first `gets` of them."""
+    stores = [open_store(url) for _ in range(4)]
+    try:
+        for i, (key, _, blob) in enumerate(chunks):
+            assert await stores[i % 4].put(key, blob) is True
+        keys = [k for k, _, _ in chunks]
+        for store in stores:
+            assert await store.prefix_len(keys) == len(chunks)
+            for key, _, blob in chunks[:gets]:
+                assert await store.get(key) == blob
+    finally:
+        for store in stores:
+            await store.close()
+
+
 async def test_worker_processes_share_one_port_and_one_backend(tmp_path, ns):
     chunks = make_chunks(ns, 16, payload_size=20_000)
     with running_kvserver("--store", f"file://{tmp_path}/store", "--workers", "2") as server:
         assert len(worker_pids(server.pid)) >= 2
-        # Separate connections land on either worker; every one sees every chunk.
-        stores = [open_store(f"{server.url}?pool=1") for _ in range(4)]
-        try:
-            for i, (key, _, blob) in enumerate(chunks):
-                assert await stores[i % 4].put(key, blob) is True
-            keys = [k for k, _, _ in chunks]
-            for store in stores:
-                assert await store.prefix_len(keys) == len(chunks)
-                for key, _, blob in chunks[:4]:
-                    assert await store.get(key) == blob
-        finally:
-            for store in stores:
-                await store.close()
+        await each_connection_sees_every_chunk(f"{server.url}?pool=1", chunks, gets=4)
 
 
 def test_workers_refuse_a_memory_tier():

@@ -15,7 +15,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,7 +27,7 @@ from storage import open_store
 from storage.errors import ConfigError
 from tests.kvserver_fixtures import running_kvserver
 from tests.store_helpers import make_chunks
-from tests.test_http_store_client import self_signed_cert
+from tests.test_http_store_client import ScriptedServer, self_signed_cert
 from tests.test_kvserver_sendfile import SETTLE_S, sendfile_bytes
 from tests.test_kvserver_sendfile import open_fds as process_fds
 
@@ -260,39 +259,24 @@ def test_the_bench_raw_stream_runs_over_a_unix_socket(sock_dir):
     assert raw_stream_gbps(1 << 20, 8, 2, 1, str(sock_dir)) > 0
 
 
-class LyingUnixServer:
+class LyingUnixServer(ScriptedServer):
     """A Unix socket that answers every request with `head` and one body byte carrying the
     descriptors `fds()` makes (a kvserver never sends these)."""
 
     def __init__(self, path: Path, head: bytes, fds):
         self.head, self.fds = head, fds
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.bind(str(path))
-        self.sock.listen(8)
-        threading.Thread(target=self._serve, daemon=True).start()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.bind(str(path))
+        sock.listen(8)
+        super().__init__(sock)
 
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
-
-    def _answer(self, conn: socket.socket) -> None:
-        with conn:
-            try:
-                while conn.recv(65536):
-                    fds = self.fds()
-                    conn.sendall(self.head)
-                    socket.send_fds(conn, [b"\0"], fds) if fds else conn.sendall(b"\0")
-                    for fd in fds:
-                        os.close(fd)
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        self.sock.close()
+    def answer(self, conn: socket.socket) -> None:
+        while conn.recv(65536):  # the client keeps a connection for the next request
+            fds = self.fds()
+            conn.sendall(self.head)
+            socket.send_fds(conn, [b"\0"], fds) if fds else conn.sendall(b"\0")
+            for fd in fds:
+                os.close(fd)
 
 
 @pytest.mark.parametrize("lie", ["pipe", "other_chunk", "two_fds", "no_fd", "stray_fd_on_404"])
@@ -385,23 +369,12 @@ async def test_cancelled_reads_of_handed_over_files_leave_no_descriptor_open(tmp
 
 
 async def test_worker_processes_share_the_unix_socket(tmp_path, sock_dir, ns):
-    from tests.test_kvserver_shared import worker_pids
+    from tests.test_kvserver_shared import each_connection_sees_every_chunk, worker_pids
 
     path = sock_dir / "kv.sock"
     chunks = make_chunks(ns, 8, payload_size=20_000)
     with running_kvserver("--store", f"file://{tmp_path}/store", "--workers", "2",
                           "--unix-socket", str(path)) as server:
         assert len(worker_pids(server.pid)) >= 2
-        stores = [open_store(unix_url(path, pool="1")) for _ in range(4)]
-        try:
-            for i, (key, _, blob) in enumerate(chunks):
-                assert await stores[i % 4].put(key, blob) is True
-            keys = [k for k, _, _ in chunks]
-            for store in stores:
-                assert await store.prefix_len(keys) == len(chunks)
-                for key, _, blob in chunks[:3]:
-                    assert await store.get(key) == blob
-        finally:
-            for store in stores:
-                await store.close()
+        await each_connection_sees_every_chunk(unix_url(path, pool="1"), chunks, gets=3)
     assert not path.exists(), "the socket file outlived the server"
