@@ -9,6 +9,10 @@ neighbour slows all paths alike), reads every file with every path available her
   comparison with the blocking baseline), and `submit_chunk(...).result()` with
   verify=header and verify=checksum, one request at a time and all files in flight at once;
 - O_DIRECT (host, direct=always) where the filesystem takes it: the disk, not the cache;
+- two references for what the cores allow: a plain parallel reader (the I/O thread count
+  of pool threads, `preadv` of payload pieces, no header, no checks), and memcpy of the
+  same bytes between two host buffers on one thread and on that many threads (memory
+  bandwidth: no page-cache reader copies faster than its threads can memcpy);
 - with CUDA: a plain `torch` H2D copy of the same bytes from pinned memory (baseline), and
   each usable CUDA backend (torch-gds, kvikio, bounce) into device memory.
 
@@ -22,6 +26,7 @@ these files from the page cache (posix_fadvise DONTNEED) before every pass.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import os
 import shutil
@@ -29,6 +34,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from bench.report import table, write_json
@@ -164,6 +170,15 @@ def _drop_cache(paths: list[str]) -> None:
             os.close(fd)
 
 
+def _pread_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < view.nbytes:
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n == 0:
+            raise RuntimeError(f"short read at {offset + done}")
+        done += n
+
+
 def _warm(paths: list[str]) -> None:
     """Read whole files (headers included) through the page cache."""
     for p in paths:
@@ -190,6 +205,7 @@ def run(args: argparse.Namespace) -> int:
     caps = probe(root)
     cfg = IOConfig(io_threads=args.threads, max_inflight=max(8, args.count))
     ios: list[ChunkIO] = []
+    pools: list[ThreadPoolExecutor] = []
 
     def chunk_io(**kw: Any) -> ChunkIO:
         """A ChunkIO of its own per path, so its counters describe that path alone."""
@@ -253,6 +269,25 @@ def run(args: argparse.Namespace) -> int:
                     fut.result()
             return ReadPath(f"{name}, {args.count} in flight", go, check, baseline, io)
 
+        threads = cfg.threads
+        plain_pool = ThreadPoolExecutor(threads, "bench-plain")
+        pools.append(plain_pool)
+
+        def plain_parallel() -> None:
+            """A plain parallel reader: `threads` pool threads copy every payload out of the
+            page cache in `threads` pieces; no header read and no checks."""
+            fds = [os.open(f, os.O_RDONLY) for f in files]
+            try:
+                piece = -(-size // threads)
+                futures = [plain_pool.submit(_pread_all, fd, view[a : a + piece], header_len + a)
+                           for fd, view in zip(fds, host_views, strict=True)
+                           for a in range(0, size, piece)]
+                for fut in futures:
+                    fut.result()
+            finally:
+                for fd in fds:
+                    os.close(fd)
+
         base = "readinto, 1 thread"
         paths = [ReadPath(base, readinto, check_host)]
         def blocking(name: str, dests: list, check: Callable[[], bool], baseline: str,
@@ -272,6 +307,35 @@ def run(args: argparse.Namespace) -> int:
             one_by_one("host O_DIRECT (disk, not cache), verify=header", host, check_host, base,
                        verify="header", direct="always"),
         ]
+        plain_name = f"preadv, {threads} threads, payload only"
+        paths.append(ReadPath(plain_name, plain_parallel, check_host, base))
+
+        # Memory bandwidth: the same bytes copied between two huge-page host buffers, on one
+        # thread and on `threads`. No reader of page-cached files can beat one copy of each
+        # byte, so the 2nd over the 1st bounds what more threads can gain over the baseline.
+        sources = [aligned_empty(size) for _ in refs]
+        for src, ref in zip(sources, refs, strict=True):
+            src.copy_(torch.from_numpy(ref))
+        pairs = [(d.data_ptr(), s.data_ptr()) for d, s in zip(host, sources, strict=True)]
+
+        def memcpy(n_threads: int) -> Callable[[], None]:
+            piece = -(-size // n_threads)
+
+            def go() -> None:
+                if n_threads == 1:
+                    for dst, src in pairs:
+                        ctypes.memmove(dst, src, size)
+                    return
+                futures = [plain_pool.submit(ctypes.memmove, dst + a, src + a, min(piece, size - a))
+                           for dst, src in pairs for a in range(0, size, piece)]
+                for fut in futures:
+                    fut.result()
+            return go
+
+        memcpy_names = [f"memcpy host->host, {n} thread{'s' * (n > 1)} (memory bandwidth)"
+                        for n in (1, threads)]
+        paths += [ReadPath(name, memcpy(n), check_host, base)
+                  for name, n in zip(memcpy_names, (1, threads), strict=True)]
 
         cuda = None
         if caps.cuda:
@@ -359,6 +423,16 @@ def run(args: argparse.Namespace) -> int:
             verdict = "meets" if r >= TARGET_RATIO else "BELOW"
             print(f"host path ({how}) vs single-threaded readinto: {r:.3f}x "
                   f"({verdict} the {TARGET_RATIO}x target)")
+        vs_plain = {}
+        for how, p in zip(ratios, paths[1:3], strict=True):
+            vs_plain[how] = statistics.median(
+                x / c for x, c in zip(p.gbps, by_name[plain_name].gbps, strict=True))
+            print(f"host path ({how}) vs a plain {plain_name}: {vs_plain[how]:.3f}x")
+        bound = statistics.median(x / c for x, c in zip(by_name[memcpy_names[1]].gbps,
+                                                         by_name[memcpy_names[0]].gbps, strict=True))
+        print(f"memory bandwidth: {threads}-thread memcpy is {bound:.3f}x 1-thread memcpy "
+              f"(a {threads}-thread reader gains over one thread at most about this, once the "
+              f"single thread copies at memcpy speed)")
         print(f"xxh3-64 of one payload in host memory (what verify=checksum adds): {hash_gbps:.1f} GB/s, 1 thread")
         stats = paths[1].io.stats()
         print(f"backends: {stats['backends']}; filesystems: {stats['filesystems']}")
@@ -367,12 +441,16 @@ def run(args: argparse.Namespace) -> int:
         write_json(args.json, {
             "command": "bench gds", "args": {k: v for k, v in vars(args).items() if not k.startswith("_")},
             "dir": root, "cold": args.cold, "write_gbps": total / write_s / 1e9,
-            "host_vs_readinto": ratios, "xxh3_gbps": hash_gbps, "rows": rows, "stats": stats,
+            "host_vs_readinto": ratios,
+            "host_vs_plain_parallel": vs_plain, "memcpy_threads_vs_one": bound,
+            "xxh3_gbps": hash_gbps, "rows": rows, "stats": stats,
         })
         return 0 if all(p.verified for p in paths) else 1
     finally:
         for io in ios:
             io.close()
+        for pool in pools:
+            pool.shutdown()
         for conn in conns:
             conn.close()
         if store_root:

@@ -19,7 +19,7 @@ def main(argv: list[str]) -> int:
 
 def test_bench_gds_verifies_every_path_and_writes_json(tmp_path, capsys):
     out = tmp_path / "gds.json"
-    rc = main(["--dir", str(tmp_path / "chunks"), "--size-mib", "0.25",
+    rc = main(["--dir", str(tmp_path / "chunks"), "--size-mib", "0.25", "--threads", "2",
                "--count", "2", "--rounds", "1", "--json", str(out)])
     assert rc == 0
     printed = capsys.readouterr().out
@@ -31,6 +31,11 @@ def test_bench_gds_verifies_every_path_and_writes_json(tmp_path, capsys):
     # The connector's whole load from a file:// store, through ChunkIO and through the store.
     assert {"connector load, ChunkIO, 2 in flight", "connector load, store reads, 2 in flight"} <= set(paths)
     assert result["stats"]["backends"]["cpu"] == "host"
+    # The references beside it, verified like every path: a plain parallel reader and memcpy.
+    assert {"preadv, 2 threads, payload only", "memcpy host->host, 1 thread (memory bandwidth)",
+            "memcpy host->host, 2 threads (memory bandwidth)"} <= set(paths)
+    assert result["memcpy_threads_vs_one"] > 0 and set(result["host_vs_plain_parallel"]) == {
+        "blocking call", "through a Future"}
     assert list((tmp_path / "chunks").iterdir()) == []  # its chunk files are removed
 
 
