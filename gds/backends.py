@@ -217,7 +217,7 @@ class TorchGdsBackend:
         if ready is not None:
             ready.synchronize()  # cuFile DMA ignores streams: the destination must be idle
         try:
-            gds_file = torch.cuda.gds.GdsFile(f.path, os.O_RDONLY)
+            gds_file = torch.cuda.gds.GdsFile(f.same_file(), os.O_RDONLY)
         except OSError as exc:
             raise read_error(f.path, exc) from None  # say, evicted since we opened it
         except RuntimeError as exc:
@@ -233,6 +233,12 @@ class TorchGdsBackend:
         # The handle is deregistered and its descriptor closed when gds_file is collected,
         # right after this returns (pieces hold no reference once run_pieces has waited).
         run_pieces(self.pool, work, dest.numel(), self.piece_bytes)
+        # torch does not check cuFileRead's count: a file cut short in place under the read
+        # would leave the destination's tail unwritten. Chunk files are never truncated in
+        # place by the store, so this is a damaged filesystem or another writer.
+        size = os.fstat(gds_file.fd).st_size
+        if size < offset + dest.numel():
+            raise ReadError(f.path, SHORT, f"file is {size} bytes, range ends at {offset + dest.numel()}")
 
 
 class KvikioBackend:
@@ -246,7 +252,9 @@ class KvikioBackend:
         try:
             kvikio.defaults.set("num_threads", threads)  # KvikIO's default pool is 1 thread
         except (AttributeError, TypeError):
-            pass
+            reset = getattr(kvikio.defaults, "num_threads_reset", None)  # older KvikIO releases
+            if reset is not None:
+                reset(threads)
 
     def read(self, f: OpenFile, offset: int, dest: Any, ready: Any = None) -> None:
         import kvikio
@@ -254,7 +262,7 @@ class KvikioBackend:
         if ready is not None:
             ready.synchronize()
         try:
-            with kvikio.CuFile(f.path, "r") as cf:
+            with kvikio.CuFile(f.same_file(), "r") as cf:
                 got = cf.pread(dest, dest.numel(), offset).get()
         except (RuntimeError, OSError) as exc:
             raise ReadError(f.path, IO, f"KvikIO read: {exc}") from None

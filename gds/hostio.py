@@ -66,11 +66,19 @@ class OpenFile:
             raise read_error(path, exc) from None
         return cls(path, fd, os.O_RDONLY, support)
 
+    def same_file(self) -> str:
+        """A path that opens this very file, whatever its name points to now (an evicted
+        chunk, a replaced one): /proc/self/fd/N where /proc is mounted, else the name. The
+        O_DIRECT descriptor and cuFile handles are opened by path; this keeps them on the
+        inode whose header was checked."""
+        proc = f"/proc/self/fd/{self.fd}"
+        return proc if os.path.exists(proc) else self.path
+
     def direct_fd(self) -> int | None:
         with self._lock:
             if not self._direct_tried:
                 self._direct_tried = True
-                self._direct_fd = self.support.open_direct(self.path, self.dev, self.flags)
+                self._direct_fd = self.support.open_direct(self.same_file(), self.dev, self.flags)
             return None if self._direct_refused else self._direct_fd
 
     def refuse_direct(self) -> None:

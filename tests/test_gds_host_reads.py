@@ -82,6 +82,28 @@ def test_aligned_destination_on_ext4_is_read_with_o_direct(tmp_path, ns):
     assert info["direct"] is True
 
 
+def test_o_direct_reads_the_file_whose_header_was_checked_even_after_its_name_moved(tmp_path):
+    """The O_DIRECT descriptor is opened on first need, after the header read; by then the
+    name may point to another file (the chunk evicted and its name reused). It is opened
+    through /proc/self/fd, so it reads the same inode as the buffered descriptor."""
+    from gds.fsprobe import DirectIOSupport
+    from gds.hostio import read_range
+
+    data, other = payload(4 * PIECE, seed=1), payload(4 * PIECE, seed=2)
+    path, moved = tmp_path / "chunk.bin", tmp_path / "other.bin"
+    path.write_bytes(data.tobytes())
+    moved.write_bytes(other.tobytes())
+    dest = aligned_empty(2 * PIECE)
+    with OpenFile.for_read(str(path), DirectIOSupport()) as f:
+        os.replace(moved, path)
+        direct = read_range(f, host_view(dest), PIECE, "always")
+        fstype = f.support.filesystem(f.dev).fstype
+    assert np.array_equal(dest.numpy(), data[PIECE : 3 * PIECE])
+    if fstype not in ("ext4", "xfs"):
+        pytest.skip(f"tmp_path is on {fstype}, not ext4/xfs: no O_DIRECT read happened")
+    assert direct == 2 * PIECE
+
+
 def test_tmpfs_falls_back_to_buffered_reads_silently(shm_dir, ns):
     data = payload(3 * PIECE + 100)
     path, key, _ = write_chunk(shm_dir, ns, 0, data)
