@@ -170,15 +170,6 @@ def _drop_cache(paths: list[str]) -> None:
             os.close(fd)
 
 
-def _pread_all(fd: int, view: memoryview, offset: int) -> None:
-    done = 0
-    while done < view.nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            raise RuntimeError(f"short read at {offset + done}")
-        done += n
-
-
 def _warm(paths: list[str]) -> None:
     """Read whole files (headers included) through the page cache."""
     for p in paths:
@@ -197,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     from gds.probe import probe
     from hashing import Namespace, chunk_keys
     from storage.codec import decode_chunk
+    from storage.file import read_into_at
 
     size = int(args.size_mib * MiB)
     own_dir = args.dir is None
@@ -205,7 +197,8 @@ def run(args: argparse.Namespace) -> int:
     caps = probe(root)
     cfg = IOConfig(io_threads=args.threads, max_inflight=max(8, args.count))
     ios: list[ChunkIO] = []
-    pools: list[ThreadPoolExecutor] = []
+    threads = cfg.threads
+    plain_pool = ThreadPoolExecutor(threads, "bench-plain")  # the reference rows' threads
 
     def chunk_io(**kw: Any) -> ChunkIO:
         """A ChunkIO of its own per path, so its counters describe that path alone."""
@@ -269,21 +262,17 @@ def run(args: argparse.Namespace) -> int:
                     fut.result()
             return ReadPath(f"{name}, {args.count} in flight", go, check, baseline, io)
 
-        threads = cfg.threads
-        plain_pool = ThreadPoolExecutor(threads, "bench-plain")
-        pools.append(plain_pool)
-
         def plain_parallel() -> None:
             """A plain parallel reader: `threads` pool threads copy every payload out of the
             page cache in `threads` pieces; no header read and no checks."""
             fds = [os.open(f, os.O_RDONLY) for f in files]
             try:
                 piece = -(-size // threads)
-                futures = [plain_pool.submit(_pread_all, fd, view[a : a + piece], header_len + a)
+                futures = [plain_pool.submit(read_into_at, fd, view[a : a + piece], header_len + a)
                            for fd, view in zip(fds, host_views, strict=True)
                            for a in range(0, size, piece)]
-                for fut in futures:
-                    fut.result()
+                if sum(fut.result() for fut in futures) != size * len(files):
+                    raise RuntimeError("plain parallel reader: short read")
             finally:
                 for fd in fds:
                     os.close(fd)
@@ -399,12 +388,13 @@ def run(args: argparse.Namespace) -> int:
         rows = []
         by_name = {p.name: p for p in paths}
 
-        def paired_ratio(p: ReadPath) -> float | None:
-            """Median over rounds of this path's GB/s over its baseline's in the same round:
-            neighbours' load changes between rounds more than within one."""
-            if not p.baseline:
+        def paired_ratio(p: ReadPath, against: str | None = None) -> float | None:
+            """Median over rounds of this path's GB/s over its baseline's (or `against`'s) in
+            the same round: neighbours' load changes between rounds more than within one."""
+            against = against or p.baseline
+            if not against:
                 return None
-            base_gbps = by_name[p.baseline].gbps
+            base_gbps = by_name[against].gbps
             return statistics.median(x / b for x, b in zip(p.gbps, base_gbps, strict=True))
 
         for p in paths:
@@ -423,13 +413,10 @@ def run(args: argparse.Namespace) -> int:
             verdict = "meets" if r >= TARGET_RATIO else "BELOW"
             print(f"host path ({how}) vs single-threaded readinto: {r:.3f}x "
                   f"({verdict} the {TARGET_RATIO}x target)")
-        vs_plain = {}
-        for how, p in zip(ratios, paths[1:3], strict=True):
-            vs_plain[how] = statistics.median(
-                x / c for x, c in zip(p.gbps, by_name[plain_name].gbps, strict=True))
-            print(f"host path ({how}) vs a plain {plain_name}: {vs_plain[how]:.3f}x")
-        bound = statistics.median(x / c for x, c in zip(by_name[memcpy_names[1]].gbps,
-                                                         by_name[memcpy_names[0]].gbps, strict=True))
+        vs_plain = {how: paired_ratio(p, plain_name) for how, p in zip(ratios, paths[1:3], strict=True)}
+        for how, r in vs_plain.items():
+            print(f"host path ({how}) vs a plain {plain_name}: {r:.3f}x")
+        bound = paired_ratio(by_name[memcpy_names[1]], memcpy_names[0])
         print(f"memory bandwidth: {threads}-thread memcpy is {bound:.3f}x 1-thread memcpy "
               f"(a {threads}-thread reader gains over one thread at most about this, once the "
               f"single thread copies at memcpy speed)")
@@ -449,8 +436,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for io in ios:
             io.close()
-        for pool in pools:
-            pool.shutdown()
+        plain_pool.shutdown()
         for conn in conns:
             conn.close()
         if store_root:
