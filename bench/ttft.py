@@ -123,11 +123,10 @@ def timed_ideal(model: Any, prefix_cache: Any, prefix_tokens: int, suffix_ids: A
     """Seconds and output of the suffix with the first `prefix_tokens` of `prefix_cache`
     already in a ready cache object; building that object is not timed."""
     import torch
-    from transformers import DynamicCache
 
-    kv = [(layer.keys[:, :, :prefix_tokens], layer.values[:, :, :prefix_tokens])
-          for layer in prefix_cache.layers]
-    cache = DynamicCache(ddp_cache_data=kv, config=model.config)
+    from connector.hf import prefix_cache as cropped
+
+    cache = cropped(model, prefix_cache, prefix_tokens)
     with torch.no_grad():
         started = time.perf_counter()
         out = model(suffix_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -280,7 +279,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines.append(
         f"load: {format_size(r['load_bytes'])} in {r['load_s'] * 1e3:.1f} ms "
         f"({r['load_gbps']:.2f} GB/s incl. verify and placement); "
-        f"logits exact: {'yes' if r['exact'] else 'NO'}"
+        f"logits exact (miss = full prefill, hit = ideal, bit for bit): "
+        f"{'yes' if r['exact'] else 'NO'}"
     )
     lines.append(
         f"connector time on the engine thread: miss {r['miss_connector_s'] * 1e3:.1f} ms "

@@ -2,10 +2,20 @@
 
 The loaded prefix becomes a `DynamicCache` (transformers 5.x: `DynamicCache(ddp_cache_data=
 [(k, v) per layer], config=...)`, positions follow from the cache length); the model then
-runs only on the suffix. On CPU this gives logits bit-identical to a full forward pass
-(shared/notes/probe.md §1). Supported: decoder-only models whose layers are all full
+runs only on the suffix. Supported: decoder-only models whose layers are all full
 attention with one K/V head size (Llama family incl. GQA, Qwen2, Mistral without a
 sliding window), any dtype in `connector.layout.DTYPE_BYTES`, batch size 1.
+
+Exactness, precisely (checked with torch 2.13.0+cpu and transformers 5.23.0):
+1. the K/V a hit loads are bit-identical to the K/V the model computed for those tokens
+   when their chunks were saved;
+2. a hit's outputs are bit-identical to the same model continuing from its own in-memory
+   prefix cache holding those K/V (`continue_from_cache`: what an engine's prefix caching
+   does), on every machine;
+3. against one full recompute of the whole prompt they agree within the kernels'
+   reduction-order noise (`RECOMPUTE_ULPS`): a suffix-only pass may block its matmuls and
+   attention reductions differently from a full pass. They are bit-equal only where the
+   kernels happen to be batch-invariant (the AMD EPYC VMs here, not Intel Xeon ones).
 """
 
 from __future__ import annotations
@@ -28,6 +38,37 @@ log = logging.getLogger("kvstash.connector.hf")
 
 # Config fields that do not change the KV a model computes (or are spelled per version).
 _VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "use_cache")
+
+
+# How far a hit's logits may be from one full recompute of the prompt, in units of the
+# dtype's machine epsilon times the largest logit magnitude. Measured on 2-layer random
+# Llama/Qwen2 models (fp32): a prefix computed apart from its suffix moves the logits by up
+# to ~5 eps on AMD EPYC, ~7 eps on Intel Xeon (8.3e-7 at magnitude ~1.4); 32 leaves room
+# for deeper models while a wrong prefix moves them by the logits' own magnitude.
+RECOMPUTE_ULPS = 32
+
+
+def recompute_tolerance(logits: Any) -> float:
+    """Largest |hit - full recompute| difference reduction-order noise explains for `logits`."""
+    return RECOMPUTE_ULPS * torch.finfo(logits.dtype).eps * max(1.0, logits.abs().max().item())
+
+
+def prefix_cache(model: Any, cache: Any, tokens: int) -> DynamicCache:
+    """A new `DynamicCache` holding the first `tokens` positions of `cache` (not copied;
+    `cache` stays as it is: DynamicCache replaces its tensors on update)."""
+    kv = [(layer.keys[:, :, :tokens], layer.values[:, :, :tokens]) for layer in cache.layers]
+    return DynamicCache(ddp_cache_data=kv, config=model.config)
+
+
+@torch.no_grad()
+def continue_from_cache(model: Any, cache: Any, tokens: int, input_ids: Any, **kwargs: Any) -> Any:
+    """What the engine's own prefix caching computes: the model continuing from the first
+    `tokens` positions of a cache it computed itself, over the rest of `input_ids`. A hit of
+    `tokens` whose chunks were saved from `cache` gives bit-identical outputs."""
+    ids = torch.as_tensor(input_ids)
+    ids = ids.unsqueeze(0) if ids.dim() == 1 else ids
+    return model(ids[:, tokens:], past_key_values=prefix_cache(model, cache, tokens),
+                 use_cache=True, **_suffix_kwargs(kwargs, tokens))
 
 
 def kv_layout(model: Any, chunk_tokens: int) -> ChunkLayout:

@@ -41,12 +41,12 @@ def prompt(n: int, seed: int = 0) -> Any:
     return torch.from_numpy(np.random.default_rng(seed).integers(0, 1024, (1, n)))
 
 
-def plain_forward(model: Any, ids: Any) -> Any:
-    """What the cache must reproduce: the model's own full forward pass."""
+def plain_forward(model: Any, ids: Any, **kwargs: Any) -> Any:
+    """The model's own full forward pass: what a miss computes and a hit's chunks hold."""
     import torch
 
     with torch.no_grad():
-        return model(ids, use_cache=True)
+        return model(ids, use_cache=True, **kwargs)
 
 
 def test_namespace(model: Any, chunk_tokens: int = CHUNK) -> Namespace:
