@@ -222,7 +222,7 @@ def measure(
 
     from bench.ttft import timed_cached, timed_plain
     from connector import KVConnector
-    from connector.hf import CachedPrefill, namespace_for
+    from connector.hf import CachedPrefill, namespace_for, recompute_tolerance
     from hashing import chunk_keys
     from storage import open_store
 
@@ -252,12 +252,14 @@ def measure(
                     timed[side], out = timed_cached(prefill, ids)
                     hit = prefill.last_hit_tokens
                     connector.flush()
-                last[side] = out.logits[0, -1].float()
+                last[side] = out.logits[0, -1]
             rows.append({
                 "source": p.source, "tokens": len(p), "hit_tokens": hit,
                 "cold_s": timed["cold"], "warm_s": timed["warm"],
                 "first_token_equal": bool(last["cold"].argmax() == last["warm"].argmax()),
-                "max_abs_logit_diff": float((last["cold"] - last["warm"]).abs().max()),
+                "max_abs_logit_diff": float((last["cold"].float() - last["warm"].float())
+                                            .abs().max()),
+                "recompute_tolerance": recompute_tolerance(last["cold"]),
             })
         stats = connector.stats()
         connector.run(_delete_namespace(connector.store, ns.id))
@@ -310,6 +312,9 @@ def _summarize(rows: list[dict[str, Any]], stats: dict[str, Any], store_url: str
         + stats["verify_failures"],
         "first_token_equal": all(r["first_token_equal"] for r in rows),
         "max_abs_logit_diff": max(r["max_abs_logit_diff"] for r in rows),
+        # The warm pass continues from K/V saved by earlier prompts' passes, so against this
+        # cold full pass it agrees up to the kernels' rounding (connector/hf.py's contract).
+        "within_rounding": all(r["max_abs_logit_diff"] <= r["recompute_tolerance"] for r in rows),
         "prefill_tokens_per_s": tokens / sum(cold) if sum(cold) else 0.0,
         "per_prompt": rows,
     }
@@ -351,7 +356,7 @@ def run_workload(args: argparse.Namespace) -> int:
     print(table(
         ["workload", "store", "hit % (ideal)", "cold p50/p90 ms", "warm p50/p90 ms",
          "speedup", "hit p50 speedup", "loaded MiB", "load GB/s", "miss cost ms (%) [misses]",
-         "same token"],
+         "same token", "within rounding"],
         [[r["workload"], r["store"],
           f"{100 * r['token_hit_rate']:.1f} ({100 * r['ideal_hit_rate']:.1f})",
           f"{ms(r['cold_p50_s']):.0f}/{ms(r['cold_p90_s']):.0f}",
@@ -360,7 +365,8 @@ def run_workload(args: argparse.Namespace) -> int:
           "-" if r["miss_cost_p50_s"] is None else
           f"{ms(r['miss_cost_p50_s']):+.1f} ({100 * r['miss_cost_p50_fraction']:+.1f}%) "
           f"[{r['miss_prompts']}]",
-          "yes" if r["first_token_equal"] else "NO"] for r in results],
+          "yes" if r["first_token_equal"] else "no",
+          "yes" if r["within_rounding"] else "NO"] for r in results],
     ))
     cold_tokens = sum(r["tokens"] for r in results)
     cold_seconds = sum(r["tokens"] / r["prefill_tokens_per_s"] for r in results)
@@ -375,4 +381,4 @@ def run_workload(args: argparse.Namespace) -> int:
         "chunk_tokens": args.chunk_tokens, "seed": args.seed,
         "prefill_tokens_per_s": cold_tokens / cold_seconds, "results": results,
     })
-    return 0 if all(r["first_token_equal"] for r in results) else 1
+    return 0 if all(r["within_rounding"] for r in results) else 1

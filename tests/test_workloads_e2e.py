@@ -27,7 +27,7 @@ def parse(*argv: str) -> argparse.Namespace:
     return parser.parse_args(list(argv))
 
 
-def test_every_workload_hits_exactly_its_reusable_prefix_with_the_same_first_token(tmp_path):
+def test_every_workload_hits_exactly_its_reusable_prefix_within_rounding(tmp_path):
     out_json, out_png = tmp_path / "wl.json", tmp_path / "wl.png"
     store_dir = tmp_path / "kv"
     args = parse("--workload", "multi-turn,long-doc,rag", "--store", f"file://{store_dir}",
@@ -39,9 +39,11 @@ def test_every_workload_hits_exactly_its_reusable_prefix_with_the_same_first_tok
     bpt = bytes_per_token("llama-test")
     for r in by_name.values():
         assert r["token_hit_rate"] == pytest.approx(r["ideal_hit_rate"])
-        # Same first token; logits equal up to bf16 rounding (a suffix-only pass may
-        # block its matmuls differently from a full pass).
-        assert r["first_token_equal"] and r["max_abs_logit_diff"] < 0.1
+        # Logits equal to the cold full pass up to the kernels' rounding (a suffix-only pass
+        # may block its matmuls differently from a full pass; the first token can then
+        # differ only where the top two logits are closer than that rounding).
+        assert r["within_rounding"]
+        assert all(p["max_abs_logit_diff"] <= p["recompute_tolerance"] for p in r["per_prompt"])
         assert r["bytes_loaded"] == r["hit_tokens"] * bpt
         assert r["bytes_saved"] > 0 and r["load_failures"] == 0
         assert r["prompts"] == len(r["per_prompt"])
