@@ -107,28 +107,69 @@ def namespace_for(
     )
 
 
-class _StagedPrefix:
-    """Staging buffers for the chunks being read, and the per-layer K/V they are placed into.
+class _PrefixBuffers:
+    """Staging memory for the chunks being read and the per-layer K/V they are placed into,
+    kept from one load to the next and grown to the largest prefix loaded so far.
+
+    Fresh host memory costs a page fault per 4 KiB page on first touch: on the 2-vCPU VMs
+    here ~110 ms per 224 MiB (~2 GB/s, huge pages or MADV_POPULATE_WRITE made no
+    difference), against 8-17 ms to read or copy into memory already touched. A hit that
+    allocated both buffers anew ran at 0.3-2 GB/s; reusing them is what lets a load run near
+    the store's own read rate.
 
     With direct reads (a file:// store through gds.ChunkIO) staging sits on the model's
-    device: on a GPU, cuFile or bounce buffers fill it and placing is a device-side copy;
-    on CPU it is 4 KiB-aligned host memory that O_DIRECT can fill. Otherwise the store's
-    bytes land in host memory, pinned when the model is on a GPU, and `place` copies them
-    over asynchronously."""
+    device: on a GPU, cuFile or bounce buffers fill it and placing is a device-side copy; on
+    CPU it is 4 KiB-aligned host memory that O_DIRECT can fill. Otherwise the store's bytes
+    land in host memory, pinned when the model is on a GPU, and `place` copies them over
+    asynchronously. The K/V buffer is handed to the model as the loaded `DynamicCache`; the
+    model's first update replaces those tensors (`torch.cat`), so the buffer is reused only
+    once no returned cache still shares its memory (`release`)."""
 
-    def __init__(self, layout: ChunkLayout, n_chunks: int, device: torch.device,
-                 direct: bool = False):
+    def __init__(self, layout: ChunkLayout, device: torch.device, direct: bool):
         self.layout = layout
         self.dtype = getattr(torch, layout.dtype)
-        shape = (n_chunks, layout.payload_nbytes)
-        if direct and device.type == "cuda":
-            self.raw = torch.empty(shape, dtype=torch.uint8, device=device)
-        elif direct:
-            self.raw = aligned_empty(shape)
-        else:
-            self.raw = torch.empty(shape, dtype=torch.uint8, pin_memory=device.type == "cuda")
-        L, _, H, n, D = layout.shape
-        self.kv = torch.empty((L, 2, 1, H, n_chunks * n, D), dtype=self.dtype, device=device)
+        self.device = device
+        self.direct = direct
+        self.raw: torch.Tensor | None = None
+        self.kv: torch.Tensor | None = None
+
+    def take(self, n_chunks: int) -> _StagedPrefix:
+        if self.raw is None or self.raw.shape[0] < n_chunks:
+            self.raw = self._staging(n_chunks)
+        if self.kv is None or self.kv.shape[4] < n_chunks * self.layout.chunk_tokens:
+            L, _, H, n, D = self.layout.shape
+            self.kv = torch.empty((L, 2, 1, H, n_chunks * n, D), dtype=self.dtype,
+                                  device=self.device)
+        return _StagedPrefix(self.layout, self.raw, self.kv)
+
+    def _staging(self, n_chunks: int) -> torch.Tensor:
+        shape = (n_chunks, self.layout.payload_nbytes)
+        if self.direct and self.device.type == "cuda":
+            return torch.empty(shape, dtype=torch.uint8, device=self.device)
+        if self.direct:
+            return aligned_empty(shape)
+        return torch.empty(shape, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+
+    def release(self, cache: Any) -> None:
+        """After the forward pass: forget the K/V buffer if `cache` still holds any of it."""
+        if self.kv is None or cache is None:
+            return
+        ours = self.kv.untyped_storage().data_ptr()
+        for layer in getattr(cache, "layers", ()):
+            for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() == ours:
+                    self.kv = None
+                    return
+
+
+class _StagedPrefix:
+    """One load's view of `_PrefixBuffers`: the `LoadTarget` the connector fills."""
+
+    def __init__(self, layout: ChunkLayout, raw: torch.Tensor, kv: torch.Tensor):
+        self.layout = layout
+        self.dtype = kv.dtype
+        self.raw = raw
+        self.kv = kv
 
     def staging(self, i: int) -> Any:
         return self.raw[i]
@@ -139,8 +180,18 @@ class _StagedPrefix:
         self.kv[:, :, 0, :, i * n : (i + 1) * n, :].copy_(chunk, non_blocking=True)
 
     def cache(self, tokens: int, config: Any) -> DynamicCache:
+        """A `DynamicCache` over the first `tokens` positions, holding views of the K/V buffer.
+
+        Built from zero-length views and then pointed at the placed tensors: handing them to
+        the constructor would copy the whole prefix once more (its first `update` is a
+        `torch.cat` onto an empty tensor), into fresh memory. The model's first forward
+        replaces these views with its own `torch.cat`, as it does for any cache."""
         kv = self.kv[:, :, :, :, :tokens]
-        return DynamicCache(ddp_cache_data=[(layer[0], layer[1]) for layer in kv], config=config)
+        cache = DynamicCache(ddp_cache_data=[(layer[0][:, :, :0], layer[1][:, :, :0])
+                                             for layer in kv], config=config)
+        for layer, loaded in zip(cache.layers, kv, strict=True):
+            layer.keys, layer.values = loaded[0], loaded[1]
+        return cache
 
 
 def _chunk_payload(layout: ChunkLayout, keys: list[torch.Tensor], values: list[torch.Tensor]):
@@ -182,6 +233,7 @@ class CachedPrefill:
         self.connector = connector
         self.layout = kv_layout(model, connector.chunk_tokens)
         connector.bind_layout(self.layout)
+        self._buffers: _PrefixBuffers | None = None
         self.last_hit_tokens = 0
         self.last_cached_tokens = 0
         # Wall seconds of the last call: "cache" (lookup, load, placement), "compute" (the
@@ -196,7 +248,9 @@ class CachedPrefill:
         plan = conn.plan(cached)
         if plan.chunks == 0:
             return 0, None
-        staged = _StagedPrefix(self.layout, plan.chunks, ids.device, conn.reads_direct)
+        if self._buffers is None or self._buffers.device != ids.device:
+            self._buffers = _PrefixBuffers(self.layout, ids.device, conn.reads_direct)
+        staged = self._buffers.take(plan.chunks)
         hit = conn.load(tokens, plan.chunks * conn.chunk_tokens, staged, plan.deadline_s)
         return hit, (staged.cache(hit, self.model.config) if hit else None)
 
@@ -222,6 +276,8 @@ class CachedPrefill:
         out = self.model(ids[:, hit:], past_key_values=cache, use_cache=True,
                          **_suffix_kwargs(kwargs, hit))
         t2 = time.perf_counter()
+        if cache is not None:
+            self._buffers.release(out.past_key_values)
         self.connector.observe_prefill(total - hit, t2 - t1)
         self.last_hit_tokens = hit
         self._save(ids, out.past_key_values, hit)

@@ -371,3 +371,36 @@ def test_the_contract_holds_where_kernels_are_not_batch_invariant(store_dir, mon
     assert not torch.equal(out.logits, plain_forward(model, ids).logits[:, 192:])
     assert_exact(out, model, ids, 192)
     prefill.connector.close()
+
+
+def test_load_buffers_are_reused_without_touching_a_returned_cache(store_dir):
+    """Staging and K/V memory are kept between hits (fresh memory costs a page fault per
+    page); a cache returned by an earlier call never shares them, so it stays intact."""
+    model = tiny_model()
+    first, second = prompt(200, seed=1), prompt(200, seed=2)
+    prefill = make_prefill(model, f"file://{store_dir}")
+    warm(prefill, first)
+    warm(prefill, second)
+
+    out1 = prefill(first)
+    kept = [(layer.keys.clone(), layer.values.clone()) for layer in out1.past_key_values.layers]
+    buffers = prefill._buffers.raw.data_ptr(), prefill._buffers.kv.data_ptr()
+    out2 = prefill(second)
+    assert prefill.last_hit_tokens == 192
+    assert (prefill._buffers.raw.data_ptr(), prefill._buffers.kv.data_ptr()) == buffers
+    assert_exact(out2, model, second, 192)
+    for layer, (k, v) in zip(out1.past_key_values.layers, kept, strict=True):
+        assert torch.equal(layer.keys, k) and torch.equal(layer.values, v)
+    assert_exact(out1, model, first, 192)
+    prefill.connector.close()
+
+
+def test_a_cache_still_holding_the_loaded_kv_keeps_it_from_reuse():
+    from connector.hf import _PrefixBuffers, kv_layout
+
+    buffers = _PrefixBuffers(kv_layout(tiny_model(), CHUNK), torch.device("cpu"), direct=False)
+    staged = buffers.take(2)
+    held = staged.cache(2 * CHUNK, tiny_model().config)  # as if the model kept these tensors
+    buffers.release(held)
+    assert buffers.kv is None  # the next load gets fresh memory
+    assert buffers.take(2).kv.data_ptr() != held.layers[0].keys.data_ptr()
