@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from hashing import Namespace
-from storage import ConfigError, open_store
+from storage import ConfigError, StoreUnavailable, open_store
 from storage.file import QUARANTINE, FileStore, _chunk_path
 from tests.store_helpers import make_chunks
 
@@ -78,6 +78,25 @@ async def test_the_scan_follows_no_symlink_and_deletes_nothing_outside_the_root(
     assert tmp1.exists() and tmp2.exists()
     assert chunk1.read_bytes() == blob1 and chunk2.read_bytes() == blob2
     assert not _chunk_path(root, key).exists()
+
+
+async def test_the_hot_path_neither_reads_writes_nor_deletes_through_a_symlinked_directory(
+        tmp_path):
+    root, outside = tmp_path / "root", tmp_path / "outside"
+    far = Namespace(model="far", dtype="d", layout="l", chunk_tokens=4, salt="hot")
+    (key, _, blob), (new_key, _, new_blob) = make_chunks(far, 2)
+    chunk = old_file(_chunk_path(outside, key), blob)
+    store = FileStore(root, capacity=2 * len(blob))
+    os.symlink(outside / key[:16], root / key[:16])
+    assert await store.get(key) is None
+    assert await store.get_into(key, bytearray(len(blob))) is None
+    assert await store.exists([key]) == [True]  # presence is a hint; the read decides
+    with pytest.raises(StoreUnavailable):
+        await store.put(new_key, new_blob)
+    assert await store.delete(key) is False
+    assert chunk.read_bytes() == blob
+    assert not _chunk_path(outside, new_key).exists()
+    assert store.stats()["used_bytes"] == 0
 
 
 async def test_files_that_are_not_chunks_of_the_layout_are_neither_listed_counted_nor_deleted(
