@@ -15,6 +15,18 @@ filesystem re-triggers the check, while page-cached re-reads of an unchanged fil
 no hashing (on 2 cores the hash would otherwise cost a third of a warm read). `always`
 hashes every read; `header` checks only the header (key, tokens, length).
 
+The root: the store touches only names of its own layout. The scan at open (and `gc`)
+opens each directory O_NOFOLLOW relative to its parent and lists regular files only, so it
+never follows a symlink; a name that is not a chunk or tmp file of the layout is neither
+listed, counted nor deleted. Reads, writes, deletes and evictions first check that the
+chunk's directories are real ones (remembered once found so), chunk files are opened
+O_NOFOLLOW (a symlink planted as a chunk is quarantined unread), and `.quarantine/` is
+used only while it is a real directory. Files are created with `mode=` (default 0600), directories with the same bits
+plus search where it grants read (0700; 0640 -> 0750); the umask may narrow both.
+Tmp files of other writers count in `used_bytes` while they exist; at open a tmp file is
+reclaimed when it is older than `tmp_grace`, or at once when its name says it was written
+on this host by a pid that is no longer alive.
+
 Capacity: an in-process LRU index (key -> size) rebuilt from the directory at open,
 ordered by each file's atime (hits refresh it at most once a minute), so eviction order
 survives a restart and the hot path never scans. Several processes sharing one directory
@@ -29,6 +41,7 @@ import logging
 import os
 import secrets
 import socket
+import stat
 import threading
 import time
 from collections import OrderedDict
@@ -49,7 +62,7 @@ from storage.base import (
 )
 from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, decode_chunk, decode_header
 from storage.errors import ConfigError, StoreFull, StoreUnavailable
-from storage.options import StoreURL, format_size, parse_bool, parse_seconds, parse_size
+from storage.options import StoreURL, format_size, parse_bool, parse_mode, parse_seconds, parse_size
 
 log = logging.getLogger("kvstash.storage.file")
 
@@ -77,11 +90,81 @@ def _chunk_path(root: Path, key: str) -> Path:
     return root / ns_id / digest[:2] / digest[2:4] / (digest + SUFFIX)
 
 
-def _key_of(path: Path) -> str | None:
-    name = path.name
-    if not name.endswith(SUFFIX) or name.startswith("."):
+_HEX = frozenset("0123456789abcdef")
+
+
+def _is_hex(text: str, n: int) -> bool:
+    return len(text) == n and _HEX.issuperset(text)
+
+
+def _tmp_writer(name: str, fanout: str) -> tuple[str, int] | None:
+    """(host, pid) of the writer of a tmp file `.<digest>.kv.tmp.<host>.<pid>.<rand>` in
+    the fan-out directory of `fanout` (d[0:4]); pid -1 where it is unreadable; None for any
+    name that is not a tmp file of this layout."""
+    head = 1 + 32 + len(SUFFIX) + len(TMP_MARK)
+    digest = name[1:33]
+    if not (name.startswith(".") and _is_hex(digest, 32) and digest.startswith(fanout)
+            and name[33:head] == SUFFIX + TMP_MARK):
         return None
-    return f"{path.parent.parent.parent.name}/{name[: -len(SUFFIX)]}"
+    host_pid = name[head:].rpartition(".")[0]
+    host, _, pid = host_pid.rpartition(".")
+    return host, int(pid) if pid.isascii() and pid.isdigit() and len(pid) < 10 else -1
+
+
+def _writer_is_gone(host: str, pid: int) -> bool:
+    """True only when the writer ran on this host and no process has its pid now."""
+    if host != socket.gethostname() or pid <= 0 or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)  # signal 0 only asks whether the pid exists
+    except ProcessLookupError:
+        return True
+    except OSError:  # EPERM: it exists, as another user's process
+        return False
+    return False
+
+
+def _leaves_root(leaf: str) -> bool | None:
+    """Whether the directories of a chunk's path below the root (`leaf` is
+    `<root>/<ns_id>/<d0d1>/<d2d3>`) lead out of it: True when a level exists as anything
+    but a real directory (a symlink planted there: the store follows none), False when all
+    three are real directories, None when a level is missing (nothing there to follow)."""
+    for d in (leaf[:-6], leaf[:-3], leaf):
+        try:
+            if not stat.S_ISDIR(os.lstat(d).st_mode):
+                return True
+        except OSError:
+            return None
+    return False
+
+
+# Fan-out directories remembered as checked (~150 bytes each): a full namespace has 65,536.
+_REAL_DIRS_MAX = 1 << 16
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _layout_dirs(dir_fd: int, widths: tuple[int, ...]) -> Iterator[tuple[int, list[str]]]:
+    """(descriptor, names) of each directory below `dir_fd` whose path is one name of
+    each hex width in `widths` (`<ns_id>/<d0d1>/<d2d3>`): real directories only, each
+    opened O_NOFOLLOW relative to its parent, so a symlink swapped in midway is refused."""
+    if not widths:
+        yield dir_fd, []
+        return
+    try:
+        with os.scandir(dir_fd) as it:
+            names = [e.name for e in it if _is_hex(e.name, widths[0]) and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for name in names:
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            for leaf_fd, below in _layout_dirs(fd, widths[1:]):
+                yield leaf_fd, [name, *below]
+        finally:
+            os.close(fd)
 
 
 def read_at(fd: int, size: int, offset: int = 0) -> bytes:
@@ -151,13 +234,26 @@ def _sync_while(fd: int, work: Callable[[], None]) -> None:
     synced.result()
 
 
+def _make_fanout(leaf: Path, dir_mode: int) -> None:
+    """Create `<root>/<ns_id>/<d0d1>/<d2d3>` down to `leaf` (the root too, if it was
+    removed meanwhile), each level with `dir_mode` (os.makedirs would give the upper
+    levels the default mode)."""
+    for d in (leaf.parent.parent.parent, leaf.parent.parent, leaf.parent, leaf):
+        try:
+            os.mkdir(d, dir_mode)
+        except FileExistsError:
+            pass
+
+
 def _atomic_publish(final: Path, data: memoryview, fsync: bool,
                     check: Callable[[], None] | None = None,
-                    make_room: Callable[[], None] | None = None) -> bool:
+                    make_room: Callable[[], None] | None = None,
+                    mode: int = 0o600, dir_mode: int = 0o700) -> bool:
     """Create `final` with `data` unless it exists; True if this call created it.
 
     Once the bytes are written, `check()` then `make_room()` run while the file syncs; if
-    either raises, nothing is published. When `final` exists, only `check()` runs.
+    either raises, nothing is published. When `final` exists, only `check()` runs. The
+    file gets `mode`, missing fan-out directories `dir_mode` (the umask may narrow both).
     """
     if final.exists():
         if check is not None:
@@ -171,11 +267,12 @@ def _atomic_publish(final: Path, data: memoryview, fsync: bool,
             make_room()
 
     tmp = final.parent / f".{final.name}{TMP_MARK}{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        fd = os.open(tmp, flags, mode)
     except FileNotFoundError:  # the first chunk of its fan-out directory
-        final.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        _make_fanout(final.parent, dir_mode)
+        fd = os.open(tmp, flags, mode)
     try:
         try:
             _write_all(fd, data)
@@ -204,10 +301,14 @@ class FileStore(Store):
         fsync: bool = True,
         verify: str = "changed",
         tmp_grace_s: float = 600.0,
+        mode: int = 0o600,
         url: str | None = None,
     ):
         super().__init__()
         self.root = Path(root)
+        self.mode = mode
+        # Directories: the file mode plus search (x) wherever it grants read (0640 -> 0750).
+        self.dir_mode = mode | (mode & 0o444) >> 2
         self.capacity = capacity
         self.fsync = fsync
         if verify not in VERIFY_MODES:
@@ -220,6 +321,8 @@ class FileStore(Store):
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
         self._used = 0
+        self._tmp_bytes = 0  # tmp files of other writers, found by the last scan
+        self._real_dirs: set[str] = set()  # fan-out directories checked to be no symlink
         self._open_root()
         self._rebuild_index()
 
@@ -235,6 +338,7 @@ class FileStore(Store):
             fsync=u.take("fsync", parse_bool, True),
             verify=u.take("verify", str, "changed"),
             tmp_grace_s=u.take("tmp_grace", parse_seconds, 600.0),
+            mode=u.take("mode", parse_mode, 0o600),
             url=u.url,
         )
         u.finish()
@@ -242,49 +346,70 @@ class FileStore(Store):
 
     def _open_root(self) -> None:
         try:
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.mkdir(self.root, self.dir_mode)
+            except FileExistsError:
+                pass
             probe = self.root / f".probe.{os.getpid()}.{secrets.token_hex(4)}"
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
             raise ConfigError(f"store root {self.root} is not a writable directory: {exc.strerror}") from None
 
-    def _walk(self) -> Iterator[tuple[Path, os.stat_result]]:
-        """Every file under the namespace directories (not tenants, not quarantine)."""
-        stack = [Path(e.path) for e in os.scandir(self.root) if e.is_dir() and len(e.name) == 16]
-        while stack:
-            d = stack.pop()
-            try:
-                entries = list(os.scandir(d))
-            except OSError:
-                continue
-            for e in entries:
+    def _scan(self, reclaim: bool) -> tuple[list[tuple[float, str, int]], int]:
+        """(last use, key, size) of every chunk file of this store's layout, and the bytes
+        of the other writers' tmp files there. Symlinks are never followed (directories
+        are opened O_NOFOLLOW, relative to their parent's descriptor) and any name that is
+        not a chunk or a tmp file of the layout is neither listed, counted nor touched.
+        With `reclaim`, tmp files whose writer is gone are deleted: past `tmp_grace`, or at
+        once when the writer ran on this host and its pid is no longer alive."""
+        found: list[tuple[float, str, int]] = []
+        tmp_bytes = 0
+        now = time.time()
+        mine = (socket.gethostname(), os.getpid())
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return found, 0
+        try:
+            for leaf_fd, (ns_id, d1, d2) in _layout_dirs(root_fd, (16, 2, 2)):
+                fanout = d1 + d2
                 try:
-                    if e.is_dir(follow_symlinks=False):
-                        stack.append(Path(e.path))
-                    elif e.is_file(follow_symlinks=False):
-                        yield Path(e.path), e.stat(follow_symlinks=False)
+                    with os.scandir(leaf_fd) as it:
+                        entries = list(it)
                 except OSError:
                     continue
+                for e in entries:
+                    name = e.name
+                    try:
+                        if not e.is_file(follow_symlinks=False):
+                            continue
+                        if name.endswith(SUFFIX) and _is_hex(name[:-3], 32) and name.startswith(fanout):
+                            st = e.stat(follow_symlinks=False)
+                            found.append((max(st.st_atime, st.st_mtime), f"{ns_id}/{name[:-3]}", st.st_size))
+                            continue
+                        writer = _tmp_writer(name, fanout)
+                        if writer is None or writer == mine:
+                            continue  # not ours to judge, or in flight in this process
+                        st = e.stat(follow_symlinks=False)
+                        if reclaim and (now - st.st_mtime > self.tmp_grace_s or _writer_is_gone(*writer)):
+                            os.unlink(name, dir_fd=leaf_fd)
+                        else:
+                            tmp_bytes += st.st_size
+                    except OSError:
+                        continue
+        finally:
+            os.close(root_fd)
+        return found, tmp_bytes
 
     def _rebuild_index(self) -> None:
-        found: list[tuple[float, str, int]] = []
-        now = time.time()
-        for path, st in self._walk():
-            if TMP_MARK in path.name:
-                if now - st.st_mtime > self.tmp_grace_s:
-                    try:
-                        path.unlink()
-                    except OSError:
-                        pass
-                continue
-            key = _key_of(path)
-            if key is not None:
-                found.append((max(st.st_atime, st.st_mtime), key, st.st_size))
+        found, tmp_bytes = self._scan(reclaim=True)
         found.sort()
         with self._lock:
             self._index = OrderedDict((k, size) for _, k, size in found)
             self._used = sum(self._index.values())
+            self._tmp_bytes = tmp_bytes
 
     # -- index ---------------------------------------------------------------------------
 
@@ -313,7 +438,11 @@ class FileStore(Store):
         log.warning("%s: quarantined corrupt chunk %s: %s", self, key, why)
         try:
             qdir = self.root / QUARANTINE
-            qdir.mkdir(exist_ok=True)
+            try:
+                os.mkdir(qdir, self.dir_mode)
+            except FileExistsError:
+                if not stat.S_ISDIR(os.lstat(qdir).st_mode):  # never moved through a symlink
+                    raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(qdir)) from None
             os.rename(path, qdir / f"{path.name}.{int(time.time())}.{secrets.token_hex(2)}")
         except OSError:
             try:
@@ -327,6 +456,9 @@ class FileStore(Store):
         """Publish `blob` as `key`. `check()` (the payload hash) runs while the file syncs
         and before anything is evicted for it: a rejected chunk neither lands nor evicts."""
         final = _chunk_path(self.root, key)
+        if self._leads_out(final.parent):
+            raise StoreUnavailable(f"{self}: {final.parent} leads out of the root through a symlink; "
+                                   f"{key} not written")
         if self.capacity is not None and blob.nbytes > self.capacity:
             raise StoreFull(f"{self}: chunk of {blob.nbytes} bytes exceeds capacity {self.capacity}")
 
@@ -335,7 +467,8 @@ class FileStore(Store):
 
         for attempt in (0, 1):
             try:
-                wrote = _atomic_publish(final, blob, self.fsync, check, make_room)
+                wrote = _atomic_publish(final, blob, self.fsync, check, make_room,
+                                        self.mode, self.dir_mode)
                 break
             except OSError as exc:
                 if exc.errno in _FULL_ERRNOS:
@@ -355,9 +488,17 @@ class FileStore(Store):
 
     def _open_for_read(self, key: str) -> tuple[int, Path] | None:
         path = _chunk_path(self.root, key)
+        if self._leads_out(path.parent):
+            self.counters["errors"] += 1
+            log.warning("%s: %s leads out of the root through a symlink; not read", self, path.parent)
+            self._forget(key)
+            return None
         try:
-            return os.open(path, os.O_RDONLY), path
+            return os.open(path, os.O_RDONLY | os.O_NOFOLLOW), path
         except OSError as exc:
+            if exc.errno == errno.ELOOP:  # a symlink planted as a chunk: never read it
+                self._quarantine(key, path, "a symlink, not a chunk file")
+                return None
             if exc.errno not in _MISS_ERRNOS:
                 self.counters["errors"] += 1
                 log.warning("%s: open %s failed: %s", self, key, exc.strerror)
@@ -500,16 +641,37 @@ class FileStore(Store):
     def _evict_to(self, target: int) -> None:
         while True:
             with self._lock:
-                if self._used <= target or not self._index:
+                if self._used + self._tmp_bytes <= target or not self._index:
                     return
                 victim, size = self._index.popitem(last=False)
                 self._used -= size
             self._verified.pop(victim, None)
             try:
-                _chunk_path(self.root, victim).unlink()
+                self._unlink_inside(_chunk_path(self.root, victim))
                 self.counters["evictions"] += 1
             except OSError:
                 pass
+
+    def _leads_out(self, leaf: Path) -> bool:
+        """`_leaves_root` for the fan-out directory `leaf`, remembering those found real
+        (the three lstat calls took 11 us on the loaded 2-core VM: several % of a
+        page-cached 4 MiB read)."""
+        path = os.fspath(leaf)
+        if path in self._real_dirs:
+            return False
+        out = _leaves_root(path)
+        if out is False:
+            if len(self._real_dirs) >= _REAL_DIRS_MAX:
+                self._real_dirs.clear()
+            self._real_dirs.add(path)
+        return bool(out)
+
+    def _unlink_inside(self, path: Path) -> None:
+        """Unlink the chunk file `path`; FileNotFoundError where its directories lead out
+        of the root (nothing of this store is there)."""
+        if self._leads_out(path.parent):
+            raise FileNotFoundError(errno.ENOENT, "outside the store root", str(path))
+        path.unlink()
 
     # -- the Store protocol --------------------------------------------------------------
 
@@ -616,7 +778,7 @@ class FileStore(Store):
         check_key(key)
         self._forget(key)
         try:
-            await asyncio.to_thread(_chunk_path(self.root, key).unlink)
+            await asyncio.to_thread(self._unlink_inside, _chunk_path(self.root, key))
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -625,11 +787,9 @@ class FileStore(Store):
         return True
 
     async def list_keys(self) -> AsyncIterator[str]:
-        paths = await asyncio.to_thread(lambda: [p for p, _ in self._walk()])
-        for p in paths:
-            key = _key_of(p)
-            if key is not None and TMP_MARK not in p.name:
-                yield key
+        found, _ = await asyncio.to_thread(self._scan, False)
+        for _, key, _ in found:
+            yield key
 
     async def gc(self, capacity: int) -> dict[str, int]:
         """Rescan the directory and evict least-recently-used chunks down to `capacity`."""
@@ -637,7 +797,7 @@ class FileStore(Store):
         before = self.counters["evictions"]
         await asyncio.to_thread(self._evict_to, capacity)
         with self._lock:
-            used, n = self._used, len(self._index)
+            used, n = self._used + self._tmp_bytes, len(self._index)
         return {"evicted": self.counters["evictions"] - before, "used_bytes": used, "chunks": n}
 
     # -- reads done outside the store (gds.ChunkIO straight into device memory) ---------
@@ -669,15 +829,26 @@ class FileStore(Store):
 
     def scoped(self, tenant: str) -> FileStore:
         check_tenant(tenant)
+        tenants = self.root / TENANTS
+        try:
+            os.mkdir(tenants, self.dir_mode)
+        except FileExistsError:
+            pass
+        except OSError as exc:
+            raise ConfigError(f"{self}: cannot create {tenants}: {exc.strerror}") from None
+        for d in (tenants, tenants / tenant):
+            if d.is_symlink():
+                raise ConfigError(f"{self}: {d} is a symlink; a tenant's chunks stay inside the root")
         return FileStore(
-            self.root / TENANTS / tenant, self.capacity, fsync=self.fsync, verify=self.verify,
-            tmp_grace_s=self.tmp_grace_s, url=f"{self.url}#{tenant}",
+            tenants / tenant, self.capacity, fsync=self.fsync, verify=self.verify,
+            tmp_grace_s=self.tmp_grace_s, mode=self.mode, url=f"{self.url}#{tenant}",
         )
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            used, n = self._used, len(self._index)
+            used, n, tmp = self._used + self._tmp_bytes, len(self._index), self._tmp_bytes
         return {
             **super().stats(), "backend": "file", "root": str(self.root), "used_bytes": used,
             "capacity_bytes": self.capacity, "chunks": n, "used": format_size(used),
+            "tmp_bytes": tmp,
         }

@@ -18,6 +18,7 @@ and the first failure reopens it (the first success closes it).
 Options: `token` (else $KVSTASH_TOKEN), `timeout` (per request, default 10s),
 `connect_timeout` (1s), `pool` (connections, default 16), `verify` (re-check payload
 checksums here, default true), `breaker_failures` (3), `breaker_cooldown` (2s),
+`max_chunk` (the largest chunk a `get` accepts, default 1GiB as the server's limit),
 `unix_socket` (connect to a kvserver's `--unix-socket` path instead of HOST:PORT; HOST
 still names the server in the Host header), `fd` (over a plain Unix socket, ask for chunk
 files as descriptors: default true), and for https:// `ca` (a PEM file of trusted CAs;
@@ -42,6 +43,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import ssl
 import stat
@@ -52,24 +54,34 @@ from urllib.parse import quote, urlsplit
 
 import xxhash
 
+from hashing import is_valid_key
 from storage.base import Store, check_key
 from storage.codec import (
     HEADER_SIZE,
     MAX_HEADER_SIZE,
     ChunkError,
     ChunkHeader,
-    decode_chunk,
     decode_header,
 )
 from storage.errors import ConfigError, InvalidChunk, StoreFull, StoreUnavailable
 from storage.file import read_at, read_into_at
-from storage.options import StoreURL, parse_bool, parse_seconds
+from storage.options import StoreURL, parse_bool, parse_seconds, parse_size
 
 log = logging.getLogger("kvstash.storage.http")
 
 OCTETS = "application/octet-stream"
 _HEAD_BUF = 64 * 1024
 _MAX_HEAD = _HEAD_BUF
+# Bounds on what a reply may make this client hold, checked before anything is allocated
+# or parsed (a server is trusted for nothing): kvserver's JSON replies are a few hundred
+# bytes (a lookup of LOOKUP_BATCH keys ~1.4 KiB), its error bodies one short line.
+_MAX_JSON = 1 << 20
+_MAX_ERROR = 64 << 10
+# A key listing is read in pieces of this size, so memory grows with the bytes that
+# arrive, never with a Content-Length or chunk size the server announces.
+_PIECE = 1 << 20
+_MAX_LISTING = 1 << 31
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,15}")
 # Pooled connections idle longer than this are closed rather than reused; kvserver keeps
 # idle connections for 75 s, so the client normally closes first.
 _IDLE_S = 30.0
@@ -80,6 +92,12 @@ LOOKUP_BATCH = 8192
 # kernel caps it at net.core.wmem_max): a Unix stream socket's sender may have at most
 # this much in flight, and the 208 KiB default turns a 16 MiB body into some 80 wake-ups.
 UNIX_SNDBUF = 4 << 20
+
+
+# What parsing a hostile reply could raise if a check were missing (ChunkError, a
+# ValueError, is the caller's to count as corruption).
+_REPLY_ERRORS = (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError,
+                 MemoryError)
 
 
 class _HttpError(Exception):
@@ -157,7 +175,8 @@ class _Connection:
         self.answered = True
         parts = lines[0].split(" ", 2)
         status = parts[1] if len(parts) > 1 else ""
-        if not (parts[0].startswith("HTTP/1.") and status.isascii() and status.isdigit()):
+        if not (parts[0].startswith("HTTP/1.") and len(status) == 3 and status.isascii()
+                and status.isdigit()):
             raise _HttpError(0, f"not an HTTP response: {lines[0][:80]!r}")
         headers = {}
         for line in lines[1:]:
@@ -190,15 +209,27 @@ class _Connection:
         await self.read_into(memoryview(out))
         return out
 
-    async def read_body(self, headers: dict[str, str], limit: int = 1 << 26) -> bytes:
-        """A small whole body (JSON, errors); chunked or with Content-Length."""
+    async def read_body(self, headers: dict[str, str], limit: int) -> bytes:
+        """A small whole body (JSON, errors), chunked or with Content-Length; a body
+        announced or grown past `limit` bytes is an _HttpError, before it is buffered."""
+        out = bytearray()
+        async for piece in self.iter_body(headers, limit):
+            out += piece
+        return bytes(out)
+
+    async def iter_body(self, headers: dict[str, str], limit: int) -> AsyncIterator[bytes]:
+        """The body in pieces of at most _PIECE bytes, refused past `limit` bytes."""
         if headers.get("transfer-encoding", "").lower() == "chunked":
-            parts = [p async for p in self.iter_chunked()]
-            return b"".join(parts)
+            async for piece in self.iter_chunked(limit):
+                yield piece
+            return
         n = _content_length(headers)
         if n > limit:
             raise _HttpError(0, f"response body of {n} bytes is larger than expected")
-        return bytes(await self.read_exact(n))
+        while n:
+            piece = min(n, _PIECE)
+            yield bytes(await self.read_exact(piece))
+            n -= piece
 
     async def _read_line(self) -> bytes:
         while True:
@@ -209,18 +240,25 @@ class _Connection:
                 return line
             await self._fill()
 
-    async def iter_chunked(self) -> AsyncIterator[bytes]:
+    async def iter_chunked(self, limit: int) -> AsyncIterator[bytes]:
+        total = 0
         while True:
             size_line = await self._read_line()
-            try:
-                size = int(size_line.split(b";")[0], 16)
-            except ValueError:
-                raise _HttpError(0, f"bad chunk size line {size_line[:40]!r}") from None
+            field = size_line.split(b";", 1)[0].strip(b" \t")
+            if not _CHUNK_SIZE.fullmatch(field):
+                raise _HttpError(0, f"bad chunk size line {size_line[:40]!r}")
+            size = int(field, 16)
             if size == 0:
                 while await self._read_line():  # trailers end with an empty line
                     pass
                 return
-            yield bytes(await self.read_exact(size))
+            total += size
+            if total > limit:
+                raise _HttpError(0, f"chunked response body past {limit} bytes")
+            while size:
+                piece = min(size, _PIECE)
+                yield bytes(await self.read_exact(piece))
+                size -= piece
             if await self._read_line() != b"":
                 raise _HttpError(0, "chunked body is missing a CRLF")
 
@@ -270,6 +308,20 @@ def _more_header(head: Any, total: int) -> int:
     bytes whose header is longer than the usual 4 KiB); 0 if none or if the field is off."""
     n = int.from_bytes(head[12:16], "little") if len(head) >= 16 else 0
     return n - HEADER_SIZE if HEADER_SIZE < n <= min(MAX_HEADER_SIZE, total) else 0
+
+
+async def _read_chunk_header(conn: _Connection, key: str, length: int) -> tuple[ChunkHeader, bytes]:
+    """The header of the chunk body of `length` bytes that follows on `conn` and its raw
+    bytes: it must name `key`, and the payload must end where the body ends."""
+    if length < HEADER_SIZE:
+        raise ChunkError(f"body of {length} bytes is too short for a chunk")
+    head = await conn.read_exact(HEADER_SIZE)
+    if more := _more_header(head, length):
+        head += await conn.read_exact(more)
+    header = decode_header(head, key)
+    if header.header_len != len(head) or header.total_len != length:
+        raise ChunkError(f"body is {length} bytes, header says {header.total_len}")
+    return header, bytes(head)
 
 
 def _read_chunk_file(fd: int, key: str, dst: memoryview, verify: bool) -> ChunkHeader | None:
@@ -357,16 +409,59 @@ class _TlsConnection(_Connection):
 
 def _content_length(headers: dict[str, str]) -> int:
     value = headers.get("content-length", "")
-    if not (value.isascii() and value.isdigit()):
-        raise _HttpError(0, f"response without a usable Content-Length ({value!r})")
+    # 18 digits: below 2**63, so no length can overflow an allocation or a slice.
+    if not (value.isascii() and value.isdigit() and len(value) <= 18):
+        raise _HttpError(0, f"response without a usable Content-Length ({value[:40]!r})")
     return int(value)
 
 
-def _bits(present_b64: str, count: int) -> list[bool]:
-    bits = base64.b64decode(present_b64)
-    if len(bits) * 8 < count:
-        raise _HttpError(0, "lookup bitmap is shorter than the key list")
-    return [bool(bits[i >> 3] >> (i & 7) & 1) for i in range(count)]
+def _take_keys(lines: list[bytes], keys: list[str]) -> int:
+    """Append the well-formed keys among `lines` to `keys` -> how many lines were not
+    empty and not a key."""
+    bad = 0
+    for raw in lines:
+        line = raw.strip()
+        if not line:
+            continue
+        text = line.decode("ascii", "replace")
+        if is_valid_key(text):
+            keys.append(text)
+        else:
+            bad += 1
+    return bad
+
+
+def _parse_json(body: bytes) -> Any:
+    """A JSON reply already bounded in size; anything unparsable (bad UTF-8, nesting
+    deeper than the parser's recursion limit, an over-long number) is an _HttpError."""
+    try:
+        return json.loads(body)
+    except (ValueError, RecursionError) as exc:
+        raise _HttpError(0, f"unparsable JSON reply ({type(exc).__name__})") from None
+
+
+def _lookup_answer(answer: Any, count: int) -> tuple[int, list[bool]]:
+    """(prefix_len, presence bits) of a lookup reply for `count` keys, checked against
+    each other: a reply of another shape, or one that contradicts itself, is an _HttpError."""
+    if not isinstance(answer, dict):
+        raise _HttpError(0, "lookup reply is not a JSON object")
+    prefix, present = answer.get("prefix_len"), answer.get("present")
+    if type(prefix) is not int or not 0 <= prefix <= count:
+        raise _HttpError(0, f"lookup reply has prefix_len {str(prefix)[:40]} for {count} keys")
+    if type(answer.get("count", count)) is not int or answer.get("count", count) != count:
+        raise _HttpError(0, f"lookup reply counts other keys than the {count} asked for")
+    if not isinstance(present, str):
+        raise _HttpError(0, "lookup reply has no usable presence bitmap")
+    try:
+        bits = base64.b64decode(present, validate=True)
+    except ValueError:
+        raise _HttpError(0, "lookup bitmap is not base64") from None
+    if len(bits) != (count + 7) // 8:
+        raise _HttpError(0, f"lookup bitmap of {len(bits)} bytes for {count} keys")
+    out = [bool(bits[i >> 3] >> (i & 7) & 1) for i in range(count)]
+    if not all(out[:prefix]) or (prefix < count and out[prefix]):
+        raise _HttpError(0, "lookup reply's prefix_len disagrees with its bitmap")
+    return prefix, out
 
 
 class HttpStore(Store):
@@ -384,6 +479,7 @@ class HttpStore(Store):
         ca_file: str | None = None,
         unix_socket: str | None = None,
         fd: bool = True,
+        max_chunk: int = 1 << 30,
         url: str | None = None,
     ):
         super().__init__()
@@ -404,6 +500,7 @@ class HttpStore(Store):
         self.connect_timeout = connect_timeout
         self.pool_size = pool
         self.verify = verify
+        self.max_chunk = max_chunk
         self.breaker_failures = breaker_failures
         self.breaker_cooldown = breaker_cooldown
         token = token if token is not None else os.environ.get("KVSTASH_TOKEN")
@@ -436,10 +533,13 @@ class HttpStore(Store):
             "ca_file": u.take("ca"),
             "unix_socket": u.take("unix_socket"),
             "fd": u.take("fd", parse_bool, True),
+            "max_chunk": u.take("max_chunk", parse_size, 1 << 30),
         }
         u.finish()
         if opts["pool"] < 1 or opts["breaker_failures"] < 1:
             raise ConfigError(f"{u.redacted()}: pool and breaker_failures must be >= 1")
+        if opts["max_chunk"] < HEADER_SIZE:
+            raise ConfigError(f"{u.redacted()}: max_chunk must be at least {HEADER_SIZE} bytes")
         base = f"{u.scheme}://{u.netloc}{u.path}"
         return cls(base, url=u.redacted(), **opts)
 
@@ -517,6 +617,14 @@ class HttpStore(Store):
                     if conn.reused and attempt == 0 and not conn.answered:
                         continue
                     raise _HttpError(0, f"connection lost: {exc}") from None
+                except _REPLY_ERRORS as exc:
+                    conn.close()
+                    if isinstance(exc, ChunkError):
+                        raise
+                    # Every reply is bounded and checked before use; this is the last line,
+                    # so that no reply can raise anything else into the caller.
+                    log.warning("%s: unusable reply: %s: %.200s", self, type(exc).__name__, exc)
+                    raise _HttpError(0, f"unusable reply ({type(exc).__name__})") from None
                 except BaseException:
                     conn.close()
                     raise
@@ -561,14 +669,22 @@ class HttpStore(Store):
         return "/v1/chunks/" + quote(key, safe="/")
 
     async def _error_of(self, conn: _Connection, status: int, headers: dict[str, str]) -> _HttpError:
-        """Read a small error body (keeping the connection) and turn it into an _HttpError."""
+        """Read a small error body (keeping the connection) and turn it into an _HttpError
+        of that status; a body too large or malformed loses its message and its connection,
+        never the status."""
         try:
-            body = await conn.read_body(headers, limit=1 << 20)
-            conn.reusable = headers.get("connection", "").lower() != "close"
-            message = json.loads(body).get("error", "") if body else ""
-        except (ValueError, AttributeError):
-            message = ""
-        return _HttpError(status, message or f"HTTP {status}")
+            body = await conn.read_body(headers, _MAX_ERROR)
+        except _HttpError:
+            return _HttpError(status, f"HTTP {status}")
+        conn.reusable = headers.get("connection", "").lower() != "close"
+        try:
+            answer = _parse_json(body) if body else None
+        except _HttpError:
+            answer = None
+        message = answer.get("error") if isinstance(answer, dict) else None
+        if not isinstance(message, str) or not message:
+            message = f"HTTP {status}"
+        return _HttpError(status, message[:200])
 
     def _note_failure(self, what: str, key: str, exc: Exception) -> None:
         status = getattr(exc, "status", 0)
@@ -606,7 +722,7 @@ class HttpStore(Store):
             await conn.sendall(view)
             status, headers = await conn.read_head()
             if status in (200, 201):
-                await conn.read_body(headers)
+                await conn.read_body(headers, _MAX_JSON)
                 conn.reusable = True
                 return status == 201
             raise await self._error_of(conn, status, headers)
@@ -655,12 +771,19 @@ class HttpStore(Store):
             if answer is None:
                 return None
             length = answer[0]
-            blob = await conn.read_exact(length)
+            if length > self.max_chunk:
+                raise _HttpError(0, f"a {length}-byte chunk is over max_chunk={self.max_chunk}")
+            # The header first: nothing the size of the body is allocated before the
+            # header names this key and this very length.
+            header, head = await _read_chunk_header(conn, key, length)
+            blob = bytearray(length)
+            view = memoryview(blob)
+            view[: len(head)] = head
+            hasher = xxhash.xxh3_64(seed=0) if self.verify else None
+            await conn.read_into(view[len(head) :], hasher)
             conn.reusable = True
-            if self.verify:
-                decode_chunk(blob, key)
-            else:
-                decode_header(blob, key)
+            if hasher is not None and hasher.intdigest() != header.payload_checksum:
+                raise ChunkError(f"payload checksum mismatch for {key}")
             return bytes(blob)
 
         try:
@@ -687,14 +810,7 @@ class HttpStore(Store):
                 fd = conn.take_fd()
                 conn.reusable = True
                 return await _read_handed_over(fd, key, dst, self.verify)
-            if length < HEADER_SIZE:
-                raise ChunkError(f"body of {length} bytes is too short for a chunk")
-            head = await conn.read_exact(HEADER_SIZE)
-            if more := _more_header(head, length):
-                head += await conn.read_exact(more)
-            header = decode_header(head, key)
-            if header.total_len != length:
-                raise ChunkError(f"body is {length} bytes, header says {header.total_len}")
+            header, _ = await _read_chunk_header(conn, key, length)
             if dst.nbytes < header.payload_len:
                 return None  # the connection is dropped unread: cheaper than draining it
             hasher = xxhash.xxh3_64(seed=0) if self.verify else None
@@ -721,9 +837,9 @@ class HttpStore(Store):
             status, headers = await conn.read_head()
             if status != 200:
                 raise await self._error_of(conn, status, headers)
-            answer = json.loads(await conn.read_body(headers))
+            answer = _parse_json(await conn.read_body(headers, _MAX_JSON))
             conn.reusable = True
-            return int(answer["prefix_len"]), _bits(answer["present"], len(keys))
+            return _lookup_answer(answer, len(keys))
 
         return await self._call(op)
 
@@ -734,8 +850,8 @@ class HttpStore(Store):
         try:
             for i in range(0, len(keys), LOOKUP_BATCH):
                 out += (await self._lookup(keys[i : i + LOOKUP_BATCH], False))[1]
-        except (_HttpError, ValueError, KeyError) as exc:
-            self._count_failure("lookup", "", _HttpError(0, str(exc)))
+        except _HttpError as exc:
+            self._count_failure("lookup", "", exc)
             return [False] * len(keys)
         return out
 
@@ -750,8 +866,8 @@ class HttpStore(Store):
                 n += got
                 if got < len(batch):
                     break
-        except (_HttpError, ValueError, KeyError) as exc:
-            self._count_failure("lookup", "", _HttpError(0, str(exc)))
+        except _HttpError as exc:
+            self._count_failure("lookup", "", exc)
             return 0
         return n
 
@@ -778,20 +894,33 @@ class HttpStore(Store):
         return deleted
 
     async def list_keys(self) -> AsyncIterator[str]:
-        # The listing is read whole under the request timeout, then yielded.
-        async def op(conn: _Connection) -> list[str]:
+        # The listing is read whole under the request timeout, then yielded; it is parsed
+        # as it arrives, so it holds the keys, never the announced size of the body.
+        async def op(conn: _Connection) -> tuple[list[str], int]:
             await conn.sendall(self._head("GET", "/v1/keys"))
             status, headers = await conn.read_head()
             if status != 200:
                 raise await self._error_of(conn, status, headers)
-            text = (await conn.read_body(headers, limit=1 << 31)).decode("ascii")
+            keys: list[str] = []
+            bad = 0
+            rest = b""
+            async for piece in conn.iter_body(headers, _MAX_LISTING):
+                lines = (rest + piece).split(b"\n")
+                rest = lines.pop()
+                if len(rest) > 4096:  # no line of a key listing is this long
+                    raise _HttpError(0, "key listing has an over-long line")
+                bad += _take_keys(lines, keys)
+            bad += _take_keys([rest], keys)
             conn.reusable = True
-            return text.split()
+            return keys, bad
 
         try:
-            keys = await self._call(op)
+            keys, bad = await self._call(op)
         except _HttpError as exc:
             raise StoreUnavailable(f"{self}: listing failed: {exc}") from None
+        if bad:
+            self.counters["errors"] += 1
+            log.warning("%s: key listing had %d malformed line(s), skipped", self, bad)
         for k in keys:
             yield k
 

@@ -49,6 +49,25 @@ def parse_bool(text: str | bool) -> bool:
     raise ValueError(f"not a boolean: {text!r}")
 
 
+_MODE = re.compile(r"^0?o?([0-7]{3})$")
+
+
+def parse_mode(text: str | int) -> int:
+    """`"0640"` / `"640"` / `"0o640"` -> 0o640: permission bits for files a store creates;
+    the owner must keep read and write, and chunk files get no execute bits."""
+    if isinstance(text, int):
+        mode = text
+    else:
+        m = _MODE.match(str(text).strip().lower())
+        if not m:
+            raise ValueError("expected an octal file mode such as 0600 or 0640")
+        mode = int(m.group(1), 8)
+    if not 0 <= mode <= 0o777 or mode & 0o600 != 0o600 or mode & 0o111:
+        raise ValueError("expected an octal file mode with owner read and write and no "
+                         "execute bits, such as 0600 or 0640")
+    return mode
+
+
 def format_size(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":

@@ -119,7 +119,8 @@ async def test_stale_tmp_files_are_cleaned_at_open_but_fresh_ones_kept(tmp_path,
     (key, _, blob), = make_chunks(ns, 1)
     await store.put(key, blob)
     d = _chunk_path(tmp_path, key).parent
-    stale, fresh = d / ".x.kv.tmp.host.1.aa", d / ".y.kv.tmp.host.2.bb"
+    tmp = f".{key.split('/')[1]}.kv.tmp.another-host"
+    stale, fresh = d / f"{tmp}.1.aa", d / f"{tmp}.2.bb"
     stale.write_bytes(b"partial")
     fresh.write_bytes(b"partial")
     os.utime(stale, (time.time() - 3600, time.time() - 3600))
