@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh clone:
 #   make demo   -- install, then run the end-to-end demo on the embedded default store
-#   make test   -- install, then run the whole test suite
+#   make test   -- install, then run ruff and the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
@@ -22,6 +22,7 @@ demo: $(STAMP)
 	$(VENV)/bin/kvstash demo
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/pytest -q
 
 lint: $(STAMP)

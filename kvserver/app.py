@@ -279,7 +279,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
                                               config.body_timeout_s)
             except ClientDisconnect:
                 raise HTTPException(400, "client disconnected before the body ended") from None
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise HTTPException(
                     408, f"body not received within {config.body_timeout_s:g}s"
                 ) from None
@@ -432,7 +432,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     async def readyz() -> Any:
         try:
             await asyncio.wait_for(store.exists([READY_PROBE_KEY]), config.ready_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise HTTPException(503, f"backend did not answer within {config.ready_timeout_s}s") from None
         return {"status": "ready"}
 

@@ -1,5 +1,8 @@
 """`kvstash <command>`: argument parsing and one-line errors; each command lives in its part.
 
+An error is one line on stderr and a non-zero exit; `--verbose` (before or after the command)
+also logs at INFO level and prints the error's traceback.
+
 A command module exposes `add_arguments(parser)` and `run(args) -> int` and must not
 import torch at module level (the server host has none).
 """
@@ -11,6 +14,9 @@ import asyncio
 import importlib
 import logging
 import sys
+import traceback
+
+from storage.errors import StoreError
 
 # (command words, module, one-line help)
 COMMANDS = [
@@ -26,6 +32,9 @@ COMMANDS = [
     (("bench", "soak"), "bench.soak", "faults, load and hostile input against stores and server"),
     (("plan",), "bench.plan", "capacity -> hit rate -> TTFT saved, and break-even bandwidth"),
 ]
+
+
+VERBOSE_HELP = "log at INFO level and print the traceback of an error"
 
 
 def _load(target: str):
@@ -45,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvstash", description="External KV-cache server for LLM inference."
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
     top = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
     for words, target, help_text in COMMANDS:
@@ -61,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
             subs = groups[words[0]]
         p = subs.add_parser(words[-1], help=help_text, description=help_text)
         add(p)
+        if not any("--verbose" in a.option_strings for a in p._actions):
+            # Also after the command; SUPPRESS keeps a `-v` given before it.
+            p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                           help=VERBOSE_HELP)
         p.set_defaults(_run=run)
     return parser
 
@@ -79,8 +92,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(result or 0)
     except KeyboardInterrupt:
         return 130
-    except (ValueError, OSError, RuntimeError) as exc:
-        # ConfigError, StoreError and friends: one line, no traceback.
+    except (StoreError, ValueError, OSError, RuntimeError) as exc:
+        # ConfigError, StoreError and friends: one line; the traceback only with --verbose.
+        if args.verbose:
+            traceback.print_exc()
         print(f"kvstash: error: {exc}", file=sys.stderr)
         return 2
 

@@ -644,7 +644,7 @@ class HttpStore(Store):
         try:
             async with asyncio.timeout(self.timeout):  # no inner task (see _connect)
                 result = await self._exchange(op)
-        except (OSError, asyncio.TimeoutError, _HttpError) as exc:
+        except (TimeoutError, OSError, _HttpError) as exc:
             if isinstance(exc, _HttpError) and exc.status and exc.status < 500:
                 raise
             self._failures += 1

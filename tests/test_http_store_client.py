@@ -227,7 +227,7 @@ def self_signed_cert(directory) -> tuple[str, str]:
 
     key = ec.generate_private_key(ec.SECP256R1())
     name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "127.0.0.1")])
-    now = datetime.datetime.now(datetime.timezone.utc)
+    now = datetime.datetime.now(datetime.UTC)
     cert = (
         x509.CertificateBuilder().subject_name(name).issuer_name(name)
         .public_key(key.public_key()).serial_number(x509.random_serial_number())
@@ -281,7 +281,7 @@ async def test_a_cancelled_read_drops_its_connection_and_the_store_goes_on(kvser
         for delay in (0.0, 0.001, 0.002):
             try:
                 await asyncio.wait_for(store.get_into(key, bytearray(len(buf))), delay)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 cancelled += 1
         assert cancelled >= 1
         header = await store.get_into(key, buf)
