@@ -61,9 +61,9 @@ from gds.probe import Capabilities, choose_cuda_backend, probe
 from gds.requests import Request
 from storage.codec import (
     HEADER_SIZE,
-    MAX_HEADER_SIZE,
     ChunkError,
     ChunkHeader,
+    TruncatedHeader,
     decode_header,
     encode_header,
 )
@@ -267,12 +267,13 @@ class ChunkIO:
             read_range(f, head, 0, self.config.direct)
             try:
                 return decode_header(head, key)
-            except ChunkError as exc:
+            except TruncatedHeader as short:
                 # A header longer than 4 KiB (many tokens, big meta): read all of it once.
-                bigger = min(f.size, MAX_HEADER_SIZE)
-                if "truncated header" not in str(exc) or bigger <= size:
-                    raise ReadError(f.path, CORRUPT, str(exc)) from None
-                size = bigger
+                if short.header_len > f.size or size > HEADER_SIZE:
+                    raise ReadError(f.path, CORRUPT, str(short)) from short
+                size = short.header_len
+            except ChunkError as exc:
+                raise ReadError(f.path, CORRUPT, str(exc)) from exc
 
     def _read_chunk_sync(self, path: str, dest: Any, key: str | None, token_ids: Any,
                          ready: Any, trust: VerifiedFiles | None = None) -> ChunkHeader:

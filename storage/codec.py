@@ -43,6 +43,15 @@ class ChunkError(ValueError):
     """Bytes that are not a valid chunk (or not the chunk that was asked for)."""
 
 
+class TruncatedHeader(ChunkError):
+    """The bytes given hold the start of a header longer than they are: a reader that gave
+    only the usual 4 KiB reads `header_len` bytes (at most MAX_HEADER_SIZE) and decodes again."""
+
+    def __init__(self, have: int, header_len: int):
+        super().__init__(f"truncated header: {have} of {header_len} bytes")
+        self.header_len = header_len
+
+
 @dataclass(frozen=True)
 class ChunkHeader:
     key: str
@@ -139,7 +148,7 @@ def decode_header(data: Any, key: str | None = None) -> ChunkHeader:
     if hlen < HEADER_SIZE or hlen % ALIGN or hlen > MAX_HEADER_SIZE:
         raise ChunkError(f"bad header length {hlen}")
     if view.nbytes < hlen:
-        raise ChunkError(f"truncated header: {view.nbytes} of {hlen} bytes")
+        raise TruncatedHeader(view.nbytes, hlen)
     if _FIXED.size + klen + 4 * ntok + mlen > hlen:
         raise ChunkError("header fields overflow the header")
     raw = bytearray(view[:hlen])

@@ -60,7 +60,14 @@ from storage.base import (
     check_key,
     check_tenant,
 )
-from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, decode_chunk, decode_header
+from storage.codec import (
+    HEADER_SIZE,
+    ChunkError,
+    ChunkHeader,
+    TruncatedHeader,
+    decode_chunk,
+    decode_header,
+)
 from storage.errors import ConfigError, StoreFull, StoreUnavailable
 from storage.options import StoreURL, format_size, parse_bool, parse_mode, parse_seconds, parse_size
 
@@ -597,11 +604,8 @@ class FileStore(Store):
                 head = read_at(fd, HEADER_SIZE)
                 try:
                     header = decode_header(head, key)
-                except ChunkError as exc:
-                    if len(head) == HEADER_SIZE and exc.args and "truncated header" in exc.args[0]:
-                        header = decode_header(read_at(fd, st.st_size), key)
-                    else:
-                        raise
+                except TruncatedHeader as short:
+                    header = decode_header(read_at(fd, short.header_len), key)
             if st.st_size != header.total_len:
                 raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
             if out.nbytes < header.payload_len:

@@ -58,9 +58,9 @@ from hashing import is_valid_key
 from storage.base import Store, check_key
 from storage.codec import (
     HEADER_SIZE,
-    MAX_HEADER_SIZE,
     ChunkError,
     ChunkHeader,
+    TruncatedHeader,
     decode_header,
 )
 from storage.errors import ConfigError, InvalidChunk, StoreFull, StoreUnavailable
@@ -303,22 +303,19 @@ class _UnixConnection(_Connection):
             self.loop.remove_reader(fd)
 
 
-def _more_header(head: Any, total: int) -> int:
-    """How many header bytes follow the first HEADER_SIZE of `head` (a chunk of `total`
-    bytes whose header is longer than the usual 4 KiB); 0 if none or if the field is off."""
-    n = int.from_bytes(head[12:16], "little") if len(head) >= 16 else 0
-    return n - HEADER_SIZE if HEADER_SIZE < n <= min(MAX_HEADER_SIZE, total) else 0
-
-
 async def _read_chunk_header(conn: _Connection, key: str, length: int) -> tuple[ChunkHeader, bytes]:
     """The header of the chunk body of `length` bytes that follows on `conn` and its raw
     bytes: it must name `key`, and the payload must end where the body ends."""
     if length < HEADER_SIZE:
         raise ChunkError(f"body of {length} bytes is too short for a chunk")
     head = await conn.read_exact(HEADER_SIZE)
-    if more := _more_header(head, length):
-        head += await conn.read_exact(more)
-    header = decode_header(head, key)
+    try:
+        header = decode_header(head, key)
+    except TruncatedHeader as short:  # a header longer than 4 KiB: the rest follows
+        if short.header_len > length:
+            raise
+        head = head + await conn.read_exact(short.header_len - HEADER_SIZE)
+        header = decode_header(head, key)
     if header.header_len != len(head) or header.total_len != length:
         raise ChunkError(f"body is {length} bytes, header says {header.total_len}")
     return header, bytes(head)
@@ -333,9 +330,12 @@ def _read_chunk_file(fd: int, key: str, dst: memoryview, verify: bool) -> ChunkH
             raise ChunkError("the descriptor handed over is not a regular file")
         size = st.st_size
         head = read_at(fd, HEADER_SIZE)
-        if more := _more_header(head, size):
-            head = read_at(fd, HEADER_SIZE + more)
-        header = decode_header(head, key)
+        try:
+            header = decode_header(head, key)
+        except TruncatedHeader as short:
+            if short.header_len > size:
+                raise
+            header = decode_header(read_at(fd, short.header_len), key)
         if header.total_len != size:
             raise ChunkError(f"file is {size} bytes, header says {header.total_len}")
         if dst.nbytes < header.payload_len:

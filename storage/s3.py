@@ -55,7 +55,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from hashing import is_valid_key
 from storage.base import Store, check_blob, check_key, check_tenant
-from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, decode_header
+from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, TruncatedHeader, decode_header
 from storage.errors import StoreError, StoreUnavailable
 from storage.options import StoreURL
 from storage.s3_client import S3Connection, S3Options
@@ -116,11 +116,6 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def _header_len(head: Any) -> int:
-    """The header-length field of a chunk header (bytes 12..16), to finish a long header."""
-    return int.from_bytes(bytes(head[12:16]), "little")
 
 
 class _BodyReader:
@@ -279,12 +274,12 @@ class S3Store(Store):
                     await reader.read_into(memoryview(head))
                     try:
                         header = decode_header(head, key)
-                    except ChunkError as exc:
-                        if "truncated header" not in str(exc) or first < HEADER_SIZE:
+                    except TruncatedHeader as short:
+                        if short.header_len > first:
                             raise
-                        more = bytearray(min(first, _header_len(head)) - len(head))
+                        more = bytearray(short.header_len - len(head))
                         await reader.read_into(memoryview(more))
-                        head += more
+                        head = head + more
                         header = decode_header(head, key)
                     if total != header.total_len:
                         raise ChunkError(f"object is {total} bytes, header says {header.total_len}")

@@ -171,7 +171,9 @@ async def test_descriptors_leak_nowhere_and_a_changed_payload_is_caught(tmp_path
                     assert bytes(out[: header.payload_len]) == blob[header.header_len :]
             assert await store.get_into(chunks[0][0], bytearray(100)) is None  # too small
             assert process_fds(os.getpid()) == mine
-            assert process_fds(server.pid) == theirs
+            # At most as many: the client may drop the connection of the read that did not
+            # fit, and the server closes its end whenever it notices.
+            assert process_fds(server.pid) <= theirs
             assert fd_bytes(server.url) > 0
             # Damage one payload byte in place.
             key, _, blob = chunks[1]
