@@ -333,7 +333,7 @@ class SeaweedProcess:
                     return
                 if time.monotonic() > deadline:
                     self.kill()
-                    raise RuntimeError(f"SeaweedFS not ready in {timeout_s}s: {exc}") from None
+                    raise RuntimeError(f"SeaweedFS not ready in {timeout_s}s: {exc}") from exc
                 time.sleep(0.2)
 
     def client(self):

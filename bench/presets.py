@@ -95,8 +95,8 @@ PRESETS: dict[str, Preset] = {
 def get_preset(name: str) -> Preset:
     try:
         return PRESETS[name]
-    except KeyError:
-        raise ValueError(f"unknown model preset {name!r} (known: {', '.join(PRESETS)})") from None
+    except KeyError as exc:
+        raise ValueError(f"unknown model preset {name!r} (known: {', '.join(PRESETS)})") from exc
 
 
 def bytes_per_token(name: str, dtype: str = "bfloat16") -> int:

@@ -35,8 +35,8 @@ def parse_shape(text: str) -> tuple[float, float]:
         rate = bandwidth.strip()
         rate = rate[:-2] if rate.lower().endswith("ps") else rate
         return parse_seconds(latency), float(parse_size(rate))
-    except ValueError:
-        raise ValueError(f"bad --shape {text!r}: expected LATENCY,BANDWIDTH like 30ms,90MBps") from None
+    except ValueError as exc:
+        raise ValueError(f"bad --shape {text!r}: expected LATENCY,BANDWIDTH like 30ms,90MBps") from exc
 
 
 def _pump(src: socket.socket, dst: socket.socket, delay: float, rate: float) -> None:

@@ -88,7 +88,7 @@ def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]
                     float(r.get("timestamp", 0)), int(r["input_length"]), tuple(r["hash_ids"])
                 )
             except (ValueError, KeyError, TypeError) as exc:
-                raise ValueError(f"{path}:{lineno}: not a trace request: {exc}") from None
+                raise ValueError(f"{path}:{lineno}: not a trace request: {exc}") from exc
             requests.append(req)
     requests.sort(key=lambda r: r.timestamp)
     return requests[:limit] if limit is not None else requests
@@ -355,8 +355,8 @@ def parse_fraction(text: str) -> float:
     """`"1/4096"` or `"0.001"` -> a float in (0, 1]."""
     try:
         value = float(Fraction(text.strip()))
-    except (ValueError, ZeroDivisionError):
-        raise argparse.ArgumentTypeError(f"not a fraction: {text!r} (try 1/4096)") from None
+    except (ValueError, ZeroDivisionError) as exc:
+        raise argparse.ArgumentTypeError(f"not a fraction: {text!r} (try 1/4096)") from exc
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"scale must be in (0, 1], got {text}")
     return value

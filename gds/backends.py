@@ -219,16 +219,16 @@ class TorchGdsBackend:
         try:
             gds_file = torch.cuda.gds.GdsFile(f.same_file(), os.O_RDONLY)
         except OSError as exc:
-            raise read_error(f.path, exc) from None  # say, evicted since we opened it
+            raise read_error(f.path, exc) from exc  # say, evicted since we opened it
         except RuntimeError as exc:
-            raise ReadError(f.path, IO, f"cuFile handle: {exc}") from None
+            raise ReadError(f.path, IO, f"cuFile handle: {exc}") from exc
         storage, base = dest.untyped_storage(), dest.storage_offset()
 
         def work(a: int, b: int) -> None:
             try:
                 gds_file.load_storage(storage[base + a : base + b], offset + a)
             except RuntimeError as exc:
-                raise ReadError(f.path, IO, f"cuFile read: {exc}") from None
+                raise ReadError(f.path, IO, f"cuFile read: {exc}") from exc
 
         # The handle is deregistered and its descriptor closed when gds_file is collected,
         # right after this returns (pieces hold no reference once run_pieces has waited).
@@ -265,6 +265,6 @@ class KvikioBackend:
             with kvikio.CuFile(f.same_file(), "r") as cf:
                 got = cf.pread(dest, dest.numel(), offset).get()
         except (RuntimeError, OSError) as exc:
-            raise ReadError(f.path, IO, f"KvikIO read: {exc}") from None
+            raise ReadError(f.path, IO, f"KvikIO read: {exc}") from exc
         if got != dest.numel():
             raise ReadError(f.path, SHORT, f"KvikIO read {got} of {dest.numel()} bytes")

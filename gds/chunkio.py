@@ -373,7 +373,7 @@ class ChunkIO:
             try:
                 os.ftruncate(fd, len(header) + view.nbytes)
             except OSError as exc:
-                raise write_error(str(tmp), exc) from None
+                raise write_error(str(tmp), exc) from exc
             write_range(f, memoryview(header), 0, direct=False)
             direct = self.config.direct == "always"
 
@@ -385,7 +385,7 @@ class ChunkIO:
                 try:
                     os.fsync(fd)
                 except OSError as exc:
-                    raise write_error(str(tmp), exc) from None
+                    raise write_error(str(tmp), exc) from exc
 
     def _write_sync(self, path: str, key: str, token_ids: Any, payload: Any,
                     meta: dict | None, ready: Any) -> bool:
@@ -400,14 +400,14 @@ class ChunkIO:
             try:
                 header = encode_header(key, token_ids, view, meta)
             except ChunkError as exc:
-                raise ValueError(f"cannot encode chunk {key!r}: {exc}") from None
+                raise ValueError(f"cannot encode chunk {key!r}: {exc}") from exc
             tmp = final.parent / f".{final.name}{TMP_MARK}{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
             try:
                 final.parent.mkdir(parents=True, exist_ok=True)
                 self._write_file(tmp, header, view)
                 created = link_publish(tmp, final)
             except OSError as exc:
-                raise write_error(path, exc) from None
+                raise write_error(path, exc) from exc
             finally:
                 try:
                     os.unlink(tmp)

@@ -63,7 +63,7 @@ class OpenFile:
         try:
             fd = os.open(path, os.O_RDONLY)
         except OSError as exc:
-            raise read_error(path, exc) from None
+            raise read_error(path, exc) from exc
         return cls(path, fd, os.O_RDONLY, support)
 
     def same_file(self) -> str:
@@ -178,7 +178,7 @@ def read_range(f: OpenFile, view: memoryview, offset: int, mode: str = "auto") -
         if done < view.nbytes:
             done += _pread_loop(f.fd, view[done:], offset + done)
     except OSError as exc:
-        raise read_error(f.path, exc) from None
+        raise read_error(f.path, exc) from exc
     if done < view.nbytes:
         raise ReadError(f.path, SHORT, f"{offset + done} of {offset + view.nbytes} bytes present")
     return direct
@@ -211,4 +211,4 @@ def write_range(f: OpenFile, view: memoryview, offset: int, direct: bool) -> Non
             _pwrite_loop(f.fd, view[head : head + body], offset + head)
         _pwrite_loop(f.fd, view[head + body :], offset + head + body)
     except OSError as exc:
-        raise write_error(f.path, exc) from None
+        raise write_error(f.path, exc) from exc

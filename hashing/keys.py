@@ -77,7 +77,7 @@ def token_array(token_ids: Any) -> np.ndarray:
     try:
         arr = np.asarray(token_ids)
     except (TypeError, ValueError) as exc:
-        raise InvalidTokenIds(f"token ids are not an integer sequence: {exc}") from None
+        raise InvalidTokenIds(f"token ids are not an integer sequence: {exc}") from exc
     if arr.ndim == 2 and arr.shape[0] == 1:
         arr = arr[0]
     if arr.ndim != 1:
@@ -87,8 +87,8 @@ def token_array(token_ids: Any) -> np.ndarray:
     if arr.dtype == object:
         try:
             arr = np.array([int(t) for t in arr], dtype=np.int64)
-        except (TypeError, ValueError, OverflowError):
-            raise InvalidTokenIds("token ids must be integers") from None
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise InvalidTokenIds("token ids must be integers") from exc
     if not np.issubdtype(arr.dtype, np.integer):
         raise InvalidTokenIds(f"token ids must be integers, got dtype {arr.dtype}")
     if np.issubdtype(arr.dtype, np.signedinteger) and int(arr.min()) < 0:

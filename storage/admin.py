@@ -142,7 +142,7 @@ async def run_gc(args: argparse.Namespace) -> int:
     try:
         capacity = parse_size(args.capacity)
     except ValueError as exc:
-        raise ConfigError(f"--capacity: {exc}") from None
+        raise ConfigError(f"--capacity: {exc}") from exc
     store = open_existing(args.store)
     try:
         gc = getattr(store, "gc", None)

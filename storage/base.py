@@ -57,7 +57,7 @@ def check_blob_header(key: str, blob: Any) -> ChunkHeader:
     try:
         header = decode_header(blob, key)
     except ChunkError as exc:
-        raise InvalidChunk(f"rejected chunk for {key}: {exc}") from None
+        raise InvalidChunk(f"rejected chunk for {key}: {exc}") from exc
     size = memoryview(blob).nbytes
     if size != header.total_len:
         raise InvalidChunk(f"rejected chunk for {key}: chunk is {size} bytes, header says "
@@ -70,7 +70,7 @@ def check_blob_payload(header: ChunkHeader, blob: Any) -> None:
     try:
         header.verify_payload(memoryview(blob).cast("B")[header.header_len :])
     except ChunkError as exc:
-        raise InvalidChunk(f"rejected chunk for {header.key}: {exc}") from None
+        raise InvalidChunk(f"rejected chunk for {header.key}: {exc}") from exc
 
 
 def copy_payload(key: str, blob: Any, out: Any) -> ChunkHeader | None:

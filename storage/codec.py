@@ -140,7 +140,7 @@ def decode_header(data: Any, key: str | None = None) -> ChunkHeader:
             _FIXED.unpack_from(view, 0)
         )
     except struct.error as exc:
-        raise ChunkError(f"unreadable header: {exc}") from None
+        raise ChunkError(f"unreadable header: {exc}") from exc
     if magic != MAGIC:
         raise ChunkError("bad magic: not a kvstash chunk")
     if version != VERSION:
@@ -161,7 +161,7 @@ def decode_header(data: Any, key: str | None = None) -> ChunkHeader:
         tokens = np.frombuffer(bytes(view[pos + klen : pos + klen + 4 * ntok]), dtype="<u4")
         meta = json.loads(bytes(view[pos + klen + 4 * ntok : pos + klen + 4 * ntok + mlen]))
     except (UnicodeDecodeError, ValueError) as exc:
-        raise ChunkError(f"unreadable header fields: {exc}") from None
+        raise ChunkError(f"unreadable header fields: {exc}") from exc
     if flags != 0 or not isinstance(meta, dict):
         raise ChunkError("unsupported header flags or meta")
     if key is not None and got_key != key:

@@ -362,7 +362,7 @@ class FileStore(Store):
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as exc:
-            raise ConfigError(f"store root {self.root} is not a writable directory: {exc.strerror}") from None
+            raise ConfigError(f"store root {self.root} is not a writable directory: {exc.strerror}") from exc
 
     def _scan(self, reclaim: bool) -> tuple[list[tuple[float, str, int]], int]:
         """(last use, key, size) of every chunk file of this store's layout, and the bytes
@@ -447,9 +447,9 @@ class FileStore(Store):
             qdir = self.root / QUARANTINE
             try:
                 os.mkdir(qdir, self.dir_mode)
-            except FileExistsError:
+            except FileExistsError as exc:
                 if not stat.S_ISDIR(os.lstat(qdir).st_mode):  # never moved through a symlink
-                    raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(qdir)) from None
+                    raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(qdir)) from exc
             os.rename(path, qdir / f"{path.name}.{int(time.time())}.{secrets.token_hex(2)}")
         except OSError:
             try:
@@ -487,8 +487,8 @@ class FileStore(Store):
                         self._evict_to(target)
                         continue
                     log.warning("%s: disk full, put of %s dropped: %s", self, key, exc.strerror)
-                    raise StoreFull(f"{self}: no space for {key}: {exc.strerror}") from None
-                raise StoreUnavailable(f"{self}: put {key} failed: {exc.strerror}") from None
+                    raise StoreFull(f"{self}: no space for {key}: {exc.strerror}") from exc
+                raise StoreUnavailable(f"{self}: put {key} failed: {exc.strerror}") from exc
         if wrote:
             self._note(key, blob.nbytes)
         return wrote
@@ -786,7 +786,7 @@ class FileStore(Store):
         except FileNotFoundError:
             return False
         except OSError as exc:
-            raise StoreUnavailable(f"{self}: delete {key} failed: {exc.strerror}") from None
+            raise StoreUnavailable(f"{self}: delete {key} failed: {exc.strerror}") from exc
         self.counters["deletes"] += 1
         return True
 
@@ -839,7 +839,7 @@ class FileStore(Store):
         except FileExistsError:
             pass
         except OSError as exc:
-            raise ConfigError(f"{self}: cannot create {tenants}: {exc.strerror}") from None
+            raise ConfigError(f"{self}: cannot create {tenants}: {exc.strerror}") from exc
         for d in (tenants, tenants / tenant):
             if d.is_symlink():
                 raise ConfigError(f"{self}: {d} is a symlink; a tenant's chunks stay inside the root")

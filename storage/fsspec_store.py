@@ -77,7 +77,7 @@ class FsspecStore(Store):
             fs = fsspec.filesystem(protocol, **options)
         except (ImportError, ValueError, TypeError) as exc:
             raise ConfigError(f"{u.redacted()}: cannot open fsspec protocol {protocol!r}: "
-                              f"{exc}") from None
+                              f"{exc}") from exc
         root = fs._strip_protocol(f"{protocol}://{u.netloc}{u.path}")
         return cls(fs, root, u.redacted(), publish=publish, verify=verify)
 
@@ -118,7 +118,7 @@ class FsspecStore(Store):
             wrote = await self._call(self._put_sync, self._path(key), data)
         except Exception as exc:  # fsspec backends raise their own types: map them here
             self.counters["put_errors"] += 1
-            raise StoreUnavailable(f"{self}: put {key} failed: {type(exc).__name__}: {exc}") from None
+            raise StoreUnavailable(f"{self}: put {key} failed: {type(exc).__name__}: {exc}") from exc
         if wrote:
             self.counters["puts"] += 1
             self.counters["bytes_written"] += len(data)
@@ -196,7 +196,7 @@ class FsspecStore(Store):
         except FileNotFoundError:
             return False
         except Exception as exc:
-            raise StoreUnavailable(f"{self}: delete {key} failed: {exc}") from None
+            raise StoreUnavailable(f"{self}: delete {key} failed: {exc}") from exc
         self.counters["deletes"] += 1
         return True
 
@@ -206,7 +206,7 @@ class FsspecStore(Store):
         except FileNotFoundError:
             return
         except Exception as exc:
-            raise StoreUnavailable(f"{self}: list failed: {exc}") from None
+            raise StoreUnavailable(f"{self}: list failed: {exc}") from exc
         root = self.fs._strip_protocol(self.root).rstrip("/") + "/"
         for p in paths:
             rel = self.fs._strip_protocol(p)[len(root):]

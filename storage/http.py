@@ -437,7 +437,7 @@ def _parse_json(body: bytes) -> Any:
     try:
         return json.loads(body)
     except (ValueError, RecursionError) as exc:
-        raise _HttpError(0, f"unparsable JSON reply ({type(exc).__name__})") from None
+        raise _HttpError(0, f"unparsable JSON reply ({type(exc).__name__})") from exc
 
 
 def _lookup_answer(answer: Any, count: int) -> tuple[int, list[bool]]:
@@ -454,8 +454,8 @@ def _lookup_answer(answer: Any, count: int) -> tuple[int, list[bool]]:
         raise _HttpError(0, "lookup reply has no usable presence bitmap")
     try:
         bits = base64.b64decode(present, validate=True)
-    except ValueError:
-        raise _HttpError(0, "lookup bitmap is not base64") from None
+    except ValueError as exc:
+        raise _HttpError(0, "lookup bitmap is not base64") from exc
     if len(bits) != (count + 7) // 8:
         raise _HttpError(0, f"lookup bitmap of {len(bits)} bytes for {count} keys")
     out = [bool(bits[i >> 3] >> (i & 7) & 1) for i in range(count)]
@@ -616,7 +616,7 @@ class HttpStore(Store):
                     conn.close()
                     if conn.reused and attempt == 0 and not conn.answered:
                         continue
-                    raise _HttpError(0, f"connection lost: {exc}") from None
+                    raise _HttpError(0, f"connection lost: {exc}") from exc
                 except _REPLY_ERRORS as exc:
                     conn.close()
                     if isinstance(exc, ChunkError):
@@ -624,7 +624,7 @@ class HttpStore(Store):
                     # Every reply is bounded and checked before use; this is the last line,
                     # so that no reply can raise anything else into the caller.
                     log.warning("%s: unusable reply: %s: %.200s", self, type(exc).__name__, exc)
-                    raise _HttpError(0, f"unusable reply ({type(exc).__name__})") from None
+                    raise _HttpError(0, f"unusable reply ({type(exc).__name__})") from exc
                 except BaseException:
                     conn.close()
                     raise
@@ -654,7 +654,7 @@ class HttpStore(Store):
                             self, self._failures, self.breaker_cooldown, exc)
             if isinstance(exc, _HttpError):
                 raise
-            raise _HttpError(0, f"{type(exc).__name__}: {exc}") from None
+            raise _HttpError(0, f"{type(exc).__name__}: {exc}") from exc
         self._failures = 0
         return result
 
@@ -704,7 +704,7 @@ class HttpStore(Store):
         try:
             header = decode_header(view, key)
         except ChunkError as exc:
-            raise InvalidChunk(f"rejected chunk for {key}: {exc}") from None
+            raise InvalidChunk(f"rejected chunk for {key}: {exc}") from exc
         if header.total_len != view.nbytes:
             raise InvalidChunk(f"rejected chunk for {key}: {view.nbytes} bytes, header says "
                                f"{header.total_len}")
@@ -732,10 +732,10 @@ class HttpStore(Store):
         except _HttpError as exc:
             self.counters["put_errors"] += 1
             if exc.status == 400:
-                raise InvalidChunk(f"{self}: server rejected {key}: {exc.message}") from None
+                raise InvalidChunk(f"{self}: server rejected {key}: {exc.message}") from exc
             if exc.status in (413, 507):
-                raise StoreFull(f"{self}: no room for {key}: {exc.message}") from None
-            raise StoreUnavailable(f"{self}: put {key} failed: {exc}") from None
+                raise StoreFull(f"{self}: no room for {key}: {exc.message}") from exc
+            raise StoreUnavailable(f"{self}: put {key} failed: {exc}") from exc
         if wrote:
             self.counters["puts"] += 1
             self.counters["bytes_written"] += view.nbytes
@@ -888,7 +888,7 @@ class HttpStore(Store):
         try:
             deleted = await self._call(op)
         except _HttpError as exc:
-            raise StoreUnavailable(f"{self}: delete {key} failed: {exc}") from None
+            raise StoreUnavailable(f"{self}: delete {key} failed: {exc}") from exc
         if deleted:
             self.counters["deletes"] += 1
         return deleted
@@ -917,7 +917,7 @@ class HttpStore(Store):
         try:
             keys, bad = await self._call(op)
         except _HttpError as exc:
-            raise StoreUnavailable(f"{self}: listing failed: {exc}") from None
+            raise StoreUnavailable(f"{self}: listing failed: {exc}") from exc
         if bad:
             self.counters["errors"] += 1
             log.warning("%s: key listing had %d malformed line(s), skipped", self, bad)

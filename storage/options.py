@@ -34,8 +34,8 @@ def parse_seconds(text: str | float) -> float:
         s = s[:-1]
     try:
         return float(s) * scale
-    except ValueError:
-        raise ValueError(f"not a duration: {text!r} (try 2s, 500ms)") from None
+    except ValueError as exc:
+        raise ValueError(f"not a duration: {text!r} (try 2s, 500ms)") from exc
 
 
 def parse_bool(text: str | bool) -> bool:
@@ -91,8 +91,8 @@ class StoreURL:
         self.path = parts.path
         try:
             pairs = parse_qsl(parts.query, keep_blank_values=True, strict_parsing=bool(parts.query))
-        except ValueError:
-            raise ConfigError(f"{self.redacted()}: malformed query string") from None
+        except ValueError as exc:
+            raise ConfigError(f"{self.redacted()}: malformed query string") from exc
         self._options: dict[str, str] = {}
         for k, v in pairs:
             if k in self._options:
@@ -106,7 +106,7 @@ class StoreURL:
         try:
             return parse(raw)
         except ValueError as exc:
-            raise ConfigError(f"{self.redacted()}: option {name}={raw!r}: {exc}") from None
+            raise ConfigError(f"{self.redacted()}: option {name}={raw!r}: {exc}") from exc
 
     def finish(self) -> None:
         if self._options:

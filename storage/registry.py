@@ -33,7 +33,7 @@ def _backend_class(scheme: str) -> type:
     try:
         return getattr(importlib.import_module(module), name)
     except ImportError as exc:
-        raise ConfigError(f"store scheme {scheme!r} needs a missing package: {exc}") from None
+        raise ConfigError(f"store scheme {scheme!r} needs a missing package: {exc}") from exc
 
 
 def open_store(url: str | Sequence[str]) -> Store:

@@ -180,14 +180,14 @@ class S3Store(Store):
         except ClientError as exc:
             status = _status(exc)
             if status in _MISS_STATUS:
-                raise _Missing() from None
+                raise _Missing() from exc
             if status >= 500 or status == 429:
                 verdict, failure = False, f"{what}: {status} {_code(exc)}"
-                raise StoreUnavailable(f"{self}: {failure}") from None
+                raise StoreUnavailable(f"{self}: {failure}") from exc
             raise
         except _TRANSPORT_ERRORS as exc:
             verdict, failure = False, f"{what}: {type(exc).__name__}: {exc}"
-            raise StoreUnavailable(f"{self}: {failure}") from None
+            raise StoreUnavailable(f"{self}: {failure}") from exc
         except asyncio.CancelledError:
             verdict = None
             raise
@@ -373,7 +373,7 @@ class S3Store(Store):
         except _Missing:
             return False
         except ClientError as exc:
-            raise StoreUnavailable(f"{self}: head: {_status(exc)} {_code(exc)}") from None
+            raise StoreUnavailable(f"{self}: head: {_status(exc)} {_code(exc)}") from exc
         return True
 
     async def _present(self, key: str) -> bool:
@@ -420,10 +420,10 @@ class S3Store(Store):
                         mode = "head"
                         break
                     raise StoreUnavailable(
-                        f"{self}: probe put: {_status(exc)} {_code(exc)}") from None
-                except _Missing:
+                        f"{self}: probe put: {_status(exc)} {_code(exc)}") from exc
+                except _Missing as exc:
                     raise StoreUnavailable(f"{self}: probe put denied (403/404): "
-                                           "check the bucket and credentials") from None
+                                           "check the bucket and credentials") from exc
                 else:
                     if attempt == 1:
                         mode = "head"
@@ -446,9 +446,9 @@ class S3Store(Store):
                 if status == 412:
                     return _retried(exc)
                 if status != 409 or delay is None:
-                    raise StoreUnavailable(f"{self}: put: {status} {_code(exc)}") from None
-            except _Missing:
-                raise StoreUnavailable(f"{self}: put denied (403/404)") from None
+                    raise StoreUnavailable(f"{self}: put: {status} {_code(exc)}") from exc
+            except _Missing as exc:
+                raise StoreUnavailable(f"{self}: put denied (403/404)") from exc
             # 409 ConditionalRequestConflict: another writer is mid-flight on this key.
             await asyncio.sleep(delay)
         raise AssertionError("unreachable")
@@ -459,7 +459,7 @@ class S3Store(Store):
             async with self._op("create multipart") as client:
                 upload = (await client.create_multipart_upload(Bucket=bucket, Key=name))["UploadId"]
         except (ClientError, _Missing) as exc:
-            raise StoreUnavailable(f"{self}: create multipart upload failed: {exc}") from None
+            raise StoreUnavailable(f"{self}: create multipart upload failed: {exc}") from exc
 
         async def part(number: int, start: int, end: int) -> dict[str, Any]:
             async with self._op("upload part") as client:
@@ -485,11 +485,11 @@ class S3Store(Store):
                 if _status(exc) == 412:
                     return _retried(exc)
                 raise StoreUnavailable(f"{self}: complete multipart: {_status(exc)} "
-                                       f"{_code(exc)}") from None
+                                       f"{_code(exc)}") from exc
             done = True
             return True
         except (ClientError, _Missing) as exc:
-            raise StoreUnavailable(f"{self}: multipart put failed: {exc}") from None
+            raise StoreUnavailable(f"{self}: multipart put failed: {exc}") from exc
         finally:
             if not done:
                 with contextlib.suppress(Exception):
@@ -528,7 +528,7 @@ class S3Store(Store):
                 await client.delete_object(Bucket=self.opts.bucket, Key=name)
                 await client.delete_object(Bucket=self.opts.bucket, Key=marker_name(name))
         except (ClientError, _Missing) as exc:
-            raise StoreUnavailable(f"{self}: delete {key}: {exc}") from None
+            raise StoreUnavailable(f"{self}: delete {key}: {exc}") from exc
         self._conn.touched.pop(name, None)
         if present:
             self.counters["deletes"] += 1
@@ -549,7 +549,7 @@ class S3Store(Store):
                 async with self._op("list") as client:
                     page = await client.list_objects_v2(**kw)
             except (ClientError, _Missing) as exc:
-                raise StoreUnavailable(f"{self}: list {prefix!r}: {exc}") from None
+                raise StoreUnavailable(f"{self}: list {prefix!r}: {exc}") from exc
             for entry in page.get("CommonPrefixes", []):
                 yield entry
             for entry in page.get("Contents", []):

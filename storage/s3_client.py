@@ -180,7 +180,7 @@ class S3Connection:
             ))
         except (BotoCoreError, ValueError) as exc:
             await stack.aclose()
-            raise ConfigError(f"{self.label}: cannot create an S3 client: {exc}") from None
+            raise ConfigError(f"{self.label}: cannot create an S3 client: {exc}") from exc
         return _LoopClient(client, asyncio.Semaphore(self.opts.inflight), stack)
 
     async def close(self) -> None:
