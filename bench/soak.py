@@ -350,7 +350,7 @@ def scenario_loss_http(budget: float, work: Path, seed: int) -> Outcome:
                              work / "loss-http.log")
     server.start()
     conn = KVConnector(f"{server.url}?timeout=1s&breaker_cooldown=0.2s", ns, layout=layout,
-                       lookup_timeout_s=1.0, bypass_s=(0.1, 0.5))
+                       lookup_timeout_s=1.0, breaker_cooldown=0.1, breaker_max_cooldown=0.5)
     recoveries = []
 
     class Target:

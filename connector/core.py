@@ -9,8 +9,10 @@ verification and saves run on the loop and its worker threads.
 Failure contract. Nothing raises into the engine for anything the store does: a miss, a
 timeout, an exception from a backend or a chunk that fails verification ends the hit at
 the chunks before it (they are already placed and exact), is counted, and the rest is
-recomputed. Repeated lookup failures open a breaker that bypasses the store for a while,
-so an unreachable store costs one timeout, not one per request.
+recomputed. A lookup failure opens a circuit breaker (storage/breaker.py, the one every
+store uses) that bypasses the store for `breaker_cooldown`, doubling up to
+`breaker_max_cooldown` while probes fail, so an unreachable store costs one timeout, not
+one per request.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from connector.writebehind import SaveJob, WriteBehindQueue
 from gds.buffers import host_view
 from hashing import Namespace, chunk_keys, token_array
 from storage.base import Store
+from storage.breaker import CircuitBreaker
 from storage.codec import ChunkError, ChunkHeader
 
 if TYPE_CHECKING:
@@ -87,7 +90,9 @@ class KVConnector:
         lookup_timeout_s: float = 1.0,
         save_queue_bytes: int = 512 * 1024**2,
         policy: LoadPolicy | None = None,
-        bypass_s: tuple[float, float] = (1.0, 30.0),
+        breaker_failures: int = 1,
+        breaker_cooldown: float = 1.0,
+        breaker_max_cooldown: float = 30.0,
         direct_io: bool | ChunkIO = True,
     ):
         if not isinstance(store, Store):
@@ -100,9 +105,7 @@ class KVConnector:
         self.max_in_flight = max_in_flight
         self.lookup_timeout_s = lookup_timeout_s
         self.policy = policy or LoadPolicy()
-        self._bypass_min_s, self._bypass_max_s = bypass_s
-        self._bypass_backoff = 0.0
-        self._bypass_until = 0.0
+        self._breaker = CircuitBreaker(breaker_failures, breaker_cooldown, breaker_max_cooldown)
         self._counters = Counters()
         self._count = self._counters.add
         self._closed = False
@@ -161,28 +164,30 @@ class KVConnector:
         out["store"] = str(self.store)
         out["namespace"] = self.ns.id
         out["chunk_io"] = self.chunk_io.stats() if self.chunk_io is not None else None
+        out.update(self._breaker.snapshot())
         out.update(self.policy.snapshot())
         return out
 
     # -- the store, from the engine thread -----------------------------------------------
 
-    def _bypassed(self) -> bool:
+    def _bypassed(self, probe: bool = False) -> bool:
+        """Whether to skip the store now. `probe`: this call reports its outcome to the
+        breaker (a lookup), so it may be the half-open probe; a load only asks."""
         if self._closed:
             return True
-        if time.monotonic() < self._bypass_until:
-            self._count(bypassed=1)
-            return True
-        return False
+        if self._breaker.allow() if probe else not self._breaker.is_open:
+            return False
+        self._count(bypassed=1)
+        return True
 
     def _store_failed(self, what: str, exc: BaseException) -> None:
-        self._bypass_backoff = min(
-            self._bypass_max_s, max(self._bypass_min_s, 2 * self._bypass_backoff)
-        )
-        self._bypass_until = time.monotonic() + self._bypass_backoff
-        log.warning(
-            "%s on %s failed (%s); bypassing the store for %.0f s",
-            what, self.store, exc or type(exc).__name__, self._bypass_backoff,
-        )
+        opened = self._breaker.opened
+        self._breaker.failure()
+        if self._breaker.opened != opened:
+            log.warning(
+                "%s on %s failed (%s); bypassing the store for %.0f s",
+                what, self.store, exc or type(exc).__name__, self._breaker.open_for_s,
+            )
 
     def _call(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
         """Run a store coroutine on the connector loop and wait at most `timeout` seconds."""
@@ -206,15 +211,18 @@ class KVConnector:
         if max_tokens is not None:
             tokens = tokens[: max(max_tokens, 0)]
         keys = chunk_keys(tokens, self.ns)
-        if not keys or self._bypassed():
+        if not keys or self._bypassed(probe=True):
             return 0
         try:
             n = int(self._call(self.store.prefix_len(keys), self.lookup_timeout_s))
-        except Exception as exc:  # noqa: BLE001 - any backend failure is a miss
+        except BaseException as exc:
+            if not isinstance(exc, Exception):  # interrupted: neither verdict
+                self._breaker.release()
+                raise
             self._count(lookup_errors=1)
             self._store_failed("lookup", exc)
             return 0
-        self._bypass_backoff = 0.0
+        self._breaker.success()
         hit = min(max(n, 0), len(keys)) * self.chunk_tokens
         self._count(lookup_tokens=hit)
         return hit

@@ -11,13 +11,15 @@ Threading contract: one event loop at a time (sockets carry over between loops, 
 store may outlive an `asyncio.run`). Like every store, the hot path (`get`, `get_into`,
 `exists`, `prefix_len`) answers "miss" on any failure: refused, reset, timeout, HTTP
 error, or a body that fails verification; the connection involved is dropped, never
-reused. After `breaker_failures` failures in a row the breaker opens and the hot path
-misses at once, without I/O, for `breaker_cooldown`; after that requests go out again,
-and the first failure reopens it (the first success closes it).
+reused. After `breaker_failures` failures in a row the breaker (storage/breaker.py, the
+same one every store and the connector use) opens and the hot path misses at once,
+without I/O, for `breaker_cooldown`; then one probe request goes out: its success closes
+the breaker, its failure reopens it for twice as long, up to `breaker_max_cooldown`.
 
 Options: `token` (else $KVSTASH_TOKEN), `timeout` (per request, default 10s),
 `connect_timeout` (1s), `pool` (connections, default 16), `verify` (re-check payload
 checksums here, default true), `breaker_failures` (3), `breaker_cooldown` (2s),
+`breaker_max_cooldown` (60s),
 `max_chunk` (the largest chunk a `get` accepts, default 1GiB as the server's limit),
 `unix_socket` (connect to a kvserver's `--unix-socket` path instead of HOST:PORT; HOST
 still names the server in the Host header), `fd` (over a plain Unix socket, ask for chunk
@@ -56,6 +58,7 @@ import xxhash
 
 from hashing import is_valid_key
 from storage.base import Store, check_key
+from storage.breaker import BreakerOptions, CircuitBreaker
 from storage.codec import (
     HEADER_SIZE,
     ChunkError,
@@ -476,6 +479,7 @@ class HttpStore(Store):
         verify: bool = True,
         breaker_failures: int = 3,
         breaker_cooldown: float = 2.0,
+        breaker_max_cooldown: float = 60.0,
         ca_file: str | None = None,
         unix_socket: str | None = None,
         fd: bool = True,
@@ -501,8 +505,7 @@ class HttpStore(Store):
         self.pool_size = pool
         self.verify = verify
         self.max_chunk = max_chunk
-        self.breaker_failures = breaker_failures
-        self.breaker_cooldown = breaker_cooldown
+        self._breaker = CircuitBreaker(breaker_failures, breaker_cooldown, breaker_max_cooldown)
         token = token if token is not None else os.environ.get("KVSTASH_TOKEN")
         if token and not (token.isascii() and token.isprintable() and " " not in token):
             raise ConfigError(f"{self.url}: the token must be printable ASCII without spaces")
@@ -510,8 +513,6 @@ class HttpStore(Store):
         self._idle: list[_Connection] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._slots: asyncio.Semaphore | None = None
-        self._failures = 0
-        self._open_until = 0.0
         self._warned: set[int] = set()
         self.ca_file = ca_file
         self._tls_context: ssl.SSLContext | None = None
@@ -528,20 +529,21 @@ class HttpStore(Store):
             "connect_timeout": u.take("connect_timeout", parse_seconds, 1.0),
             "pool": u.take("pool", int, 16),
             "verify": u.take("verify", parse_bool, True),
-            "breaker_failures": u.take("breaker_failures", int, 3),
-            "breaker_cooldown": u.take("breaker_cooldown", parse_seconds, 2.0),
             "ca_file": u.take("ca"),
             "unix_socket": u.take("unix_socket"),
             "fd": u.take("fd", parse_bool, True),
             "max_chunk": u.take("max_chunk", parse_size, 1 << 30),
         }
+        breaker = BreakerOptions.from_url(u, failures=3, cooldown_s=2.0)
         u.finish()
-        if opts["pool"] < 1 or opts["breaker_failures"] < 1:
-            raise ConfigError(f"{u.redacted()}: pool and breaker_failures must be >= 1")
+        if opts["pool"] < 1:
+            raise ConfigError(f"{u.redacted()}: pool must be >= 1")
         if opts["max_chunk"] < HEADER_SIZE:
             raise ConfigError(f"{u.redacted()}: max_chunk must be at least {HEADER_SIZE} bytes")
         base = f"{u.scheme}://{u.netloc}{u.path}"
-        return cls(base, url=u.redacted(), **opts)
+        return cls(base, url=u.redacted(), breaker_failures=breaker.failures,
+                   breaker_cooldown=breaker.cooldown_s,
+                   breaker_max_cooldown=breaker.max_cooldown_s, **opts)
 
     # -- connections ---------------------------------------------------------------------
 
@@ -639,23 +641,31 @@ class HttpStore(Store):
 
     async def _call(self, op: Any) -> Any:
         """`_exchange` under the request timeout and the circuit breaker."""
-        if time.monotonic() < self._open_until:
+        breaker = self._breaker
+        if not breaker.allow():
             raise _HttpError(0, "circuit open: recent requests to the server failed")
+        verdict: bool | None = None  # None: cancelled, neither answer nor failure
         try:
             async with asyncio.timeout(self.timeout):  # no inner task (see _connect)
                 result = await self._exchange(op)
+            verdict = True
         except (TimeoutError, OSError, _HttpError) as exc:
-            if isinstance(exc, _HttpError) and exc.status and exc.status < 500:
-                raise
-            self._failures += 1
-            if self._failures >= self.breaker_failures:
-                self._open_until = time.monotonic() + self.breaker_cooldown
-                log.warning("%s: %d failures in a row, not trying for %.1fs: %s",
-                            self, self._failures, self.breaker_cooldown, exc)
+            # A 4xx is the server answering: it is up.
+            verdict = isinstance(exc, _HttpError) and 0 < exc.status < 500
             if isinstance(exc, _HttpError):
                 raise
             raise _HttpError(0, f"{type(exc).__name__}: {exc}") from exc
-        self._failures = 0
+        finally:
+            if verdict is None:
+                breaker.release()
+            elif verdict:
+                breaker.success()
+            else:
+                opened = breaker.opened
+                breaker.failure()
+                if breaker.opened != opened:
+                    log.warning("%s: requests failing, not trying for %.1fs", self,
+                                breaker.open_for_s)
         return result
 
     def _head(self, method: str, path: str, length: int | None = None,
@@ -927,7 +937,7 @@ class HttpStore(Store):
     def stats(self) -> dict[str, Any]:
         return {
             **super().stats(), "backend": "http", "pooled_connections": len(self._idle),
-            "breaker_open": time.monotonic() < self._open_until,
+            "breaker_open": self._breaker.is_open, **self._breaker.snapshot(),
         }
 
     async def close(self) -> None:

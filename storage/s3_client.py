@@ -19,9 +19,9 @@ from aiobotocore.session import AioSession
 from botocore import UNSIGNED
 from botocore.exceptions import BotoCoreError
 
+from storage.breaker import BreakerOptions
 from storage.errors import ConfigError
 from storage.options import StoreURL, parse_bool, parse_seconds, parse_size
-from storage.s3_breaker import CircuitBreaker
 
 MiB = 1024 * 1024
 
@@ -51,8 +51,7 @@ class S3Options:
     checksum: str = "when_required"
     sign_payload: bool = False
     conditional: str = "auto"
-    breaker_failures: int = 5
-    breaker_reset: float = 5.0
+    breaker: BreakerOptions = BreakerOptions(failures=5, cooldown_s=5.0)
     touch: float = 3600.0
     verify: bool = True
 
@@ -96,8 +95,7 @@ class S3Options:
             checksum=choice("checksum", ("when_required", "when_supported"), "when_required"),
             sign_payload=u.take("sign_payload", parse_bool, False),
             conditional=choice("conditional", ("auto", "header", "head"), "auto"),
-            breaker_failures=u.take("breaker_failures", int, 5),
-            breaker_reset=u.take("breaker_reset", parse_seconds, 5.0),
+            breaker=BreakerOptions.from_url(u, failures=5, cooldown_s=5.0),
             touch=u.take("touch", parse_seconds, 3600.0),
             verify=u.take("verify", parse_bool, True),
         )
@@ -151,7 +149,7 @@ class S3Connection:
     def __init__(self, opts: S3Options, label: str):
         self.opts = opts
         self.label = label
-        self.breaker = CircuitBreaker(opts.breaker_failures, opts.breaker_reset)
+        self.breaker = opts.breaker.breaker()
         self._clients: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
         self.conditional: str | None = None if opts.conditional == "auto" else opts.conditional
         self.touched: OrderedDict[str, float] = OrderedDict()

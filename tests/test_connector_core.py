@@ -160,7 +160,7 @@ def test_lookup_failures_open_a_breaker_that_bypasses_the_store():
         async def exists(self, keys):
             raise OSError("connection refused")
 
-    conn = connector(Unreachable(), bypass_s=(60.0, 60.0))
+    conn = connector(Unreachable(), breaker_cooldown=60.0)
     assert conn.lookup(TOKENS) == 0
     assert conn.lookup(TOKENS) == 0
     stats = conn.stats()

@@ -149,7 +149,7 @@ def test_clients_see_misses_while_kvserver_is_down_and_hits_again_after_restart(
     server = server_process(["--store", f"file://{root}"])
     tokens = np.random.default_rng(SEED).integers(0, 32000, 8 * 16, dtype=np.uint32)
     conn = KVConnector(f"{server.url}?timeout=1s&breaker_cooldown=0.2s", NS, layout=LAYOUT,
-                       lookup_timeout_s=1.0, bypass_s=(0.1, 0.5))
+                       lookup_timeout_s=1.0, breaker_cooldown=0.1, breaker_max_cooldown=0.5)
     client = HttpStore(server.url, timeout=1.0, breaker_cooldown=0.2)
     key, blob = chunk_for(SEED, 0)
     try:

@@ -138,7 +138,7 @@ async def test_breaker_opens_on_a_dead_endpoint_and_recovers(fault_proxy, ns):
 
 
 async def test_a_failed_probe_reopens_the_breaker(fault_proxy, ns):
-    store = open_store(through(fault_proxy, breaker_failures="1", breaker_reset="0.3s"))
+    store = open_store(through(fault_proxy, breaker_failures="1", breaker_cooldown="0.3s"))
     (key, _, blob), = make_chunks(ns, 1)
     await store.put(key, blob)
     fault_proxy.set("slowdown")
