@@ -114,6 +114,7 @@ async def test_auth_and_tenancy_hold_on_the_unix_socket(tmp_path, sock_dir, ns):
     path = sock_dir / "kv.sock"
     tokens = tmp_path / "tokens"
     tokens.write_text(f"alice {TOKEN}\n")
+    tokens.chmod(0o600)
     (key, _, blob), = make_chunks(ns, 1)
     with running_kvserver("--store", f"file://{tmp_path / 'root'}", "--auth-tokens", str(tokens),
                           "--unix-socket", str(path)):
