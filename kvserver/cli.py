@@ -21,11 +21,13 @@ from urllib.parse import quote
 
 from kvserver.config import (
     CONFIG_ENV,
+    DEFAULT_BODY_STALL_TIMEOUT_S,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_INFLIGHT_BYTES,
     DEFAULT_MAX_LOOKUP_KEYS,
     DEFAULT_PORT,
+    DEFAULT_SEND_TIMEOUT_S,
     ServerConfig,
     default_store_url,
 )
@@ -56,11 +58,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-lookup-keys", type=int, default=DEFAULT_MAX_LOOKUP_KEYS,
                    metavar="N", help=f"most keys in one lookup (default {DEFAULT_MAX_LOOKUP_KEYS})")
     p.add_argument("--max-inflight-bytes", type=parse_size, default=DEFAULT_MAX_INFLIGHT_BYTES,
-                   metavar="SIZE", help="PUT bodies held at once per process; beyond it 503 "
-                                        "(default 4GiB)")
+                   metavar="SIZE", help="request body bytes held at once per process, counted "
+                                        "as they arrive; beyond it 503 (default 4GiB)")
     p.add_argument("--body-timeout", type=parse_seconds, default=DEFAULT_BODY_TIMEOUT_S,
                    metavar="SECONDS", help="a PUT body must arrive within this time, else 408 "
                                            f"(default {DEFAULT_BODY_TIMEOUT_S:g}s)")
+    p.add_argument("--body-stall-timeout", type=parse_seconds,
+                   default=DEFAULT_BODY_STALL_TIMEOUT_S, metavar="SECONDS",
+                   help="a body that sends nothing for this long (its first byte included) "
+                        f"gets 408 (default {DEFAULT_BODY_STALL_TIMEOUT_S:g}s)")
+    p.add_argument("--send-timeout", type=parse_seconds, default=DEFAULT_SEND_TIMEOUT_S,
+                   metavar="SECONDS", help="a client that takes no response bytes for this "
+                   f"long is disconnected (default {DEFAULT_SEND_TIMEOUT_S:g}s)")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="server processes sharing the port (default 1); needs a shared "
                         "backend (file://, s3://): a memory:// tier would be per process")
@@ -78,6 +87,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_lookup_keys=args.max_lookup_keys,
         body_timeout_s=args.body_timeout,
         max_inflight_bytes=args.max_inflight_bytes,
+        body_stall_timeout_s=args.body_stall_timeout,
+        send_timeout_s=args.send_timeout,
     )
 
 
@@ -139,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
     from uvicorn.supervisors import Multiprocess
 
     from kvserver.app import create_app
-    from kvserver.protocol import BoundedHeadProtocol
+    from kvserver.protocol import BoundedHeadProtocol, configure
 
     config = config_from_args(args)
     workers = args.workers
@@ -155,6 +166,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"TLS file {path} does not exist")
     # Built here even with workers: bad stores or tokens fail now, in one line.
     app = create_app(config)
+    configure(config.send_timeout_s)
     sock = bind(args.host, args.port)
     sockets = [sock]
     unix_path = getattr(args, "unix_socket", None)

@@ -50,6 +50,14 @@ class ServerMetrics:
                               registry=r)
         self.chunks = Gauge("kvstash_store_chunks", "chunks held by the store (all tenants)",
                             registry=r)
+        self.body_bytes_held = Gauge(
+            "kvstash_body_bytes_held", "request body bytes received and held right now "
+            "(charged against --max-inflight-bytes)", registry=r)
+        self.pool_lent = Gauge("kvstash_body_buffers_lent",
+                               "pooled body buffers lent to requests right now", registry=r)
+        self.pool_free_bytes = Gauge(
+            "kvstash_body_buffers_free_bytes", "bytes of pooled body buffers kept for reuse "
+            "(dropped after 30 s unused)", registry=r)
 
     def render(self) -> bytes:
         used = capacity = chunks = 0
