@@ -41,6 +41,7 @@ from kvserver.protocol import configure as configure_protocol
 from storage.base import BlobFile, Store
 from storage.errors import InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
 from storage.registry import open_store
+from storage.tenancy import open_tenants
 
 log = logging.getLogger("kvstash.kvserver")
 
@@ -103,6 +104,18 @@ def _parse_lookup(body: memoryview) -> LookupRequest:
         raise HTTPException(400, _first_error(exc.errors(), ("body",))) from None
 
 
+def _breaker_open(stats: dict[str, Any]) -> str | None:
+    """A tier whose circuit breaker is open (http:// and s3:// report it in their stats)."""
+    for tier in stats.get("tiers") or [stats]:
+        if "tiers" in tier:
+            found = _breaker_open(tier)
+            if found:
+                return found
+        elif tier.get("breaker_open") is True or tier.get("breaker") == "open":
+            return f"circuit breaker open for {tier.get('url', 'a tier')}"
+    return None
+
+
 def _keep(reuse: bool = True) -> None:
     return None
 
@@ -138,13 +151,14 @@ def parse_range(header: str, total: int) -> tuple[int, int]:
 
 
 class Tenancy:
-    """The store each request may touch: the root store, or its tenant's scope when tokens
-    are configured. Scopes are opened once at start-up (opening one may scan a directory)."""
+    """The store each request may touch: the root store, or its tenant's store when tokens
+    are configured (storage.tenancy: one capacity shared by all, optional quotas). Opened
+    once at start-up (opening a scope may scan a directory)."""
 
-    def __init__(self, store: Store, tokens: TokenTable | None):
+    def __init__(self, store: Store, tokens: TokenTable | None, quota: int | None = None):
         self.root = store
         self.tokens = tokens
-        self.scopes = {t: store.scoped(t) for t in tokens.tenants} if tokens else {}
+        self.scopes: dict[str, Store] = dict(open_tenants(store, tokens.tenants, quota)) if tokens else {}
 
     def stores(self) -> list[Store]:
         return [self.root, *self.scopes.values()]
@@ -163,7 +177,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     """The kvserver ASGI app over `config.store_urls` (or an already opened `store`)."""
     store = store if store is not None else open_store(list(config.store_urls))
     tokens = TokenTable.from_file(config.tokens_file) if config.tokens_file else None
-    tenancy = Tenancy(store, tokens)
+    tenancy = Tenancy(store, tokens, config.tenant_quota)
     metrics = ServerMetrics(tenancy.stores)
     bodies = BufferPool(max_bytes=config.max_chunk_bytes)  # GET bodies, see kvserver.bodies
     put_bodies = BufferPool(max_bytes=config.max_chunk_bytes)  # and PUT bodies
@@ -429,12 +443,18 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["service"], response_model=Health, responses=_errors(503),
-             summary="The backend answers a presence check in time")
+             summary="The backend can serve: root present and writable, disk not full, "
+                     "no circuit breaker open, a presence check answered in time")
     async def readyz() -> Any:
         try:
-            await asyncio.wait_for(store.exists([READY_PROBE_KEY]), config.ready_timeout_s)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(config.ready_timeout_s):
+                why = await store.health() or _breaker_open(store.stats())
+                if why is None:
+                    await store.exists([READY_PROBE_KEY])
+        except TimeoutError:
             raise HTTPException(503, f"backend did not answer within {config.ready_timeout_s}s") from None
+        if why is not None:
+            raise HTTPException(503, why)
         return {"status": "ready"}
 
     @app.get("/metrics", tags=["service"], response_class=Response,

@@ -53,6 +53,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "host: faster than loopback TCP")
     p.add_argument("--auth-tokens", metavar="FILE", type=Path,
                    help="`TENANT TOKEN` lines; each token gets its tenant's private key space")
+    p.add_argument("--tenant-quota", type=parse_size, metavar="SIZE",
+                   help="most bytes one tenant may hold (its least recently used chunks go "
+                        "past it); the store's capacity is shared by all tenants")
     p.add_argument("--max-chunk-bytes", type=parse_size, default=DEFAULT_MAX_CHUNK_BYTES,
                    metavar="SIZE", help="largest accepted chunk body (default 1GiB)")
     p.add_argument("--max-lookup-keys", type=int, default=DEFAULT_MAX_LOOKUP_KEYS,
@@ -89,6 +92,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_inflight_bytes=args.max_inflight_bytes,
         body_stall_timeout_s=args.body_stall_timeout,
         send_timeout_s=args.send_timeout,
+        tenant_quota=getattr(args, "tenant_quota", None),
     )
 
 
@@ -159,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
     if workers > 1 and any(StoreURL(u).scheme == "memory" for u in config.store_urls):
         raise ConfigError("--workers > 1 needs shared stores: each process would have its own "
                           "memory:// tier")
+    if config.tenant_quota is not None and config.tokens_file is None:
+        raise ConfigError("--tenant-quota needs --auth-tokens (tenants come from tokens)")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("give both --tls-cert and --tls-key, or neither")
     for path in (args.tls_cert, args.tls_key):

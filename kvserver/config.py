@@ -48,6 +48,8 @@ class ServerConfig:
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
     body_stall_timeout_s: float = DEFAULT_BODY_STALL_TIMEOUT_S
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
+    # Most bytes one tenant may hold (None: only the backend's shared capacity).
+    tenant_quota: int | None = None
     # Readiness answers 503 when one presence check takes longer than this.
     ready_timeout_s: float = 2.0
 
