@@ -35,7 +35,7 @@ from kvserver.bodies import BufferPool, FdResponse, FileBodyResponse, ViewRespon
 from kvserver.config import CONFIG_ENV, ServerConfig
 from kvserver.gate import TENANT_SCOPE_KEY, RequestGate
 from kvserver.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from kvserver.metrics import MetricsMiddleware, ServerMetrics
+from kvserver.metrics import MetricsMiddleware, ServerMetrics, leaf_stats
 from kvserver.protocol import FDPASS, ZEROCOPY
 from kvserver.protocol import configure as configure_protocol
 from storage.base import BlobFile, Store
@@ -106,14 +106,14 @@ def _parse_lookup(body: memoryview) -> LookupRequest:
 
 def _breaker_open(stats: dict[str, Any]) -> str | None:
     """A tier whose circuit breaker is open (http:// and s3:// report it in their stats)."""
-    for tier in stats.get("tiers") or [stats]:
-        if "tiers" in tier:
-            found = _breaker_open(tier)
-            if found:
-                return found
-        elif tier.get("breaker_open") is True or tier.get("breaker") == "open":
-            return f"circuit breaker open for {tier.get('url', 'a tier')}"
+    for leaf in leaf_stats(stats):
+        if leaf.get("breaker_open") is True or leaf.get("breaker") == "open":
+            return f"circuit breaker open for {leaf.get('url', 'a tier')}"
     return None
+
+
+def _error_count(stats: dict[str, Any]) -> int:
+    return sum(leaf.get("errors") or 0 for leaf in leaf_stats(stats))
 
 
 def _keep(reuse: bool = True) -> None:
@@ -450,7 +450,12 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             async with asyncio.timeout(config.ready_timeout_s):
                 why = await store.health() or _breaker_open(store.stats())
                 if why is None:
+                    # A store answers "absent" when it cannot reach its backend, and
+                    # counts the failure: a probe that added errors did not get through.
+                    errors = _error_count(store.stats())
                     await store.exists([READY_PROBE_KEY])
+                    if _error_count(store.stats()) > errors:
+                        why = "the backend's presence check failed"
         except TimeoutError:
             raise HTTPException(503, f"backend did not answer within {config.ready_timeout_s}s") from None
         if why is not None:

@@ -62,7 +62,7 @@ class ServerMetrics:
     def render(self) -> bytes:
         used = capacity = chunks = 0
         for i, store in enumerate(self._stores()):
-            for s in _leaf_stats(store.stats()):
+            for s in leaf_stats(store.stats()):
                 used += s.get("used_bytes") or 0
                 chunks += s.get("chunks") or 0
                 if i == 0:  # the root store; tenant scopes share its configured capacity
@@ -103,8 +103,8 @@ class MetricsMiddleware:
             self.metrics.requests.labels(method, route, str(status)).inc()
 
 
-def _leaf_stats(stats: dict[str, Any]) -> list[dict[str, Any]]:
+def leaf_stats(stats: dict[str, Any]) -> list[dict[str, Any]]:
     tiers = stats.get("tiers")
     if not tiers:
         return [stats]
-    return [leaf for t in tiers for leaf in _leaf_stats(t)]
+    return [leaf for t in tiers for leaf in leaf_stats(t)]

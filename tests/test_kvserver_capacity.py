@@ -4,6 +4,7 @@ backend that cannot serve. Real `kvstash serve` processes on 127.0.0.1."""
 from __future__ import annotations
 
 import shutil
+import socket
 from pathlib import Path
 
 import httpx
@@ -139,3 +140,16 @@ async def test_full_disk_frees_room_from_the_other_tenants(small_fs: Path, ns):
         except OSError:
             pass
     assert "is full" in (await root.health() or "")
+
+
+def test_readyz_reports_an_open_circuit_breaker():
+    """A kvserver in front of an http:// backend nobody listens on: once the backend's
+    breaker opens, readiness says so instead of answering ready from a quick miss."""
+    with socket.socket() as unused:
+        unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+    backend = f"http://127.0.0.1:{port}?breaker_failures=1&breaker_cooldown=60s&timeout=1s"
+    with running_kvserver("--store", backend) as server:
+        first, then = (httpx.get(f"{server.url}/readyz") for _ in range(2))
+        assert first.status_code == 503 and "presence check failed" in first.json()["error"]
+        assert then.status_code == 503 and "circuit breaker open" in then.json()["error"]
