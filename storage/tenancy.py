@@ -45,6 +45,8 @@ class SharedCapacity:
         return sum(m.used_bytes() for m in self.members.values()) + self.pending
 
     async def make_room(self, tenant: str, scope: Store, size: int) -> None:
+        if self.capacity is not None and size > self.capacity:
+            raise StoreFull(f"{scope}: chunk of {size} bytes exceeds capacity {self.capacity}")
         if self.quota is not None:
             if size > self.quota:
                 raise StoreFull(f"{scope}: chunk of {size} bytes exceeds the tenant quota "

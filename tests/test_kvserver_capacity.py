@@ -10,6 +10,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from storage.errors import StoreFull
 from storage.file import FileStore
 from storage.memory import MemoryStore
 from storage.tenancy import open_tenants
@@ -119,6 +120,11 @@ async def test_eviction_takes_from_the_largest_holder_first(ns):
         assert await tenants["heavy"].put(key, blob)
     assert await tenants["light"].exists([light[0][0]]) == [True]
     assert tenants["heavy"].used_bytes() + tenants["light"].used_bytes() <= 6 * MiB
+    before = tenants["heavy"].used_bytes()
+    (key, _, huge), = make_chunks(ns, 1, payload_size=7 * MiB, seed=7)
+    with pytest.raises(StoreFull, match="exceeds capacity"):
+        await tenants["light"].put(key, huge)
+    assert tenants["heavy"].used_bytes() == before  # nobody evicted for a chunk that cannot fit
 
 
 async def test_full_disk_frees_room_from_the_other_tenants(small_fs: Path, ns):
