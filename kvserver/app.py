@@ -29,7 +29,7 @@ from pydantic import BaseModel, Field, StringConstraints, ValidationError
 from starlette.exceptions import HTTPException
 
 from hashing import KEY_PATTERN
-from kvserver.admission import BodyBudget, BodyCharge, declared_length, read_body
+from kvserver.admission import BodyBudget, BodyCharge, read_body
 from kvserver.auth import TokenTable
 from kvserver.bodies import BufferPool, FdResponse, FileBodyResponse, ViewResponse
 from kvserver.config import CONFIG_ENV, ServerConfig
@@ -271,7 +271,6 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         ctype = request.headers.get("content-type", OCTETS).split(";")[0].strip().lower()
         if ctype != OCTETS:
             raise HTTPException(415, f"chunk bodies are {OCTETS}, not {ctype!r}")
-        declared_length(request)  # a malformed Content-Length is a 400 before anything
         charge = BodyCharge(budget, request.scope[TENANT_SCOPE_KEY])
         release: Any = _keep
         reuse = True
