@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import socket
+import subprocess
 from pathlib import Path
 
 import httpx
@@ -159,3 +160,15 @@ def test_readyz_reports_an_open_circuit_breaker():
         first, then = (httpx.get(f"{server.url}/readyz") for _ in range(2))
         assert first.status_code == 503 and "presence check failed" in first.json()["error"]
         assert then.status_code == 503 and "circuit breaker open" in then.json()["error"]
+
+
+async def test_health_reports_a_read_only_store_root(small_fs: Path):
+    """The 8 MiB tmpfs remounted read-only (root only): `health`, hence /readyz, says so."""
+    root = FileStore(small_fs / "store")
+    assert await root.health() is None
+    subprocess.run(["mount", "-o", "remount,ro", str(small_fs)], check=True)
+    try:
+        assert "read-only" in (await root.health() or "")
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
+    assert await root.health() is None
