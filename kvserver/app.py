@@ -39,7 +39,7 @@ from kvserver.metrics import MetricsMiddleware, ServerMetrics, leaf_stats
 from kvserver.protocol import FDPASS, ZEROCOPY
 from kvserver.protocol import configure as configure_protocol
 from storage.base import BlobFile, Store
-from storage.errors import InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
+from storage.errors import ConfigError, InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
 from storage.registry import open_store
 from storage.tenancy import open_tenants
 
@@ -183,6 +183,11 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     put_bodies = BufferPool(max_bytes=config.max_chunk_bytes)  # and PUT bodies
     # With several tenants, one tenant's bodies hold at most half the budget.
     per_tenant = config.max_inflight_bytes // 2 if len(tenancy.scopes) > 1 else config.max_inflight_bytes
+    if per_tenant < config.max_chunk_bytes:
+        raise ConfigError(
+            f"--max-inflight-bytes ({config.max_inflight_bytes}) leaves {per_tenant} bytes per "
+            f"tenant, less than one --max-chunk-bytes ({config.max_chunk_bytes}) chunk: raise it "
+            "to at least " + ("twice " if len(tenancy.scopes) > 1 else "") + "--max-chunk-bytes")
     budget = BodyBudget(config.max_inflight_bytes, per_tenant)
 
     async def trim_pools() -> None:

@@ -215,3 +215,12 @@ def _metric(client: httpx.Client, name: str) -> str:
         if line.startswith(name + " "):
             return line.split()[1]
     raise AssertionError(f"no {name} in /metrics")
+
+
+def test_an_upload_budget_below_one_chunk_per_tenant_is_a_start_error(tmp_path: Path):
+    flags = ["--store", "memory://", "--auth-tokens", str(tokens_file(tmp_path)),
+             "--max-chunk-bytes", "1MiB", "--max-inflight-bytes", "1MiB"]
+    with pytest.raises(RuntimeError, match="exit code 2") as info:
+        with running_kvserver(*flags):
+            pass
+    assert "raise it to at least twice --max-chunk-bytes" in str(info.value)
