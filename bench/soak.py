@@ -769,6 +769,7 @@ def scenario_isolation(budget: float, work: Path, seed: int) -> Outcome:
     alice, bob = "alice-" + "a" * 24, "bob-" + "b" * 26
     tokens = work / "tokens"
     tokens.write_text(f"alice {alice}\nbob {bob}\n")
+    tokens.chmod(0o600)  # kvserver refuses a tokens file others can read
     server = KvServerProcess(["--store", f"file://{work / 'isolation'}", "--auth-tokens",
                               str(tokens)], free_port(), work / "isolation.log")
     server.start()

@@ -1,10 +1,13 @@
 """The HTTP API: FastAPI routes over one `Store`, one tenant scope per bearer token.
 
-Routes validate, call one store method and map its typed result to a status code. Chunk
-bodies are raw `application/octet-stream`: a PUT body is received into one preallocated
-buffer sized by Content-Length (or counted while streaming when chunked) and refused with
-413 past the limit; a GET answers with the store's own bytes object, so the response body
-is handed to the transport without a copy. Every error is `{"error": "<one message>"}`.
+Routes validate, call one store method and map its typed result to a status code. Tokens
+are checked from the request head before any route runs (kvserver.gate), and bodies (a
+chunk's, a lookup's) are read by the routes themselves, bounded in size and time and
+charged to a budget of bytes held (kvserver.admission). Chunk bodies are raw
+`application/octet-stream`: a PUT body is received into one buffer sized by
+Content-Length (or counted while streaming when chunked); a GET answers with the store's
+own bytes object, so the response body is handed to the transport without a copy. Every
+error is `{"error": "<one message>"}`.
 """
 
 # No `from __future__ import annotations`: FastAPI resolves the route signatures, and some
@@ -22,20 +25,23 @@ from fastapi import Depends, FastAPI, Header, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field, StringConstraints
+from pydantic import BaseModel, Field, StringConstraints, ValidationError
 from starlette.exceptions import HTTPException
-from starlette.requests import ClientDisconnect
 
 from hashing import KEY_PATTERN
+from kvserver.admission import BodyBudget, BodyCharge, read_body
 from kvserver.auth import TokenTable
 from kvserver.bodies import BufferPool, FdResponse, FileBodyResponse, ViewResponse
 from kvserver.config import CONFIG_ENV, ServerConfig
+from kvserver.gate import TENANT_SCOPE_KEY, RequestGate
 from kvserver.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from kvserver.metrics import MetricsMiddleware, ServerMetrics
+from kvserver.metrics import MetricsMiddleware, ServerMetrics, leaf_stats
 from kvserver.protocol import FDPASS, ZEROCOPY
+from kvserver.protocol import configure as configure_protocol
 from storage.base import BlobFile, Store
-from storage.errors import InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
+from storage.errors import ConfigError, InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
 from storage.registry import open_store
+from storage.tenancy import open_tenants
 
 log = logging.getLogger("kvstash.kvserver")
 
@@ -85,6 +91,35 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorBody} for code in codes}
 
 
+def _first_error(errors: Any, under: tuple[str, ...] = ()) -> str:
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request"}
+    where = ".".join(str(p) for p in (*under, *first.get("loc", ())))
+    return f"{where}: {first.get('msg')}" if where else str(first.get("msg"))
+
+
+def _parse_lookup(body: memoryview) -> LookupRequest:
+    try:
+        return LookupRequest.model_validate_json(bytes(body))
+    except ValidationError as exc:
+        raise HTTPException(400, _first_error(exc.errors(), ("body",))) from exc
+
+
+def _breaker_open(stats: dict[str, Any]) -> str | None:
+    """A tier whose circuit breaker is open (http:// and s3:// report it in their stats)."""
+    for leaf in leaf_stats(stats):
+        if leaf.get("breaker_open") is True or leaf.get("breaker") == "open":
+            return f"circuit breaker open for {leaf.get('url', 'a tier')}"
+    return None
+
+
+def _error_count(stats: dict[str, Any]) -> int:
+    return sum(leaf.get("errors") or 0 for leaf in leaf_stats(stats))
+
+
+def _keep(reuse: bool = True) -> None:
+    return None
+
+
 def presence_bitmap(present: list[bool]) -> str:
     bits = bytearray((len(present) + 7) // 8)
     for i, p in enumerate(present):
@@ -116,80 +151,60 @@ def parse_range(header: str, total: int) -> tuple[int, int]:
 
 
 class Tenancy:
-    """The store each request may touch: the root store, or its tenant's scope when tokens
-    are configured. Scopes are opened once at start-up (opening one may scan a directory)."""
+    """The store each request may touch: the root store, or its tenant's store when tokens
+    are configured (storage.tenancy: one capacity shared by all, optional quotas). Opened
+    once at start-up (opening a scope may scan a directory)."""
 
-    def __init__(self, store: Store, tokens: TokenTable | None):
+    def __init__(self, store: Store, tokens: TokenTable | None, quota: int | None = None):
         self.root = store
         self.tokens = tokens
-        self.scopes = {t: store.scoped(t) for t in tokens.tenants} if tokens else {}
+        self.scopes: dict[str, Store] = dict(open_tenants(store, tokens.tenants, quota)) if tokens else {}
 
     def stores(self) -> list[Store]:
         return [self.root, *self.scopes.values()]
 
-    def resolve(self, credentials: HTTPAuthorizationCredentials | None) -> Store:
-        if self.tokens is None:
-            return self.root
-        if credentials is None:
-            raise HTTPException(401, "missing bearer token (Authorization: Bearer <token>)",
-                                headers={"WWW-Authenticate": "Bearer"})
-        tenant = self.tokens.tenant_for(credentials.credentials)
-        if tenant is None:
-            raise HTTPException(403, "token not recognised")
-        return self.scopes[tenant]
+    def store_for(self, tenant: str) -> Store:
+        """The store of a tenant the gate authenticated ("": no tokens, the root)."""
+        return self.scopes[tenant] if self.tokens is not None else self.root
 
 
-async def read_body(request: Request, limit: int, into: memoryview | None = None,
-                    ) -> memoryview:
-    """The whole request body in one buffer; 413 before reading anything past `limit`.
-    With a Content-Length the body lands in `into` (when it holds it) or a buffer of that
-    size; without one it grows a bytearray."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not (declared.isascii() and declared.isdigit()):
-            raise HTTPException(400, f"bad Content-Length {declared!r}")
-        size = int(declared)
-        if size > limit:
-            raise HTTPException(413, f"chunk of {size} bytes exceeds the limit of {limit} bytes")
-        buf = into[:size] if into is not None and into.nbytes >= size else memoryview(bytearray(size))
-        pos = 0
-        async for part in request.stream():
-            end = pos + len(part)
-            if end > size:
-                raise HTTPException(400, "body is longer than its Content-Length")
-            buf[pos:end] = part
-            pos = end
-        if pos != size:
-            raise HTTPException(400, f"body ended after {pos} of {size} bytes")
-        return buf
-    buf = bytearray()
-    async for part in request.stream():
-        if len(buf) + len(part) > limit:
-            raise HTTPException(413, f"chunk exceeds the limit of {limit} bytes")
-        buf += part
-    return memoryview(buf)
-
-
-class _InflightBytes:
-    """PUT body bytes this process holds right now (one event loop: no lock needed)."""
-
-    bytes = 0
+def lookup_body_limit(max_keys: int) -> int:
+    # A key is 49 chars; quoted, with a comma and some spacing, 64 bytes is ample.
+    return 1024 + 64 * max_keys
 
 
 def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     """The kvserver ASGI app over `config.store_urls` (or an already opened `store`)."""
     store = store if store is not None else open_store(list(config.store_urls))
     tokens = TokenTable.from_file(config.tokens_file) if config.tokens_file else None
-    tenancy = Tenancy(store, tokens)
+    tenancy = Tenancy(store, tokens, config.tenant_quota)
     metrics = ServerMetrics(tenancy.stores)
     bodies = BufferPool(max_bytes=config.max_chunk_bytes)  # GET bodies, see kvserver.bodies
     put_bodies = BufferPool(max_bytes=config.max_chunk_bytes)  # and PUT bodies
+    # With several tenants, one tenant's bodies hold at most half the budget.
+    per_tenant = config.max_inflight_bytes // 2 if len(tenancy.scopes) > 1 else config.max_inflight_bytes
+    if per_tenant < config.max_chunk_bytes:
+        raise ConfigError(
+            f"--max-inflight-bytes ({config.max_inflight_bytes}) leaves {per_tenant} bytes per "
+            f"tenant, less than one --max-chunk-bytes ({config.max_chunk_bytes}) chunk: raise it "
+            "to at least " + ("twice " if len(tenancy.scopes) > 1 else "") + "--max-chunk-bytes")
+    budget = BodyBudget(config.max_inflight_bytes, per_tenant)
+
+    async def trim_pools() -> None:
+        while True:
+            await asyncio.sleep(bodies.idle_s / 2)
+            bodies.trim()
+            put_bodies.trim()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        yield
-        for s in tenancy.stores():
-            await s.close()
+        trimmer = asyncio.create_task(trim_pools())
+        try:
+            yield
+        finally:
+            trimmer.cancel()
+            for s in tenancy.stores():
+                await s.close()
 
     app = FastAPI(
         title="kvstash kvserver",
@@ -206,10 +221,11 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
 
         Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer)]
 
-        # async: FastAPI runs a plain `def` dependency in a worker thread, which costs a
-        # thread hop on every request.
-        async def tenant_store(credentials: Credentials) -> Store:
-            return tenancy.resolve(credentials)
+        # The gate (kvserver.gate) has checked the token before any route ran; the bearer
+        # dependency documents it in the OpenAPI document. async: FastAPI runs a plain
+        # `def` dependency in a worker thread, which costs a thread hop on every request.
+        async def tenant_store(request: Request, credentials: Credentials) -> Store:
+            return tenancy.store_for(request.scope[TENANT_SCOPE_KEY])
     else:
 
         async def tenant_store() -> Store:
@@ -224,9 +240,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": "invalid request"}
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        return _error(400, f"{where}: {first.get('msg')}" if where else str(first.get("msg")))
+        return _error(400, _first_error(exc.errors()))
 
     @app.exception_handler(InvalidKey)
     @app.exception_handler(InvalidChunk)
@@ -248,7 +262,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
 
     chunk_path = "/v1/chunks/{ns_id}/{digest}"
     limit = config.max_chunk_bytes
-    inflight = _InflightBytes()
+    deadlines = {"stall_s": config.body_stall_timeout_s, "total_s": config.body_timeout_s}
 
     @app.put(
         chunk_path, status_code=201, response_model=PutResult, tags=["chunks"],
@@ -262,34 +276,28 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         ctype = request.headers.get("content-type", OCTETS).split(";")[0].strip().lower()
         if ctype != OCTETS:
             raise HTTPException(415, f"chunk bodies are {OCTETS}, not {ctype!r}")
-        declared = request.headers.get("content-length", "")
-        known = declared.isascii() and declared.isdigit()
-        reserve = min(int(declared) if known else limit, limit)
-        if inflight.bytes + reserve > config.max_inflight_bytes:
-            raise HTTPException(503, "too many uploads in progress, retry shortly",
-                                headers={"Retry-After": "1"})
-        inflight.bytes += reserve
-        # A pooled huge-page buffer (kvserver.bodies): fresh memory per body costs more
-        # than the copy on a VM. Stores do not keep `body` past `put` (the Store contract).
-        buf, release = put_bodies.borrow(reserve) if known else (None, lambda reuse: None)
+        charge = BodyCharge(budget, request.scope[TENANT_SCOPE_KEY])
+        release: Any = _keep
         reuse = True
+
+        def pooled(size: int) -> memoryview:
+            # A pooled huge-page buffer (kvserver.bodies), taken once the first byte is in:
+            # fresh memory per body costs more than the copy on a VM. Stores do not keep
+            # `body` past `put` (the Store contract).
+            nonlocal release
+            buf, release = put_bodies.borrow(size)
+            return buf[:size]
+
         try:
-            try:
-                body = await asyncio.wait_for(read_body(request, limit, buf),
-                                              config.body_timeout_s)
-            except ClientDisconnect:
-                raise HTTPException(400, "client disconnected before the body ended") from None
-            except TimeoutError:
-                raise HTTPException(
-                    408, f"body not received within {config.body_timeout_s:g}s"
-                ) from None
+            body = await read_body(request, limit, charge, what="chunk", buffer=pooled,
+                                   **deadlines)
             created = await s.put(f"{ns_id}/{digest}", body)
         except asyncio.CancelledError:
             reuse = False  # a store thread may still be reading the body: never lend it again
             raise
         finally:
             release(reuse)
-            inflight.bytes -= reserve
+            charge.release()
         if created:
             metrics.bytes_in.inc(body.nbytes)
         return JSONResponse({"created": created}, status_code=201 if created else 200)
@@ -336,9 +344,9 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
                 try:
                     start, stop = parse_range(range_, total)
                 except ValueError as exc:
-                    raise HTTPException(400, str(exc)) from None
+                    raise HTTPException(400, str(exc)) from exc
                 except LookupError as exc:
-                    raise HTTPException(416, str(exc), headers={"content-range": f"bytes */{total}"}) from None
+                    raise HTTPException(416, str(exc), headers={"content-range": f"bytes */{total}"}) from exc
                 headers["content-range"] = f"bytes {start}-{stop - 1}/{total}"
                 status = 206
             else:
@@ -380,12 +388,23 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             raise HTTPException(404, "chunk not found")
         return Response(status_code=204)
 
+    lookup_limit = lookup_body_limit(config.max_lookup_keys)
+
     @app.post(
         "/v1/lookup", response_model=LookupResult, tags=["chunks"],
         summary="Batched presence: prefix_len and a bitmap for up to max-lookup-keys keys",
-        responses=_errors(400, 413, *auth_errors),
+        responses=_errors(400, 408, 413, 503, *auth_errors),
+        openapi_extra={"requestBody": {"required": True, "content": {
+            "application/json": {"schema": LookupRequest.model_json_schema()}}}},
     )
-    async def lookup(req: LookupRequest, s: TenantStore) -> Any:
+    async def lookup(request: Request, s: TenantStore) -> Any:
+        # Read here, not by FastAPI: bounded in size and time, after the gate's token check.
+        charge = BodyCharge(budget, request.scope[TENANT_SCOPE_KEY])
+        try:
+            req = _parse_lookup(await read_body(request, lookup_limit, charge,
+                                                what="lookup body", **deadlines))
+        finally:
+            charge.release()
         n = len(req.keys)
         if n > config.max_lookup_keys:
             raise HTTPException(413, f"{n} keys exceed the lookup limit of {config.max_lookup_keys}")
@@ -428,20 +447,36 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         return {"status": "ok"}
 
     @app.get("/readyz", tags=["service"], response_model=Health, responses=_errors(503),
-             summary="The backend answers a presence check in time")
+             summary="The backend can serve: root present and writable, disk not full, "
+                     "no circuit breaker open, a presence check answered in time")
     async def readyz() -> Any:
         try:
-            await asyncio.wait_for(store.exists([READY_PROBE_KEY]), config.ready_timeout_s)
-        except TimeoutError:
-            raise HTTPException(503, f"backend did not answer within {config.ready_timeout_s}s") from None
+            async with asyncio.timeout(config.ready_timeout_s):
+                why = await store.health() or _breaker_open(store.stats())
+                if why is None:
+                    # A store answers "absent" when it cannot reach its backend, and
+                    # counts the failure: a probe that added errors did not get through.
+                    errors = _error_count(store.stats())
+                    await store.exists([READY_PROBE_KEY])
+                    if _error_count(store.stats()) > errors:
+                        why = "the backend's presence check failed"
+        except TimeoutError as exc:
+            raise HTTPException(503, f"backend did not answer within {config.ready_timeout_s}s") from exc
+        if why is not None:
+            raise HTTPException(503, why)
         return {"status": "ready"}
 
     @app.get("/metrics", tags=["service"], response_class=Response,
              summary="Prometheus metrics",
              responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus() -> Response:
+        metrics.body_bytes_held.set(budget.held)
+        pooled = [bodies.stats(), put_bodies.stats()]
+        metrics.pool_lent.set(sum(p["lent"] for p in pooled))
+        metrics.pool_free_bytes.set(sum(p["free_bytes"] for p in pooled))
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
+    app.add_middleware(RequestGate, tokens=tokens)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
 
@@ -449,4 +484,6 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
 def app_from_env() -> FastAPI:
     """The app of one `--workers` process: the parent's config arrives as JSON in the
     environment (uvicorn starts workers by importing this factory)."""
-    return create_app(ServerConfig.from_json(os.environ[CONFIG_ENV]))
+    config = ServerConfig.from_json(os.environ[CONFIG_ENV])
+    configure_protocol(config.send_timeout_s)
+    return create_app(config)

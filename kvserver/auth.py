@@ -1,13 +1,18 @@
 """Bearer tokens -> tenants, loaded from a tokens file and compared in constant time.
 
-Tokens file: one `TENANT TOKEN` pair per line; blank lines and `#` comments are ignored.
-Several tokens may share a tenant (rotation). A token must be at least 16 characters.
+Tokens file: one `TENANT TOKEN` pair per line; blank lines and lines starting with `#` are
+ignored, and so is a trailing comment that is a separate word (`alice TOKEN  # rotated`); a
+`#` inside a token is part of the token. Several tokens may share a tenant (rotation). A
+token must be at least 16 characters. The file must be private to the server's user (no
+group or other permission bits), as it holds every tenant's credentials.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import os
+import stat
 from pathlib import Path
 
 from storage.base import check_tenant
@@ -33,7 +38,7 @@ class TokenTable:
             try:
                 check_tenant(tenant)
             except ValueError as exc:
-                raise ConfigError(str(exc)) from None
+                raise ConfigError(str(exc)) from exc
             if len(token) < MIN_TOKEN_CHARS:
                 raise ConfigError(f"token for tenant {tenant!r} is shorter than {MIN_TOKEN_CHARS} chars")
             d = _digest(token)
@@ -45,17 +50,29 @@ class TokenTable:
     @classmethod
     def from_file(cls, path: str | Path) -> TokenTable:
         try:
-            text = Path(path).read_text()
+            with open(path, "rb") as f:
+                mode = os.fstat(f.fileno()).st_mode
+                raw = f.read()
         except OSError as exc:
-            raise ConfigError(f"cannot read tokens file {path}: {exc.strerror}") from None
+            raise ConfigError(f"cannot read tokens file {path}: {exc.strerror}") from exc
+        if mode & 0o077:
+            raise ConfigError(
+                f"tokens file {path} is open to group or others (mode "
+                f"{stat.S_IMODE(mode):04o}): run `chmod 600 {path}`")
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"tokens file {path} is not UTF-8 text") from exc
         pairs = []
         for n, line in enumerate(text.splitlines(), 1):
-            line = line.split("#", 1)[0].strip()
-            if not line:
-                continue
             parts = line.split()
+            if not parts or parts[0].startswith("#"):
+                continue
+            if len(parts) > 2 and parts[2].startswith("#"):
+                parts = parts[:2]
             if len(parts) != 2:
-                raise ConfigError(f"{path}:{n}: expected `TENANT TOKEN`")
+                raise ConfigError(f"{path}:{n}: expected `TENANT TOKEN` (a comment is a "
+                                  "whole line or a separate word starting with `#`)")
             pairs.append((parts[0], parts[1]))
         return cls(pairs)
 

@@ -9,7 +9,9 @@ under uvicorn's flow control, so only the part the socket refuses is ever copied
 buffer goes back to the pool once the last slice is sent or the client is gone.
 
 The pool never makes a request wait: when every buffer is lent (more GETs in flight than
-`max_buffers`, say slow readers), a GET falls back to a buffer of its own.
+`max_buffers`, say slow readers), a GET falls back to a buffer of its own. It shrinks
+back after a peak: a free buffer unused for `idle_s` is dropped (unmapped), at the next
+borrow or by `trim()`, which the server runs periodically.
 
 A chunk file the store can vouch for without reading it (`Store.open_blob`) skips the
 buffer altogether: `FileBodyResponse` hands the open file to the server's zero-copy send
@@ -19,6 +21,7 @@ buffer altogether: `FileBodyResponse` hands the open file to the server's zero-c
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -29,17 +32,22 @@ from storage.base import BlobFile
 from storage.buffers import host_buffer
 
 PIECE = 1 << 20
+# A free pooled buffer unused this long is dropped.
+POOL_IDLE_S = 30.0
 
 
 class BufferPool:
     """At most `max_buffers` host buffers, lent one per GET and reused."""
 
-    def __init__(self, max_buffers: int = 8, max_bytes: int = 1 << 30):
+    def __init__(self, max_buffers: int = 8, max_bytes: int = 1 << 30,
+                 idle_s: float = POOL_IDLE_S):
         self.max_buffers = max_buffers
         self.max_bytes = max_bytes
+        self.idle_s = idle_s
         # The largest body seen so far (up to max_bytes): what a lent buffer is grown to.
         self.hint = 0
         self._free: list[memoryview] = []
+        self._freed_at: list[float] = []  # when each free buffer came back
         self._lent = 0
         self._lock = threading.Lock()
 
@@ -47,8 +55,11 @@ class BufferPool:
         """A buffer of at least `size` bytes and the call that gives it back
         (`give_back(reuse=False)`: the buffer may still be in use, never lend it again)."""
         with self._lock:
+            self._trim(time.monotonic())
             if self._free or self._lent < self.max_buffers:
                 buf = self._free.pop() if self._free else None
+                if buf is not None:
+                    self._freed_at.pop()
                 self._lent += 1
                 pooled = True
             else:
@@ -67,7 +78,20 @@ class BufferPool:
                     self._lent -= 1
                     if reuse:
                         self._free.append(buf)
+                        self._freed_at.append(time.monotonic())
         return buf, give_back
+
+    def trim(self, now: float | None = None) -> None:
+        """Drop the free buffers unused for `idle_s` (as of `now`, default the clock)."""
+        with self._lock:
+            self._trim(time.monotonic() if now is None else now)
+
+    def _trim(self, now: float) -> None:
+        # Buffers come back in time order, so the idle ones are at the front.
+        keep = next((i for i, t in enumerate(self._freed_at) if now - t < self.idle_s),
+                    len(self._freed_at))
+        if keep:
+            del self._free[:keep], self._freed_at[:keep]
 
     def saw(self, nbytes: int) -> None:
         self.hint = min(max(self.hint, nbytes), self.max_bytes)

@@ -21,11 +21,13 @@ from urllib.parse import quote
 
 from kvserver.config import (
     CONFIG_ENV,
+    DEFAULT_BODY_STALL_TIMEOUT_S,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_INFLIGHT_BYTES,
     DEFAULT_MAX_LOOKUP_KEYS,
     DEFAULT_PORT,
+    DEFAULT_SEND_TIMEOUT_S,
     ServerConfig,
     default_store_url,
 )
@@ -51,16 +53,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "host: faster than loopback TCP")
     p.add_argument("--auth-tokens", metavar="FILE", type=Path,
                    help="`TENANT TOKEN` lines; each token gets its tenant's private key space")
+    p.add_argument("--tenant-quota", type=parse_size, metavar="SIZE",
+                   help="most bytes one tenant may hold (its least recently used chunks go "
+                        "past it); the store's capacity is shared by all tenants")
     p.add_argument("--max-chunk-bytes", type=parse_size, default=DEFAULT_MAX_CHUNK_BYTES,
                    metavar="SIZE", help="largest accepted chunk body (default 1GiB)")
     p.add_argument("--max-lookup-keys", type=int, default=DEFAULT_MAX_LOOKUP_KEYS,
                    metavar="N", help=f"most keys in one lookup (default {DEFAULT_MAX_LOOKUP_KEYS})")
     p.add_argument("--max-inflight-bytes", type=parse_size, default=DEFAULT_MAX_INFLIGHT_BYTES,
-                   metavar="SIZE", help="PUT bodies held at once per process; beyond it 503 "
-                                        "(default 4GiB)")
+                   metavar="SIZE", help="request body bytes held at once per process, counted "
+                                        "as they arrive; beyond it 503 (default 4GiB)")
     p.add_argument("--body-timeout", type=parse_seconds, default=DEFAULT_BODY_TIMEOUT_S,
                    metavar="SECONDS", help="a PUT body must arrive within this time, else 408 "
                                            f"(default {DEFAULT_BODY_TIMEOUT_S:g}s)")
+    p.add_argument("--body-stall-timeout", type=parse_seconds,
+                   default=DEFAULT_BODY_STALL_TIMEOUT_S, metavar="SECONDS",
+                   help="a body that sends nothing for this long (its first byte included) "
+                        f"gets 408 (default {DEFAULT_BODY_STALL_TIMEOUT_S:g}s)")
+    p.add_argument("--send-timeout", type=parse_seconds, default=DEFAULT_SEND_TIMEOUT_S,
+                   metavar="SECONDS", help="a client that takes no response bytes for this "
+                   f"long is disconnected (default {DEFAULT_SEND_TIMEOUT_S:g}s)")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="server processes sharing the port (default 1); needs a shared "
                         "backend (file://, s3://): a memory:// tier would be per process")
@@ -78,6 +90,9 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_lookup_keys=args.max_lookup_keys,
         body_timeout_s=args.body_timeout,
         max_inflight_bytes=args.max_inflight_bytes,
+        body_stall_timeout_s=args.body_stall_timeout,
+        send_timeout_s=args.send_timeout,
+        tenant_quota=getattr(args, "tenant_quota", None),
     )
 
 
@@ -91,7 +106,7 @@ def _listening(sock: socket.socket, address: Any, where: str,
             after_bind()
     except OSError as exc:
         sock.close()
-        raise OSError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+        raise OSError(f"cannot listen on {where}: {exc.strerror or exc}") from exc
     sock.listen(2048)
     sock.set_inheritable(True)
     return sock
@@ -139,7 +154,7 @@ def run(args: argparse.Namespace) -> int:
     from uvicorn.supervisors import Multiprocess
 
     from kvserver.app import create_app
-    from kvserver.protocol import BoundedHeadProtocol
+    from kvserver.protocol import BoundedHeadProtocol, configure
 
     config = config_from_args(args)
     workers = args.workers
@@ -148,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
     if workers > 1 and any(StoreURL(u).scheme == "memory" for u in config.store_urls):
         raise ConfigError("--workers > 1 needs shared stores: each process would have its own "
                           "memory:// tier")
+    if config.tenant_quota is not None and config.tokens_file is None:
+        raise ConfigError("--tenant-quota needs --auth-tokens (tenants come from tokens)")
     if (args.tls_cert is None) != (args.tls_key is None):
         raise ConfigError("give both --tls-cert and --tls-key, or neither")
     for path in (args.tls_cert, args.tls_key):
@@ -155,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"TLS file {path} does not exist")
     # Built here even with workers: bad stores or tokens fail now, in one line.
     app = create_app(config)
+    configure(config.send_timeout_s)
     sock = bind(args.host, args.port)
     sockets = [sock]
     unix_path = getattr(args, "unix_socket", None)

@@ -17,9 +17,14 @@ DEFAULT_MAX_LOOKUP_KEYS = 65536
 # and its preallocated buffer forever; 60 s moves the largest default chunk (1 GiB) at
 # 18 MB/s.
 DEFAULT_BODY_TIMEOUT_S = 60.0
+# A body (PUT or lookup) that sends nothing for this long, its first byte included, gets
+# 408: a connection that announces a body and then stalls holds nothing for long.
+DEFAULT_BODY_STALL_TIMEOUT_S = 10.0
+# A response whose client takes no bytes for this long is dropped (its buffer freed).
+DEFAULT_SEND_TIMEOUT_S = 60.0
 DEFAULT_STORE_CAPACITY = "8GiB"
-# PUT bodies held at once (per process): beyond it a PUT gets 503 + Retry-After instead of
-# growing the server's memory without bound under a burst of large uploads.
+# Request body bytes held at once (per process, counted as they arrive): a body that does
+# not fit gets 503 + Retry-After instead of growing the server's memory without bound.
 DEFAULT_MAX_INFLIGHT_BYTES = 4 * 1024**3
 # Worker processes (`--workers N`) receive the parent's ServerConfig through this variable.
 CONFIG_ENV = "KVSTASH_SERVE_CONFIG"
@@ -41,6 +46,10 @@ class ServerConfig:
     max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
+    body_stall_timeout_s: float = DEFAULT_BODY_STALL_TIMEOUT_S
+    send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
+    # Most bytes one tenant may hold (None: only the backend's shared capacity).
+    tenant_quota: int | None = None
     # Readiness answers 503 when one presence check takes longer than this.
     ready_timeout_s: float = 2.0
 

@@ -50,11 +50,19 @@ class ServerMetrics:
                               registry=r)
         self.chunks = Gauge("kvstash_store_chunks", "chunks held by the store (all tenants)",
                             registry=r)
+        self.body_bytes_held = Gauge(
+            "kvstash_body_bytes_held", "request body bytes received and held right now "
+            "(charged against --max-inflight-bytes)", registry=r)
+        self.pool_lent = Gauge("kvstash_body_buffers_lent",
+                               "pooled body buffers lent to requests right now", registry=r)
+        self.pool_free_bytes = Gauge(
+            "kvstash_body_buffers_free_bytes", "bytes of pooled body buffers kept for reuse "
+            "(dropped after 30 s unused)", registry=r)
 
     def render(self) -> bytes:
         used = capacity = chunks = 0
         for i, store in enumerate(self._stores()):
-            for s in _leaf_stats(store.stats()):
+            for s in leaf_stats(store.stats()):
                 used += s.get("used_bytes") or 0
                 chunks += s.get("chunks") or 0
                 if i == 0:  # the root store; tenant scopes share its configured capacity
@@ -95,8 +103,8 @@ class MetricsMiddleware:
             self.metrics.requests.labels(method, route, str(status)).inc()
 
 
-def _leaf_stats(stats: dict[str, Any]) -> list[dict[str, Any]]:
+def leaf_stats(stats: dict[str, Any]) -> list[dict[str, Any]]:
     tiers = stats.get("tiers")
     if not tiers:
         return [stats]
-    return [leaf for t in tiers for leaf in _leaf_stats(t)]
+    return [leaf for t in tiers for leaf in leaf_stats(t)]

@@ -16,6 +16,10 @@ chunk file and the client receives its descriptor (SCM_RIGHTS) with the body's o
 and reads the file itself (kvserver/sendfile.py `pass_fd`; the client side is
 storage/http.py).
 
+Every response has a stall deadline: a body message (or a sendfile, or a descriptor
+hand-over) that the client does not take within `send_timeout_s` aborts the connection, so
+a client that never reads cannot pin a chunk's buffer in the server (`--send-timeout`).
+
 Unix-socket connections get a larger send buffer: a Unix stream socket's sender may have
 at most its send buffer in flight, and the 208 KiB default makes a 16 MiB body some 80
 round trips between the server's sendfile and the client's receive.
@@ -32,7 +36,7 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvserver.sendfile import NoSendfile, PeerGone, pass_fd, sendfile_to
+from kvserver.sendfile import STALL_TIMEOUT_S, NoSendfile, PeerGone, pass_fd, sendfile_to
 from storage.file import read_at
 from storage.http import UNIX_SNDBUF
 
@@ -56,10 +60,18 @@ def _refusal(status: int, reason: str, message: str) -> bytes:
     return head.encode("ascii") + body
 
 
+def configure(send_timeout_s: float) -> None:
+    """Set the response stall deadline of every connection this process serves (the
+    protocol class is named in uvicorn's config, so workers get it by import)."""
+    BoundedHeadProtocol.send_timeout_s = send_timeout_s
+
+
 class BoundedHeadProtocol(HttpToolsProtocol):
     """HttpToolsProtocol that answers 431 past MAX_HEAD_BYTES of unfinished head and 408
-    when a head is not complete within HEAD_TIMEOUT_S, then closes the connection."""
+    when a head is not complete within HEAD_TIMEOUT_S, then closes the connection; and
+    aborts a connection whose client takes no response bytes for `send_timeout_s`."""
 
+    send_timeout_s = STALL_TIMEOUT_S
     _in_head = False
     _head_bytes = 0
     _feeding = 0  # size of the packet being parsed (a head may begin inside it)
@@ -106,9 +118,8 @@ class BoundedHeadProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def _start_asgi_task(self, cycle: Any, app: Any) -> None:
-        if self._zerocopy:
-            app = _with_zerocopy(app, cycle)
-        super()._start_asgi_task(cycle, app)
+        super()._start_asgi_task(cycle, _with_send_deadline(app, cycle, self._zerocopy,
+                                                            self.send_timeout_s))
 
     def _begin_head(self, already: int = 0) -> None:
         self._in_head = True
@@ -134,18 +145,38 @@ class BoundedHeadProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def _with_zerocopy(app: Any, cycle: Any) -> Any:
-    """`app` with a `send` that carries out zerocopysend messages for this request."""
-    async def app_with_zerocopy(scope: Any, receive: Any, send: Any) -> None:
-        async def send_or_sendfile(message: Any) -> None:
-            if message["type"] == ZEROCOPY:
-                await _send_file(cycle, send, message)
-            elif message["type"] == FDPASS_MESSAGE:
-                await _send_fd(cycle, send, message)
+def _with_send_deadline(app: Any, cycle: Any, zerocopy: bool, timeout: float) -> Any:
+    """`app` with a `send` that aborts the connection when a message waits more than
+    `timeout` for the client to take bytes, and that carries out zerocopysend and fdpass
+    messages (offered only where `zerocopy`)."""
+    async def app_with_deadline(scope: Any, receive: Any, send: Any) -> None:
+        async def timed_send(message: Any) -> None:
+            try:
+                async with asyncio.timeout(timeout):
+                    await send(message)
+            except TimeoutError:
+                log.info("client took no response bytes for %gs: connection dropped", timeout)
+                _drop(cycle)
+
+        async def send_within_deadline(message: Any) -> None:
+            if zerocopy and message["type"] == ZEROCOPY:
+                await _send_file(cycle, timed_send, message, timeout)
+            elif zerocopy and message["type"] == FDPASS_MESSAGE:
+                await _send_fd(cycle, timed_send, message, timeout)
             else:
-                await send(message)
-        await app(scope, receive, send_or_sendfile)
-    return app_with_zerocopy
+                await timed_send(message)
+        await app(scope, receive, send_within_deadline)
+    return app_with_deadline
+
+
+def _drop(cycle: Any) -> None:
+    """Abort the request's connection: later messages of its response are dropped (as
+    uvicorn drops a gone client's) and its buffers are freed now, not when the client
+    reads."""
+    transport = getattr(cycle, "transport", None)
+    if transport is not None:
+        transport.abort()
+    cycle.disconnected = True
 
 
 # uvicorn's per-request state that the zero-copy send reads (and the byte count it keeps).
@@ -153,7 +184,7 @@ _CYCLE_STATE = ("disconnected", "response_started", "response_complete", "chunke
                 "expected_content_length", "transport", "scope")
 
 
-async def _send_file(cycle: Any, send: Any, message: Any) -> None:
+async def _send_file(cycle: Any, send: Any, message: Any, timeout: float) -> None:
     """One zerocopysend message: the file's bytes as (part of) the body under the
     response's Content-Length; then an empty body message ends it or keeps it open."""
     if not all(hasattr(cycle, name) for name in _CYCLE_STATE):
@@ -169,7 +200,7 @@ async def _send_file(cycle: Any, send: Any, message: Any) -> None:
         if cycle.chunked_encoding or count > cycle.expected_content_length:
             raise RuntimeError("zerocopysend needs a Content-Length that covers the file")
         try:
-            sent = await sendfile_to(cycle.transport, fd, offset, count)
+            sent = await sendfile_to(cycle.transport, fd, offset, count, timeout)
         except NoSendfile:
             await _send_read(send, message)
             return
@@ -188,7 +219,7 @@ async def _send_file(cycle: Any, send: Any, message: Any) -> None:
     await send({"type": "http.response.body", "body": b"", "more_body": message.get("more_body", False)})
 
 
-async def _send_fd(cycle: Any, send: Any, message: Any) -> None:
+async def _send_fd(cycle: Any, send: Any, message: Any, timeout: float) -> None:
     """One kvstash.response.fd message: the body's single byte goes out with the file's
     descriptor attached (SCM_RIGHTS), and the response ends."""
     if not all(hasattr(cycle, name) for name in _CYCLE_STATE):
@@ -199,7 +230,7 @@ async def _send_fd(cycle: Any, send: Any, message: Any) -> None:
         raise RuntimeError(f"{FDPASS_MESSAGE!r} must be the whole body of a 1-byte response")
     if cycle.scope["method"] != "HEAD":
         try:
-            await pass_fd(cycle.transport, message["file"].fileno())
+            await pass_fd(cycle.transport, message["file"].fileno(), timeout)
         except (PeerGone, TimeoutError, OSError) as exc:
             log.debug("passing a descriptor failed: %s", exc)
             cycle.transport.abort()

@@ -65,9 +65,9 @@ def _send_some(sock_fd: int, file_fd: int, offset: int, count: int,
             continue
         except OSError as exc:
             if exc.errno in _GONE:
-                raise PeerGone(str(exc)) from None
+                raise PeerGone(str(exc)) from exc
             if exc.errno in _UNSUPPORTED and offset + sent == start:
-                raise NoSendfile(str(exc)) from None
+                raise NoSendfile(str(exc)) from exc
             raise
         if n == 0:  # the file is shorter than promised
             return sent, False
@@ -157,7 +157,7 @@ async def pass_fd(transport: Any, file_fd: int, timeout: float = STALL_TIMEOUT_S
                 pass
             except OSError as exc:
                 if exc.errno in _GONE:
-                    raise PeerGone(str(exc)) from None
+                    raise PeerGone(str(exc)) from exc
                 raise
             await _writable(loop, sock.fileno(), timeout)
     finally:

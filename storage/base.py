@@ -230,8 +230,24 @@ class Store(ABC):
         """Every stored key (order unspecified)."""
 
     def scoped(self, tenant: str) -> Store:
-        """A store over the same backend whose keys are invisible to every other scope."""
+        """A store over the same backend whose keys are invisible to every other scope (the
+        backend's layout of a tenant; capacity shared between scopes, quotas and eviction
+        across tenants are storage.tenancy's)."""
         raise NotImplementedError(f"{type(self).__name__} does not support tenant scopes")
+
+    def used_bytes(self) -> int:
+        """Bytes this store holds, as far as it keeps count (0 when it does not)."""
+        return int(self.stats().get("used_bytes") or 0)
+
+    async def evict_to(self, used_bytes: int) -> int:
+        """Evict least-recently-used chunks until this store holds at most `used_bytes`;
+        the bytes freed. A store without an index of its own chunks frees nothing."""
+        return 0
+
+    async def health(self) -> str | None:
+        """Why this store cannot serve right now (its root gone or read-only, its disk
+        full), or None. Checked by readiness probes, never on the hot path."""
+        return None
 
     def _count_get(self, size: int | None) -> None:
         """Count one read: a miss (None) or a hit of `size` bytes."""

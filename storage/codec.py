@@ -106,7 +106,10 @@ def encode_header(key: str, token_ids: Any, payload: Any, meta: dict | None = No
         raise ChunkError(f"malformed key {key!r}")
     tokens = token_array(token_ids)
     view = memoryview(payload).cast("B")
-    meta_bytes = json.dumps(meta or {}, sort_keys=True, separators=(",", ":")).encode()
+    try:
+        meta_bytes = json.dumps(meta or {}, sort_keys=True, separators=(",", ":")).encode()
+    except RecursionError as exc:
+        raise ChunkError("meta is nested too deeply") from exc
     kb = key.encode("ascii")
     hlen = header_size_for(len(tokens), len(meta_bytes), len(kb))
     if hlen > MAX_HEADER_SIZE:
@@ -162,6 +165,9 @@ def decode_header(data: Any, key: str | None = None) -> ChunkHeader:
         meta = json.loads(bytes(view[pos + klen + 4 * ntok : pos + klen + 4 * ntok + mlen]))
     except (UnicodeDecodeError, ValueError) as exc:
         raise ChunkError(f"unreadable header fields: {exc}") from exc
+    except RecursionError as exc:
+        # The header checksum covers the meta, so only a forged header gets here.
+        raise ChunkError("unreadable header fields: meta is nested too deeply") from exc
     if flags != 0 or not isinstance(meta, dict):
         raise ChunkError("unsupported header flags or meta")
     if key is not None and got_key != key:

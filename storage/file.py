@@ -77,6 +77,8 @@ SUFFIX = ".kv"
 TMP_MARK = ".tmp."
 QUARANTINE = ".quarantine"
 TENANTS = "tenants"
+# Below this much free space the disk counts as full for readiness (storage.base.health).
+MIN_FREE_BYTES = 1 << 20
 _MISS_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _ATIME_REFRESH_S = 60.0
@@ -830,6 +832,29 @@ class FileStore(Store):
         else:
             self._forget(key)
         self._count_get(size)
+
+    async def evict_to(self, used_bytes: int) -> int:
+        with self._lock:
+            before = self._used
+        await asyncio.to_thread(self._evict_to, used_bytes)
+        with self._lock:
+            return max(before - self._used, 0)
+
+    async def health(self) -> str | None:
+        return await asyncio.to_thread(self._health_sync)
+
+    def _health_sync(self) -> str | None:
+        try:
+            if not self.root.is_dir():
+                return f"store root {self.root} is missing or not a directory"
+            vfs = os.statvfs(self.root)
+        except OSError as exc:
+            return f"store root {self.root} cannot be checked: {exc.strerror}"
+        if vfs.f_flag & os.ST_RDONLY or not os.access(self.root, os.W_OK):
+            return f"store root {self.root} is read-only"
+        if vfs.f_bavail * vfs.f_frsize < MIN_FREE_BYTES:
+            return f"disk of {self.root} is full ({vfs.f_bavail * vfs.f_frsize} bytes free)"
+        return None
 
     def scoped(self, tenant: str) -> FileStore:
         check_tenant(tenant)

@@ -118,6 +118,16 @@ class MemoryStore(Store):
         for k in keys:
             yield k
 
+    async def evict_to(self, used_bytes: int) -> int:
+        freed = 0
+        with self._lock:
+            while self._used > used_bytes and self._data:
+                _, old = self._data.popitem(last=False)
+                self._used -= len(old)
+                freed += len(old)
+                self.counters["evictions"] += 1
+        return freed
+
     def scoped(self, tenant: str) -> MemoryStore:
         check_tenant(tenant)
         with self._lock:

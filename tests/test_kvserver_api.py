@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import socket
+import time
 from pathlib import Path
 
 import httpx
@@ -219,8 +220,17 @@ def test_a_body_slower_than_the_body_timeout_gets_408(ns):
         assert httpx.get(f"{server.url}/v1/chunks/{key}").status_code == 404
 
 
-def test_uploads_past_the_inflight_budget_get_503_until_one_finishes(ns):
-    (k1, _, b1), (k2, _, b2) = make_chunks(ns, 2, payload_size=40_000)
+def body_bytes_held(url: str) -> float:
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith("kvstash_body_bytes_held "):
+            return float(line.split()[1])
+    raise AssertionError("no kvstash_body_bytes_held in /metrics")
+
+
+def test_uploads_past_the_bytes_held_get_503_until_one_finishes(ns):
+    """The budget counts bytes received, not declared: a PUT is refused only when its size
+    does not fit beside bytes other bodies really hold."""
+    (k1, _, b1), (k2, _, b2), (k3, _, b3) = make_chunks(ns, 3, payload_size=40_000)
     flags = ["--store", "memory://", "--max-chunk-bytes", "64KiB", "--max-inflight-bytes", "64KiB"]
     with running_kvserver(*flags) as server:
         host, port = server.url.removeprefix("http://").split(":")
@@ -228,15 +238,23 @@ def test_uploads_past_the_inflight_budget_get_503_until_one_finishes(ns):
         slow.sendall((f"PUT /v1/chunks/{k1} HTTP/1.1\r\nHost: x\r\nContent-Type: "
                       f"application/octet-stream\r\nContent-Length: {len(b1)}\r\n"
                       "Expect: 100-continue\r\n\r\n").encode())
-        # "100 Continue" comes once the server has reserved b1's size and waits for its body.
         assert slow.recv(65536).startswith(b"HTTP/1.1 100")
+        # Declared but not sent: holds nothing, so another upload goes through.
+        assert body_bytes_held(server.url) == 0
+        assert httpx.put(chunk_url(server.url, k3), content=b3, headers=OCTETS).status_code == 201
+        slow.sendall(b1[:30_000])
+        deadline = time.monotonic() + 30
+        while body_bytes_held(server.url) < 30_000:
+            assert time.monotonic() < deadline, "the body never arrived"
+            time.sleep(0.01)
         r = httpx.put(chunk_url(server.url, k2), content=b2, headers=OCTETS)
         assert_json_error(r, 503)
-        assert r.headers["retry-after"] == "1"
-        slow.sendall(b1)
+        assert r.headers["retry-after"] == "1" and r.headers["connection"] == "close"
+        slow.sendall(b1[30_000:])
         reply = b""
         while not reply.endswith(b"}") and (part := slow.recv(65536)):
             reply += part
         slow.close()
         assert reply.startswith(b"HTTP/1.1 201")
+        assert body_bytes_held(server.url) == 0
         assert httpx.put(chunk_url(server.url, k2), content=b2, headers=OCTETS).status_code == 201

@@ -69,6 +69,7 @@ def test_kvserver_command_is_valid_serve_flags(tmp_path):
     targets = {c["target"]: c["source"] for c in svc["configs"]}
     tokens = COMPOSE["configs"][targets[str(args.auth_tokens)]]["content"]
     (tmp_path / "tokens").write_text(tokens)
+    (tmp_path / "tokens").chmod(0o600)
     assert TokenTable.from_file(tmp_path / "tokens").tenants == ["demo"]
 
 

@@ -26,6 +26,7 @@ EXAMPLES = 15
 def api_schema(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("schema")
     (tmp / "tokens").write_text(f"fuzz {TOKEN}\n")
+    (tmp / "tokens").chmod(0o600)
     flags = ["--store", f"file://{tmp}/store", "--auth-tokens", str(tmp / "tokens"),
              "--max-chunk-bytes", "1MiB"]
     with running_kvserver(*flags) as server:

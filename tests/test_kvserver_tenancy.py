@@ -25,7 +25,8 @@ def auth(token: str) -> dict[str, str]:
 def tenant_server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tenancy")
     tokens = tmp / "tokens"
-    tokens.write_text(f"# tenant token\nalice {ALICE}\nbob {BOB}\n")
+    tokens.write_text(f"# tenant token\nalice {ALICE}\nbob {BOB}  # second tenant\n")
+    tokens.chmod(0o600)
     root = tmp / "store"
     with running_kvserver("--store", f"file://{root}", "--auth-tokens", str(tokens)) as server:
         yield server.url, root
@@ -109,6 +110,7 @@ def test_tokens_file_is_validated_at_start(tmp_path: Path):
     for text, message in cases.items():
         path = tmp_path / "tokens"
         path.write_text(text)
+        path.chmod(0o600)
         with pytest.raises(ConfigError, match=message):
             TokenTable.from_file(path)
     with pytest.raises(ConfigError, match="cannot read tokens file"):
@@ -122,3 +124,42 @@ def test_several_tokens_may_share_a_tenant(tmp_path: Path):
     assert table.tenant_for(BOB) == "bob"
     assert table.tenant_for("") is None
     assert table.tenants == ["alice", "bob"]
+
+
+@pytest.mark.parametrize("mode", [0o640, 0o604, 0o620, 0o644])
+def test_tokens_file_open_to_group_or_others_is_refused(tmp_path: Path, mode: int):
+    path = tmp_path / "tokens"
+    path.write_text(f"alice {ALICE}\n")
+    path.chmod(mode)
+    with pytest.raises(ConfigError, match=rf"open to group or others \(mode 0{mode:o}\): run `chmod 600"):
+        TokenTable.from_file(path)
+
+
+def test_world_readable_tokens_file_stops_the_server_with_one_line(tmp_path: Path):
+    path = tmp_path / "tokens"
+    path.write_text(f"alice {ALICE}\n")
+    path.chmod(0o644)
+    with pytest.raises(RuntimeError, match="exit code 2") as info:
+        with running_kvserver("--store", "memory://", "--auth-tokens", str(path)):
+            pass
+    log = str(info.value).split("its log ends with:\n", 1)[1]
+    assert log.count("\n") == 1 and "open to group or others (mode 0644)" in log
+
+
+def test_hash_inside_a_token_is_part_of_the_token(tmp_path: Path):
+    path = tmp_path / "tokens"
+    path.write_text(f"# comment line\n  # indented comment\nalice {ALICE}#tail\n"
+                    f"bob {BOB} # trailing comment, a separate word\n")
+    path.chmod(0o600)
+    table = TokenTable.from_file(path)
+    assert table.tenant_for(ALICE + "#tail") == "alice"
+    assert table.tenant_for(ALICE) is None
+    assert table.tenant_for(BOB) == "bob"
+
+
+def test_extra_words_on_a_token_line_are_an_error_naming_the_line(tmp_path: Path):
+    path = tmp_path / "tokens"
+    path.write_text(f"alice {ALICE} extra\n")
+    path.chmod(0o600)
+    with pytest.raises(ConfigError, match=r"tokens:1: expected `TENANT TOKEN`"):
+        TokenTable.from_file(path)

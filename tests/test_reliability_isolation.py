@@ -34,6 +34,7 @@ def tenant_server(tmp_path_factory: pytest.TempPathFactory):
     tmp = tmp_path_factory.mktemp("isolation")
     tokens = tmp / "tokens"
     tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
+    tokens.chmod(0o600)
     server = KvServerProcess(["--store", f"file://{tmp / 'store'}", "--auth-tokens", str(tokens),
                             "--access-log"], free_port(), tmp / "server.log", verbose=True)
     server.start()
