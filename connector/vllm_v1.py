@@ -34,8 +34,11 @@ queue, so neither the forward nor the scheduler ever waits on storage.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -49,6 +52,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -64,9 +71,12 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvstash.connector.vllm")
+# vLLM configures only the loggers under "vllm" (its format, INFO level), so this one is a
+# child of it; `_route_kvstash_warnings` sends the store-side warnings there too.
+log = logging.getLogger("vllm.kvstash")
 
 FORMAT = "vllm-v1"
 
@@ -142,6 +152,81 @@ def connector_namespace(
     )
 
 
+# kvstash's counters in vLLM's KV-connector stats, logged in vLLM's periodic "KV Transfer
+# metrics" line and exported as Prometheus counters `vllm:kvstash_<name>` (`_total`).
+COUNTERS = {
+    "lookups": "Requests whose prompt prefix was looked up in the kvstash store.",
+    "hit_tokens": "Prompt tokens the kvstash store held at lookup (whole chunks).",
+    "lookup_errors": "Lookups that failed (store unreachable or erroring): misses.",
+    "lookup_timeouts": "Lookups that outlived lookup_timeout_s: misses.",
+    "loaded_chunks": "Chunks read, verified and placed into the KV cache.",
+    "load_errors": "Chunks that were missing, corrupt or unreadable at load: recomputed.",
+    "failed_load_tokens": "Prompt tokens recomputed because a chunk failed to load.",
+    "save_queued": "Chunks handed to the write-behind queue.",
+    "saved_chunks": "Chunks written to the kvstash store.",
+    "saved_bytes": "Bytes of chunks written to the kvstash store.",
+    "save_skipped": "Chunks not written because the store already held them.",
+    "save_drops": "Chunks dropped because the write-behind queue was full.",
+    "save_errors": "Write-behind jobs that failed (their chunks become future misses).",
+}
+
+
+@dataclass
+class KvstashConnectorStats(KVConnectorStats):
+    """kvstash counters since the last report; vLLM sums them over the scheduler and the
+    workers (`aggregate`) and over its logging interval."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KvstashConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: value for name, value in sorted(self.data.items()) if value}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvstashPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per name in COUNTERS, labelled per engine like vLLM's own."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]):
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:kvstash_{name}", documentation=doc,
+                                  labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for name, doc in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if value and name in self.counters:
+                self.counters[name][engine_idx].inc(value)
+
+
+class _ToVllmLogger(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        log.handle(record)
+
+
+def _route_kvstash_warnings() -> None:
+    """Send warnings of kvstash's own loggers (store loop, write-behind) through vLLM's
+    handlers, once per process, unless the application configured "kvstash" itself."""
+    root = logging.getLogger("kvstash")
+    if not root.handlers:
+        root.addHandler(_ToVllmLogger())
+
+
 @dataclass
 class ChunkRef:
     """One chunk of one request. `block_hash` is vLLM's hash of its last block; `first`
@@ -177,6 +262,9 @@ class _Req:
     load_planned: bool = False
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0
+    loaded_tokens: int = 0  # the hit vLLM was told of (0 when nothing was loaded)
+    failed_tokens: int = 0  # of those, tokens recomputed after a failed chunk
+    saves_planned: int = 0  # chunks this process sends to the store for this request
 
 
 @dataclass
@@ -224,8 +312,12 @@ class KvstashConnector(KVConnectorBase_V1):
             connector_namespace(vllm_config, r, self.world_size, self.chunk_tokens)
             for r in range(self.world_size)
         ]
+        self.exit_flush_s = float(extra.get("exit_flush_s", 4.0))
+        self._signal_handlers: dict[int, tuple[Any, Any]] = {}
+        _route_kvstash_warnings()
         self.io = StoreLoop.shared(store)
         self.counters: dict[str, int] = {}
+        self._reported: dict[str, int] = {}  # counters already handed to vLLM's stats
         self._counters_lock = threading.Lock()  # bumped from the store loop and the engine
         # scheduler side
         self._reqs: dict[str, _Req] = {}
@@ -248,6 +340,7 @@ class KvstashConnector(KVConnectorBase_V1):
                 self.io.store, self.io.loop, self._count,
                 int(extra.get("save_queue_bytes", 1024**3)),
             )
+            self._flush_on_exit()
         log.info("kvstash vLLM connector (%s) on %s, rank %d/%d, chunks of %d tokens "
                  "(%d blocks)", role.name.lower(), self.io.store, self.rank,
                  self.world_size, self.chunk_tokens, self.chunk_blocks)
@@ -260,6 +353,28 @@ class KvstashConnector(KVConnectorBase_V1):
         with self._counters_lock:
             for name, d in deltas.items():
                 self.counters[name] = self.counters.get(name, 0) + d
+
+    # -- vLLM's KV-connector stats and Prometheus metrics ---------------------------------
+
+    def get_kv_connector_stats(self) -> KvstashConnectorStats | None:
+        """The counters' growth since the last call (vLLM asks every step, on each side)."""
+        with self._counters_lock:
+            delta = {k: v - self._reported.get(k, 0) for k, v in self.counters.items()}
+            self._reported = dict(self.counters)
+        delta = {k: v for k, v in delta.items() if v}
+        return KvstashConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None,
+    ) -> KvstashConnectorStats:
+        return KvstashConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvstashPromMetrics:
+        return KvstashPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _keys(self, chunks: list[ChunkRef], rank: int) -> list[str]:
         return keys_from_block_hashes([c.block_hash for c in chunks], self.ns_by_rank[rank])
@@ -295,6 +410,7 @@ class KvstashConnector(KVConnectorBase_V1):
                 return 0
             refs = self._chunk_refs(st, 0, n)
             keys = [self._keys(refs, r) for r in range(self.world_size)]
+            self._count(lookups=1)
             st.lookup = self.io.submit(lambda store: _prefix_on_every_rank(store, keys))
             st.lookup_started = time.monotonic()
             return None
@@ -303,6 +419,7 @@ class KvstashConnector(KVConnectorBase_V1):
                 st.hit_chunks = st.lookup.result()
             except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
                 log.warning("lookup on %s failed: %s", self.io.store, exc)
+                self._count(lookup_errors=1)
                 st.hit_chunks = 0
         elif time.monotonic() - st.lookup_started > self.lookup_timeout_s:
             st.lookup.cancel()
@@ -310,6 +427,8 @@ class KvstashConnector(KVConnectorBase_V1):
             st.hit_chunks = 0
         if st.hit_chunks is not None:
             st.saved_chunks = max(st.saved_chunks, st.hit_chunks)  # already stored
+            if st.hit_chunks:
+                self._count(hit_tokens=st.hit_chunks * self.chunk_tokens)
         return st.hit_chunks
 
     def get_num_new_matched_tokens(
@@ -339,6 +458,7 @@ class KvstashConnector(KVConnectorBase_V1):
         chunks = self._chunk_refs(st, first_block // self.chunk_blocks, end_chunk, first_block)
         self._loads.append(ReqChunks(request.request_id, chunks))
         st.load_planned = True
+        st.loaded_tokens = num_external_tokens
 
     def _plan_save(self, st: _Req, done_tokens: int, out: list[ReqChunks]) -> None:
         req = st.request
@@ -347,6 +467,7 @@ class KvstashConnector(KVConnectorBase_V1):
         limit = min(limit, len(st.block_ids) // self.chunk_blocks)
         if limit > st.saved_chunks:
             out.append(ReqChunks(req.request_id, self._chunk_refs(st, st.saved_chunks, limit)))
+            st.saves_planned += limit - st.saved_chunks
             st.saved_chunks = limit
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -372,12 +493,49 @@ class KvstashConnector(KVConnectorBase_V1):
         self._loads = []
         return meta
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Chunks that failed to load (the workers' `get_block_ids_with_load_errors`): vLLM
+        has cut the request back to its first failed block and recomputes from there.
+        The recomputed chunks are saved again, and the request's cached-token count (which
+        vLLM fixed when it scheduled the load) is cut back to what was really loaded."""
+        bad = connector_output.invalid_block_ids
+        if not bad:
+            return
+        for st in self._reqs.values():
+            if not st.loaded_tokens:
+                continue
+            first_bad = next((i for i, b in enumerate(st.block_ids) if b in bad), None)
+            if first_bad is None:
+                continue
+            loaded_end = st.num_computed + st.loaded_tokens
+            valid = max(first_bad * self.block_size, st.num_computed)
+            failed = max(0, loaded_end - valid) - st.failed_tokens
+            if failed <= 0:
+                continue
+            st.failed_tokens += failed
+            self._count(failed_load_tokens=failed)
+            st.saved_chunks = min(st.saved_chunks, valid // self.chunk_tokens)
+            stats = getattr(st.request, "prefill_stats", None)
+            if stats is not None and stats.num_prompt_tokens:
+                stats.set(
+                    num_prompt_tokens=stats.num_prompt_tokens,
+                    num_local_cached_tokens=stats.num_local_cached_tokens,
+                    num_external_cached_tokens=max(0, stats.num_external_cached_tokens - failed),
+                )
+
     def request_finished(
         self, request: Request, block_ids: list[int],
     ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()
+        if st is not None and (st.loaded_tokens or st.saves_planned):
+            failed = f" ({st.failed_tokens} failed to load and were recomputed)" \
+                if st.failed_tokens else ""
+            log.info("kvstash: request %s: %d prompt tokens, %d loaded from the store%s, "
+                     "%d chunks of %d tokens sent for saving", request.request_id,
+                     request.num_prompt_tokens, st.loaded_tokens - st.failed_tokens, failed,
+                     st.saves_planned, self.chunk_tokens)
         # Saves copy their blocks to host memory inside the step, so blocks free at once.
         return False, None
 
@@ -552,6 +710,50 @@ class KvstashConnector(KVConnectorBase_V1):
             ))
         self._save_buffers, self._saved_layers = [], set()
 
+    def _flush_on_exit(self) -> None:
+        """Flush queued saves when this worker process is told to stop. vLLM's OpenAI
+        server, on SIGINT/SIGTERM, aborts the engine core and kills it within seconds,
+        without the connector's `shutdown`: so the flush (bounded by `exit_flush_s`) runs
+        from the signal itself, before vLLM's own handler, and again at interpreter exit."""
+        atexit.register(self._flush_before_exit)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+            if previous is None:  # set from outside Python: leave it alone
+                continue
+
+            def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+                self._flush_before_exit()
+                if callable(previous):
+                    previous(signum, frame)
+                elif previous == signal.SIG_DFL:
+                    signal.signal(signum, signal.SIG_DFL)
+                    os.kill(os.getpid(), signum)
+
+            signal.signal(sig, handler)
+            self._signal_handlers[sig] = (handler, previous)
+
+    def _forget_exit_flush(self) -> None:
+        atexit.unregister(self._flush_before_exit)
+        if threading.current_thread() is threading.main_thread():
+            for sig, (handler, previous) in self._signal_handlers.items():
+                if signal.getsignal(sig) is handler:
+                    signal.signal(sig, previous)
+        self._signal_handlers = {}
+
+    def _flush_before_exit(self) -> None:
+        writer = self._writer
+        if writer is None or not writer.pending_bytes:
+            return
+        pending = writer.pending_bytes
+        if self.flush(self.exit_flush_s):
+            log.info("kvstash: flushed %d bytes of queued saves before exit", pending)
+        else:
+            log.warning("kvstash: %d bytes of queued saves not written within exit_flush_s="
+                        "%.1f s; those chunks will be misses", writer.pending_bytes,
+                        self.exit_flush_s)
+
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait for queued saves to reach the store (tests, shutdown); False on timeout."""
         if self._writer is None:
@@ -563,6 +765,7 @@ class KvstashConnector(KVConnectorBase_V1):
         return True
 
     def shutdown(self) -> None:
+        self._forget_exit_flush()
         if self._writer is not None:
             self.flush()
             self.io.call(lambda store: self._writer.stop(), 30.0)
