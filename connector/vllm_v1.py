@@ -747,7 +747,14 @@ class KvstashConnector(KVConnectorBase_V1):
         if writer is None or not writer.pending_bytes:
             return
         pending = writer.pending_bytes
-        if self.flush(self.exit_flush_s):
+        deadline = time.monotonic() + self.exit_flush_s
+        flushed = self.flush(self.exit_flush_s)
+        if flushed:  # and the cascade of a tier list to its lower tiers
+            try:
+                self.io.call(lambda store: store.flush(), max(deadline - time.monotonic(), 0.1))
+            except Exception:  # noqa: BLE001 - a timeout or a failing tier: logged below
+                flushed = False
+        if flushed:
             log.info("kvstash: flushed %d bytes of queued saves before exit", pending)
         else:
             log.warning("kvstash: %d bytes of queued saves not written within exit_flush_s="
