@@ -55,7 +55,7 @@ from hashing import Namespace, keys_from_block_hashes
 from storage.base import Store
 from storage.codec import encode_chunk
 
-log = logging.getLogger("kvstash.connector.vllm")
+log = logging.getLogger("vllm.kvstash.tier")  # vLLM shows only loggers under "vllm"
 
 FORMAT = "vllm-offload-v1"
 

