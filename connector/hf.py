@@ -6,7 +6,7 @@ runs only on the suffix. Supported: decoder-only models whose layers are all ful
 attention with one K/V head size (Llama family incl. GQA, Qwen2, Mistral without a
 sliding window), any dtype in `connector.layout.DTYPE_BYTES`, batch size 1.
 
-Exactness, precisely (checked with torch 2.13.0+cpu and transformers 5.23.0):
+Exactness, precisely (checked with torch 2.13.0+cpu and transformers 5.19.0 and 5.23.0):
 1. the K/V a hit loads are bit-identical to the K/V the model computed for those tokens
    when their chunks were saved;
 2. a hit's outputs are bit-identical to the same model continuing from its own in-memory
