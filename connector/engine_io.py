@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from storage.base import Store
+from storage.capabilities import chunk_file_tier
 from storage.registry import open_store
 
 log = logging.getLogger("kvstash.connector")
@@ -50,15 +51,10 @@ async def each_bounded(work: Callable[[int], Awaitable[bool]], n: int, limit: in
 
 
 def direct_file_tier(store: Store) -> Any:
-    """The FileStore a connector may read through ChunkIO: `store` itself if it is one, the
-    first tier of a tier list that starts with one (`[file:///nvme, s3://...]`), else None.
-    Chunks that tier lacks are read through the tier list (lower tiers, promotion)."""
-    from storage.file import FileStore
-    from storage.tiered import TieredStore
-
-    if isinstance(store, TieredStore) and store.tiers:
-        store = store.tiers[0]
-    return store if isinstance(store, FileStore) else None
+    """The store a connector may read through ChunkIO (`storage.capabilities.SupportsChunkFiles`:
+    `store` itself, or the first tier of a tier list), else None. Chunks that tier lacks are
+    read through the tier list (lower tiers, promotion)."""
+    return chunk_file_tier(store)
 
 
 def direct_chunk_io(store: Store, wanted: Any = True, max_in_flight: int = 8) -> Any:

@@ -39,6 +39,7 @@ from kvserver.metrics import MetricsMiddleware, ServerMetrics, leaf_stats
 from kvserver.protocol import FDPASS, ZEROCOPY
 from kvserver.protocol import configure as configure_protocol
 from storage.base import BlobFile, Store
+from storage.capabilities import SupportsBlobFiles
 from storage.errors import ConfigError, InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
 from storage.registry import open_store
 from storage.tenancy import open_tenants
@@ -323,7 +324,10 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         key = f"{ns_id}/{digest}"
         offered = request.scope.get("extensions", {})
         try:
-            if ZEROCOPY in offered:
+            if not isinstance(s, SupportsBlobFiles):
+                blob = await s.get(key)
+                got = None if blob is None else memoryview(blob).cast("B")
+            elif ZEROCOPY in offered:
                 got = await s.open_blob(key, buf)
             else:
                 got = await s.get_blob_into(key, buf)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.base import Store
+from storage.capabilities import SupportsGC
 from storage.codec import decode_header
 from storage.errors import ConfigError
 from storage.options import StoreURL, format_size, parse_size
@@ -145,10 +146,9 @@ async def run_gc(args: argparse.Namespace) -> int:
         raise ConfigError(f"--capacity: {exc}") from exc
     store = open_existing(args.store)
     try:
-        gc = getattr(store, "gc", None)
-        if gc is None:
+        if not isinstance(store, SupportsGC):
             raise ConfigError(f"{store}: this store has no gc (capacity is managed in-process)")
-        result = await gc(capacity)
+        result = await store.gc(capacity)
     finally:
         await store.close()
     print(json.dumps(result))

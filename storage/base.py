@@ -158,24 +158,6 @@ class Store(ABC):
         blob = await self.get(key)
         return None if blob is None else copy_payload(key, blob, out)
 
-    async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
-        """The verified blob (header + payload) as a byte view, or None on a miss.
-
-        Backends that read from files fill `out` (a writable buffer; used only when it
-        holds the whole blob) so a server can send from reusable memory; others return a
-        view of the blob they already hold. Either way the view is only valid until `out`
-        is reused.
-        """
-        blob = await self.get(key)
-        return None if blob is None else memoryview(blob).cast("B")
-
-    async def open_blob(self, key: str, out: Any) -> memoryview | BlobFile | None:
-        """The verified blob of `key` for sending, or None on a miss: an open `BlobFile`
-        where the store can vouch for a file's bytes without reading them (a chunk file it
-        verified before and that has not changed since), else the blob as `get_blob_into`
-        gives it. A server sends the file with sendfile(2) and closes it."""
-        return await self.get_blob_into(key, out)
-
     async def get_into_many(
         self,
         keys: Sequence[str],

@@ -79,6 +79,9 @@ class MemoryStore(Store):
         data = self._lookup(key)
         return None if data is None else memoryview(data)
 
+    async def open_blob(self, key: str, out: Any) -> memoryview | None:
+        return await self.get_blob_into(key, out)  # held in memory: nothing to hand over
+
     async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
         data = self._lookup(key)
         return None if data is None else copy_payload(key, data, out)

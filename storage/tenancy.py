@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from storage.base import Store, check_tenant
+from storage.capabilities import SupportsBlobFiles
 from storage.codec import ChunkHeader
 from storage.errors import StoreFull
 
@@ -106,10 +107,15 @@ class TenantStore(Store):
         return await self.scope.get_into(key, out)
 
     async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
-        return await self.scope.get_blob_into(key, out)
+        if isinstance(self.scope, SupportsBlobFiles):
+            return await self.scope.get_blob_into(key, out)
+        blob = await self.scope.get(key)
+        return None if blob is None else memoryview(blob).cast("B")
 
     async def open_blob(self, key: str, out: Any) -> Any:
-        return await self.scope.open_blob(key, out)
+        if isinstance(self.scope, SupportsBlobFiles):
+            return await self.scope.open_blob(key, out)
+        return await self.get_blob_into(key, out)
 
     async def get_into_many(self, keys: Sequence[str], outs: Sequence[Any], **kw: Any,
                             ) -> list[ChunkHeader | None]:

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from storage.base import BlobFile, Store, check_blob
+from storage.capabilities import SupportsBlobFiles
 from storage.codec import ChunkHeader
 from storage.errors import StoreError
 
@@ -73,10 +74,21 @@ class TieredStore(Store):
         self.counters["misses"] += 1
         return None
 
+    async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
+        return await self._first_tier_blob(key, out, send_file=False)  # type: ignore[return-value]
+
     async def open_blob(self, key: str, out: Any) -> memoryview | BlobFile | None:
         """The first tier's answer (a file to send, where it can give one); a miss there
         reads the lower tiers as `get` does."""
-        got = await self.tiers[0].open_blob(key, out)
+        return await self._first_tier_blob(key, out, send_file=True)
+
+    async def _first_tier_blob(self, key: str, out: Any,
+                               send_file: bool) -> memoryview | BlobFile | None:
+        first = self.tiers[0]
+        if not isinstance(first, SupportsBlobFiles):
+            blob = await self.get(key)
+            return None if blob is None else memoryview(blob).cast("B")
+        got = await (first.open_blob(key, out) if send_file else first.get_blob_into(key, out))
         if got is None:
             blob = await self._get_from(1, key)
             return None if blob is None else memoryview(blob).cast("B")

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import os
 import secrets
 
 import pytest
@@ -191,3 +192,40 @@ async def test_stats_count_hits_and_misses(store, ns):
     assert after["hits"] - before["hits"] == 1
     assert after["misses"] - before["misses"] == 1
     assert str(store)
+
+
+async def test_blob_files_give_the_verified_blob_for_sending(store, ns):
+    """`SupportsBlobFiles` (what kvserver sends from): the blob itself, an open file of it
+    or a view, and None for a miss."""
+    from storage.base import BlobFile
+    from storage.capabilities import SupportsBlobFiles
+
+    if not isinstance(store, SupportsBlobFiles):
+        pytest.skip(f"{store} does not declare SupportsBlobFiles (kvserver sends its `get`)")
+    (key, _, blob), (absent, _, _) = make_chunks(ns, 2)
+    await store.put(key, blob)
+    buf = bytearray(len(blob))
+    assert bytes(await store.get_blob_into(key, buf)) == blob
+    got = await store.open_blob(key, buf)
+    if isinstance(got, BlobFile):
+        with got:
+            assert got.size == len(blob) and os.pread(got.fileno(), got.size, 0) == blob
+    else:
+        assert bytes(got) == blob
+    assert await store.get_blob_into(absent, buf) is None
+    assert await store.open_blob(absent, buf) is None
+
+
+def test_each_backend_declares_its_capabilities(tmp_path):
+    from storage.capabilities import SupportsBlobFiles, SupportsChunkFiles, SupportsGC
+
+    def caps(url):
+        s = open_store(url)
+        return {c.__name__ for c in (SupportsBlobFiles, SupportsGC, SupportsChunkFiles)
+                if isinstance(s, c)}
+
+    assert caps(f"file://{tmp_path}/f") == {"SupportsBlobFiles", "SupportsGC",
+                                            "SupportsChunkFiles"}
+    assert caps("memory://") == {"SupportsBlobFiles"}
+    assert caps(["memory://", f"file://{tmp_path}/t"]) == {"SupportsBlobFiles"}
+    assert caps("http://127.0.0.1:9") == set()
