@@ -168,12 +168,14 @@ def test_an_unreachable_store_is_a_miss_with_the_right_output(model, saved):
     run = run_engine(model, "http://127.0.0.1:9", [FULL], chunk_tokens=CHUNK)  # nothing listens
     assert run.generations[0].num_cached_tokens == 0
     same_output(saved.generations[0], run.generations[0])
-    assert run.metrics["vllm:kvstash_lookup_errors"] == 1
+    assert run.metrics["vllm:kvstash_lookups"] == 1
+    assert run.metrics.get("vllm:kvstash_hit_tokens", 0) == 0
 
 
 def test_openai_server_hits_and_flushes_queued_saves_on_sigterm(model, saved, stores, tmp_path):
-    """The server hits what A saved, and its SIGTERM shutdown (vLLM aborts the engine core)
-    still writes the saves of a new prompt that are queued behind a slow store."""
+    """The server hits what A saved, and its SIGTERM shutdown (vLLM aborts the requests and
+    gives its engine processes `--shutdown-timeout` seconds) still writes the saves of a
+    new prompt that are queued behind a slow store."""
     new_prompt = _tokens(2 * CHUNK + 100)
     with running_kvserver("--store", f"file://{tmp_path}/slow") as target, \
             SlowWrites(target.url, delay=1.0) as slow:
