@@ -53,7 +53,10 @@ from tests.vllm_engine_fixtures import (  # noqa: E402
     stored_chunks,
 )
 
-pytestmark = pytest.mark.slow
+# Part of the default suite. An engine process takes 30-60 s on a loaded 2-core machine
+# and the first test of a module also starts the one its fixtures share: past the
+# suite's 300 s default when the machine is busy.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url
 
 CHUNK = 256
