@@ -341,6 +341,10 @@ class KvstashConnector(KVConnectorBase_V1):
                 int(extra.get("save_queue_bytes", 1024**3)),
             )
             self._flush_on_exit()
+            if getattr(vllm_config, "shutdown_timeout", None) == 0:
+                log.info("kvstash: vLLM kills its engine processes at once on SIGTERM "
+                         "(--shutdown-timeout 0): saves still queued then are lost; give "
+                         "--shutdown-timeout a few seconds to let them be written")
         log.info("kvstash vLLM connector (%s) on %s, rank %d/%d, chunks of %d tokens "
                  "(%d blocks)", role.name.lower(), self.io.store, self.rank,
                  self.world_size, self.chunk_tokens, self.chunk_blocks)

@@ -311,3 +311,25 @@ def test_bad_chunk_sizes_are_refused_at_start_in_one_line(extra, message):
     with pytest.raises(ValueError, match=f"^kv_connector_extra_config: {message}") as err:
         KvstashConnector(vllm_config("memory://", **extra), KVConnectorRole.SCHEDULER, None)
     assert "\n" not in str(err.value)
+
+
+def test_counters_reach_vllms_connector_stats_once_each(tmp_path):
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(writer, list(range(7)))
+        read_prompt(reader, list(range(10, 17)))
+        worker, again = writer.worker.get_kv_connector_stats(), writer.worker.get_kv_connector_stats()
+        scheduler = reader.scheduler.get_kv_connector_stats()
+        loads = reader.worker.get_kv_connector_stats()
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert worker.data["save_queued"] == 3 and worker.data["saved_chunks"] == 3
+    assert again is None, "a counter is reported once, as growth since the last report"
+    assert scheduler.data == {"lookups": 1, "hit_tokens": 6 * BLOCK_SIZE}
+    assert loads.data["loaded_chunks"] == 3
+    # vLLM rebuilds the stats in its logging process from the dict and sums intervals
+    total = KvstashConnector.build_kv_connector_stats(scheduler.to_dict()).aggregate(loads)
+    assert total.reduce()["lookups"] == 1 and total.reduce()["loaded_chunks"] == 3

@@ -169,16 +169,19 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def openai_server(model: Path, store: str | list[str], log_path: Path,
-                  start_timeout: float = 240, **extra: Any) -> Iterator[tuple[str, subprocess.Popen]]:
+                  start_timeout: float = 240, shutdown_timeout: int = 10,
+                  **extra: Any) -> Iterator[tuple[str, subprocess.Popen]]:
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 with the connector;
-    yields (base URL, process). Stopped with SIGTERM (then SIGKILL) if still running."""
+    yields (base URL, process). Stopped with SIGTERM (then SIGKILL) if still running.
+    `--shutdown-timeout` is how long vLLM lets its engine processes wind down on SIGTERM
+    (vLLM's default, 0, kills them at once: nothing running in them can flush)."""
     port = free_port()
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
         "--host", "127.0.0.1", "--port", str(port), "--skip-tokenizer-init",
         "--return-tokens-as-token-ids", "--enable-prompt-tokens-details", "--dtype", "bfloat16",
         "--max-model-len", str(MAX_MODEL_LEN), "--enforce-eager", "--seed", "0",
-        "--kv-transfer-config", json.dumps(kv_transfer_config(store, **extra)),
+        "--shutdown-timeout", str(shutdown_timeout), "--kv-transfer-config", json.dumps(kv_transfer_config(store, **extra)),
     ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=engine_env(), stdout=log,
