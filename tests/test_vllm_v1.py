@@ -333,3 +333,26 @@ def test_counters_reach_vllms_connector_stats_once_each(tmp_path):
     # vLLM rebuilds the stats in its logging process from the dict and sums intervals
     total = KvstashConnector.build_kv_connector_stats(scheduler.to_dict()).aggregate(loads)
     assert total.reduce()["lookups"] == 1 and total.reduce()["loaded_chunks"] == 3
+
+
+def test_chunk_staging_buffers_are_reused_between_loads(store_url):
+    """Each load reads into staging kept from the previous one (fresh memory costs a page
+    fault per page), and a second load into other blocks is as exact as the first."""
+    writer = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(writer, list(range(7)))
+        read_prompt(reader, list(range(10, 17)))
+        kept = {kind: [b.data_ptr() for b in free]
+                for kind, free in reader.worker._load_buffers.items()}
+        assert sum(map(len, kept.values())) == 3  # one per chunk of the load
+        ext, _, errors = read_prompt(reader, list(range(20, 27)))
+        again = {kind: sorted(b.data_ptr() for b in free)
+                 for kind, free in reader.worker._load_buffers.items()}
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert (ext, errors) == (6 * BLOCK_SIZE, set())
+    assert again == {kind: sorted(ptrs) for kind, ptrs in kept.items()}
+    for name in writer.kv:
+        assert torch.equal(reader.kv[name][20:26], writer.kv[name][0:6])
