@@ -227,6 +227,7 @@ class BenchStore:
     scheme: str
     url: str
     label: str
+    about: str
     saved: set[bytes] = field(default_factory=set)  # chunk prefixes sent to its engines
 
     def expect(self, prompts: Sequence[np.ndarray], chunk_tokens: int) -> None:
@@ -315,14 +316,15 @@ def open_stores(names: Sequence[str], scratch: Path, s3_endpoint: str | None,
         for name in names:
             if name == "file":
                 path = scratch / "file-store"
-                stores.append(BenchStore("file", f"file://{path}", "file://"))
+                stores.append(BenchStore("file", f"file://{path}", "file://", "a local directory"))
             elif name == "http":
                 from bench.demo import DemoServer
 
                 server = DemoServer([f"file://{scratch / 'kvserver-store'}"])
                 stack.callback(server.stop)
                 server.wait_ready()
-                stores.append(BenchStore("http", server.url, "http:// (kvserver, file://)"))
+                stores.append(BenchStore("http", server.url, "http://",
+                                          "a kvserver over a file:// directory"))
             elif name == "s3":
                 endpoint, bucket, creds = s3_endpoint, s3_bucket, ""
                 if endpoint is None:
@@ -336,8 +338,8 @@ def open_stores(names: Sequence[str], scratch: Path, s3_endpoint: str | None,
                     bucket, creds = MOTO_BUCKET, "&access_key=bench&secret_key=bench"
                 url = (f"s3://{bucket}/bench-vllm-{run_id}?endpoint={endpoint}"
                        f"&region=us-east-1{creds}")
-                stores.append(BenchStore(
-                    "s3", url, "s3:// (moto)" if s3_endpoint is None else "s3://"))
+                stores.append(BenchStore("s3", url, "s3://", "moto on loopback"
+                                         if s3_endpoint is None else f"{endpoint}, {bucket}"))
             else:
                 raise ValueError(f"--stores: unknown store {name!r} (known: {', '.join(STORES)})")
         yield stores, notes
@@ -436,16 +438,17 @@ class Bench:
         """`warmup` + `count` rounds of `batch` requests each; the rows of the counted ones,
         keyed by phase and engine."""
         rows = {
-            "baseline-p": Row("no cache (beside the misses)", "baseline", "baseline"),
-            "prefix-cache-p": Row("vLLM prefix cache, first sight", "prefix-cache", "prime"),
             "baseline": Row("no cache (beside the hits)", "baseline", "baseline"),
             "prefix-cache": Row("vLLM prefix cache, same process", "prefix-cache", "ideal"),
         }
         for s in self.stores:
-            rows[f"{s.scheme}-save"] = Row(f"kvstash miss {s.label}", f"{s.scheme}-save", "miss",
-                                           s.scheme)
             rows[f"{s.scheme}-load"] = Row(f"kvstash hit {s.label}, fresh process",
                                            f"{s.scheme}-load", "hit", s.scheme)
+        rows["baseline-p"] = Row("no cache (beside the misses)", "baseline", "baseline")
+        rows["prefix-cache-p"] = Row("vLLM prefix cache, first sight", "prefix-cache", "prime")
+        for s in self.stores:
+            rows[f"{s.scheme}-save"] = Row(f"kvstash miss {s.label}", f"{s.scheme}-save", "miss",
+                                           s.scheme)
         phase1 = ["baseline-p", "prefix-cache-p", *(f"{s.scheme}-save" for s in self.stores)]
         phase2 = ["baseline", "prefix-cache", *(f"{s.scheme}-load" for s in self.stores)]
         for r in range(warmup + count):
@@ -718,7 +721,8 @@ def run(args: argparse.Namespace) -> int:
                 bench.stop()
         title = (f"vLLM ({info['vllm']}) with {model_desc}, {args.dtype}; prompt "
                  f"{args.cached_tokens}+1 tokens, chunks of {args.chunk_tokens}, blocks of "
-                 f"{block}; median of {args.repeat} rounds")
+                 f"{block}; median of {args.repeat} rounds\nstores: "
+                 + "; ".join(f"{s.label} {s.about}" for s in stores))
         print(format_table(single, title))
         if concurrent:
             print()
@@ -734,7 +738,7 @@ def run(args: argparse.Namespace) -> int:
             "chunk_tokens": args.chunk_tokens, "cached_tokens": args.cached_tokens,
             "prompt_tokens": args.cached_tokens + 1, "repeat": args.repeat,
             "warmup": args.warmup, "concurrency": args.concurrency, "batches": args.batches,
-            "stores": [s.label for s in stores], "notes": notes,
+            "stores": {s.label: s.about for s in stores}, "notes": notes,
             "engine_start_s": bench.start_s,
             "targets": {"hit_vs_prefix_cache": HIT_TARGET, "miss_cost": MISS_TARGET},
             "single": single, "concurrent": concurrent, "workload": flow,
