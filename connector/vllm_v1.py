@@ -6,9 +6,10 @@ cache; on vLLM >= 0.33 prefer `connector.vllm_tier` under vLLM's OffloadingConne
     vllm serve MODEL --kv-transfer-config '{"kv_connector": "KvstashConnector",
       "kv_connector_module_path": "connector.vllm_v1", "kv_role": "kv_both",
       "kv_load_failure_policy": "recompute",
-      "kv_connector_extra_config": {"store": "file:///mnt/nfs/kv", "chunk_blocks": 16}}'
+      "kv_connector_extra_config": {"store": "file:///mnt/nfs/kv", "chunk_tokens": 256}}'
 
-A chunk is `chunk_blocks` consecutive vLLM blocks of every layer of one worker, keyed by
+A chunk is `chunk_tokens` tokens (whole vLLM blocks: 16 tokens each on GPUs, 128 on
+vLLM's CPU build) of every layer of one worker, keyed by
 vLLM's own hash of its last block (which chains over the whole prefix; never recomputed)
 inside a `Namespace` per worker rank (`connector_namespace`). Its header carries the
 chunk's token ids, so a load is verified against the request, and a fingerprint of the
@@ -70,7 +71,57 @@ log = logging.getLogger("kvstash.connector.vllm")
 FORMAT = "vllm-v1"
 
 
-def connector_namespace(vllm_config: VllmConfig, rank: int, world_size: int) -> Namespace:
+DEFAULT_CHUNK_TOKENS = 256
+
+
+def chunk_geometry(vllm_config: VllmConfig) -> tuple[int, int]:
+    """(tokens, vLLM blocks) per stored chunk, from `chunk_tokens` in
+    `kv_connector_extra_config` (default 256), rounded up to whole blocks of this engine
+    (16 tokens on GPUs, 128 on vLLM's CPU build). Raises ValueError, in one line naming
+    the setting, for a size that is not a positive token count or that no prompt this
+    engine accepts can fill (nothing would ever be saved or loaded)."""
+    extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+    block = vllm_config.cache_config.block_size
+    if "chunk_blocks" in extra:  # the former setting, in blocks (16 tokens each on GPUs)
+        legacy = _positive_int(extra, "chunk_blocks") * block
+        if "chunk_tokens" in extra and _positive_int(extra, "chunk_tokens") != legacy:
+            raise ValueError(
+                f"kv_connector_extra_config: chunk_blocks={extra['chunk_blocks']} "
+                f"({legacy} tokens with {block}-token blocks) contradicts "
+                f"chunk_tokens={extra['chunk_tokens']}; set only chunk_tokens"
+            )
+        log.warning("kv_connector_extra_config: chunk_blocks is deprecated; it means "
+                    "chunk_tokens=%d with this engine's %d-token blocks", legacy, block)
+        wanted = legacy
+    else:
+        wanted = _positive_int(extra, "chunk_tokens", DEFAULT_CHUNK_TOKENS)
+    blocks = -(-wanted // block)
+    tokens = blocks * block
+    if tokens != wanted:
+        log.warning("kv_connector_extra_config: chunk_tokens=%d is not a whole number of "
+                    "%d-token blocks; chunks hold %d tokens", wanted, block, tokens)
+    model_config = vllm_config.model_config
+    max_len = getattr(model_config, "max_model_len", None) if model_config else None
+    if max_len and tokens > max_len - 1:
+        raise ValueError(
+            f"kv_connector_extra_config: chunk_tokens={tokens} ({blocks} blocks of {block}) "
+            f"exceeds max_model_len-1={max_len - 1}: no prompt fills a chunk, so nothing "
+            f"would ever be saved or loaded; use a smaller chunk_tokens"
+        )
+    return tokens, blocks
+
+
+def _positive_int(extra: dict[str, Any], name: str, default: int | None = None) -> int:
+    value = extra.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"kv_connector_extra_config: {name}={value!r} must be a "
+                         f"positive whole number")
+    return value
+
+
+def connector_namespace(
+    vllm_config: VllmConfig, rank: int, world_size: int, chunk_tokens: int | None = None,
+) -> Namespace:
     """The key space of one worker rank: model, cache dtype, block and chunk size, hash."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     model_config = vllm_config.model_config
@@ -81,11 +132,12 @@ def connector_namespace(vllm_config: VllmConfig, rank: int, world_size: int) -> 
     dtype = cache.cache_dtype
     if dtype == "auto":
         dtype = str(model_config.dtype).removeprefix("torch.") if model_config else "auto"
-    chunk_blocks = int(extra.get("chunk_blocks", 16))
+    if chunk_tokens is None:
+        chunk_tokens, _ = chunk_geometry(vllm_config)
     layout = f"{FORMAT};block={cache.block_size};hash={cache.prefix_caching_hash_algo}"
     return Namespace(
         model=model, dtype=str(dtype), layout=layout,
-        chunk_tokens=cache.block_size * chunk_blocks, rank=rank, world_size=world_size,
+        chunk_tokens=chunk_tokens, rank=rank, world_size=world_size,
         salt=str(extra.get("salt", "")),
     )
 
@@ -144,9 +196,10 @@ async def _prefix_on_every_rank(store: Store, keys_by_rank: list[list[str]]) -> 
 
 class KvstashConnector(KVConnectorBase_V1):
     """kvstash for vLLM's KV connector API. `kv_connector_extra_config`: `store` (URL or
-    list of URLs), `model` (when vLLM has no model config), `chunk_blocks` (vLLM blocks
-    per stored chunk, default 16), `salt`, `lookup_timeout_s` (default 2), `max_in_flight`
-    (chunk reads per load, default 8), `save_queue_bytes` (write-behind bound, 1 GiB),
+    list of URLs), `model` (when vLLM has no model config), `chunk_tokens` (tokens per
+    stored chunk, rounded up to whole vLLM blocks, default 256), `salt`,
+    `lookup_timeout_s` (default 2), `max_in_flight` (chunk reads per load, default 8),
+    `save_queue_bytes` (write-behind bound, 1 GiB),
     `direct_io` (default true: a file:// store is read through gds.ChunkIO into the KV
     cache's device)."""
 
@@ -162,14 +215,14 @@ class KvstashConnector(KVConnectorBase_V1):
         if not store:
             raise ValueError("kv_connector_extra_config needs 'store' (e.g. file:///mnt/kv)")
         self.block_size = vllm_config.cache_config.block_size
-        self.chunk_blocks = int(extra.get("chunk_blocks", 16))
-        self.chunk_tokens = self.block_size * self.chunk_blocks
+        self.chunk_tokens, self.chunk_blocks = chunk_geometry(vllm_config)
         self.lookup_timeout_s = float(extra.get("lookup_timeout_s", 2.0))
         self.max_in_flight = int(extra.get("max_in_flight", 8))
         par = vllm_config.parallel_config
         self.rank, self.world_size = par.rank, par.world_size
         self.ns_by_rank = [
-            connector_namespace(vllm_config, r, self.world_size) for r in range(self.world_size)
+            connector_namespace(vllm_config, r, self.world_size, self.chunk_tokens)
+            for r in range(self.world_size)
         ]
         self.io = StoreLoop.shared(store)
         self.counters: dict[str, int] = {}
@@ -195,8 +248,9 @@ class KvstashConnector(KVConnectorBase_V1):
                 self.io.store, self.io.loop, self._count,
                 int(extra.get("save_queue_bytes", 1024**3)),
             )
-        log.info("kvstash vLLM connector (%s) on %s, rank %d/%d",
-                 role.name.lower(), self.io.store, self.rank, self.world_size)
+        log.info("kvstash vLLM connector (%s) on %s, rank %d/%d, chunks of %d tokens "
+                 "(%d blocks)", role.name.lower(), self.io.store, self.rank,
+                 self.world_size, self.chunk_tokens, self.chunk_blocks)
 
     @property
     def requires_kv_delivery(self) -> bool:

@@ -8,6 +8,7 @@ that need CUDA: GPU<->CPU copies and the model forward are plain tensor copies.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -57,6 +58,9 @@ def offloading_config(
         OffloadingParallelConfig,
     )
 
+    # vLLM 0.33 added max_model_len to the model part; 0.32 has name and dtype only.
+    names = {f.name for f in dataclasses.fields(OffloadingModelConfig)}
+    model_extra = {"max_model_len": 4096} if "max_model_len" in names else {}
     return OffloadingConfig(
         groups=(OffloadingGroupConfig(
             tokens_per_block=BLOCK_SIZE, layer_names=("layers.0.attn", "layers.1.attn"), group_id=0,
@@ -72,7 +76,7 @@ def offloading_config(
             }],
         },
         engine_id=uuid.uuid4().hex,  # a fresh CPU region: a new engine process
-        model=OffloadingModelConfig(name=MODEL, dtype="bfloat16", max_model_len=4096),
+        model=OffloadingModelConfig(name=MODEL, dtype="bfloat16", **model_extra),
         cache=OffloadingCacheConfig(tokens_per_hash=BLOCK_SIZE, blocks_per_chunk=blocks_per_chunk),
         parallel=OffloadingParallelConfig(
             rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
@@ -83,11 +87,13 @@ def offloading_config(
 
 
 def vllm_config(store: str | list[str], **extra: Any) -> VllmConfig:
-    """A CPU `VllmConfig` naming our V1 connector, as `vllm serve --kv-transfer-config` would."""
-    from vllm.config import DeviceConfig, KVTransferConfig, VllmConfig
+    """A CPU `VllmConfig` naming our V1 connector, as `vllm serve --kv-transfer-config` would,
+    with GPU-sized blocks (`BLOCK_SIZE`; vLLM's CPU platform would otherwise pick 128)."""
+    from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
 
     return VllmConfig(
         device_config=DeviceConfig(device="cpu"),
+        cache_config=CacheConfig(block_size=BLOCK_SIZE),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvstashConnector",
             kv_connector_module_path="connector.vllm_v1",

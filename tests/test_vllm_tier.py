@@ -2,12 +2,13 @@
 
 Fake only what needs CUDA: the GPU -> CPU copy that fills a primary-tier page is a write of
 known bytes into vLLM's shared CPU region, and reading a loaded page back stands in for the
-CPU -> GPU copy. Everything else is vLLM 0.33's own code: the spec, the tier factory
+CPU -> GPU copy. Everything else is vLLM's own code (0.32 or 0.33): the spec, the tier factory
 (out-of-tree `type` + `module_path`), the manager's cascades, promotions and lookups.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import pytest
@@ -37,6 +38,12 @@ pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url, for the s3 store cases
 NO_CHANGES = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
+def locked(manager):
+    """The manager's lock where vLLM has one (0.33); 0.32's manager is single-threaded by
+    ownership (its scheduler thread alone calls it), so there is nothing to hold."""
+    return getattr(manager, "lock", None) or contextlib.nullcontext()
+
+
 def new_manager(store, **kw):
     spec = TieringOffloadingSpec(offloading_config(store, **kw))
     manager = spec.get_manager()
@@ -56,7 +63,7 @@ def page_rows(manager, chunk_ids):
 def offload(manager, keys, req_id="writer"):
     """One request computes `keys`: vLLM stores them to CPU, then cascades to our tier."""
     ctx = ReqContext(req_id=req_id)
-    with manager.lock:
+    with locked(manager):
         manager.on_new_request(ctx)
         out = manager.prepare_store(keys, ctx)
     view = manager.primary_tier.get_kv_memoryview()
@@ -66,12 +73,12 @@ def offload(manager, keys, req_id="writer"):
         for key, chunk in zip(out.keys_to_store, out.store_spec.chunk_ids, strict=True):
             pages[key] = os.urandom(row)  # the GPU -> CPU copy of vLLM's CUDA worker
             flat[int(chunk) * row : (int(chunk) + 1) * row] = pages[key]
-    with manager.lock:
+    with locked(manager):
         manager.complete_store(keys, ctx)
         manager.on_request_finished(ctx)
 
     def step():
-        with manager.lock:
+        with locked(manager):
             manager.on_schedule_end(NO_CHANGES)
             return not manager.has_pending_work()
 
@@ -82,14 +89,14 @@ def offload(manager, keys, req_id="writer"):
 def lookup_until_settled(manager, keys, req_id="reader"):
     """Step a scheduler that asks for `keys` until every lookup is HIT or MISS."""
     ctx = ReqContext(req_id=req_id)
-    with manager.lock:
+    with locked(manager):
         manager.on_new_request(ctx)
     seen = set()
     answers = []
 
     def step():
         nonlocal answers
-        with manager.lock:
+        with locked(manager):
             answers = [manager.lookup(k, ctx) for k in keys]
             seen.update(answers)
             manager.on_schedule_end(NO_CHANGES)
@@ -121,7 +128,7 @@ def test_pages_saved_by_one_engine_load_into_another(store_url):
         ctx, answers, seen = lookup_until_settled(reader, keys)
         assert answers == [LookupResult.HIT] * len(keys)
         assert LookupResult.RETRY in seen, "the first lookup must not block on the store"
-        with reader.lock:
+        with locked(reader):
             spec = reader.prepare_load(keys, ctx)
         assert page_rows(reader, spec.chunk_ids) == [saved[k] for k in keys]
     finally:
@@ -181,7 +188,7 @@ def test_written_pages_are_announced_as_storage_events(tmp_path):
     writer = new_manager(f"file://{tmp_path}/kv", kv_events=True)
     try:
         offload(writer, keys)
-        with writer.lock:
+        with locked(writer):
             events = [e for e in writer.take_events() if e.medium is Medium.STORAGE]
     finally:
         writer.shutdown()

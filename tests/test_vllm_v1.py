@@ -33,7 +33,7 @@ from tests.engines_fixtures import (  # noqa: E402
 pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url, for the s3 store cases
 
 PROMPT = list(range(1000, 1100))  # 100 tokens: 6 full blocks, 3 chunks of 2 blocks
-CHUNK_BLOCKS = 2
+CHUNK_TOKENS = 2 * BLOCK_SIZE
 
 
 def blocks(ids):
@@ -83,8 +83,8 @@ def test_factory_resolves_the_out_of_tree_connector():
 
 
 def test_saved_blocks_load_into_another_engine(store_url):
-    writer = V1Engine(store_url, chunk_blocks=CHUNK_BLOCKS)
-    reader = V1Engine(store_url, chunk_blocks=CHUNK_BLOCKS)
+    writer = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     try:
         write_prompt(writer, list(range(7)))
         ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
@@ -109,8 +109,8 @@ def test_a_tier_list_reads_its_file_tier_through_chunkio_and_the_rest_from_below
     # evicted from it (and one corrupted in it) is read from the second tier instead.
     fast, slow = tmp_path / "fast", tmp_path / "slow"
     urls = [f"file://{fast}", f"file://{slow}"]
-    writer = V1Engine(urls, chunk_blocks=CHUNK_BLOCKS)
-    reader = V1Engine(urls, chunk_blocks=CHUNK_BLOCKS)
+    writer = V1Engine(urls, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(urls, chunk_tokens=CHUNK_TOKENS)
     try:
         write_prompt(writer, list(range(7)))
         files = sorted(fast.rglob("*.kv"))
@@ -135,8 +135,8 @@ def test_a_tier_list_reads_its_file_tier_through_chunkio_and_the_rest_from_below
 
 
 def test_local_prefix_blocks_are_not_overwritten(store_url):
-    writer = V1Engine(store_url, chunk_blocks=CHUNK_BLOCKS)
-    reader = V1Engine(store_url, chunk_blocks=CHUNK_BLOCKS)
+    writer = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     try:
         write_prompt(writer, list(range(7)))
         # The GPU prefix cache already holds block 0 (in the middle of chunk 0).
@@ -153,7 +153,7 @@ def test_local_prefix_blocks_are_not_overwritten(store_url):
 
 
 def test_miss_when_store_is_empty(store_url):
-    engine = V1Engine(store_url, chunk_blocks=CHUNK_BLOCKS)
+    engine = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     try:
         assert engine.lookup(make_request(PROMPT)) == (0, False)
     finally:
@@ -162,14 +162,14 @@ def test_miss_when_store_is_empty(store_url):
 
 def test_corrupt_chunks_become_load_errors_not_exceptions(tmp_path):
     url = f"file://{tmp_path}/kv"
-    writer = V1Engine(url, chunk_blocks=CHUNK_BLOCKS)
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
         write_prompt(writer, list(range(7)))
     finally:
         writer.shutdown()
     assert corrupt_chunks(tmp_path / "kv") == 3
 
-    reader = V1Engine(url, chunk_blocks=CHUNK_BLOCKS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
         ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
     finally:
@@ -182,12 +182,12 @@ def test_corrupt_chunks_become_load_errors_not_exceptions(tmp_path):
 
 def test_chunks_of_other_shapes_are_never_placed(tmp_path):
     url = f"file://{tmp_path}/kv"
-    writer = V1Engine(url, chunk_blocks=CHUNK_BLOCKS)
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
         write_prompt(writer, list(range(7)))
     finally:
         writer.shutdown()
-    reader = V1Engine(url, chunk_blocks=CHUNK_BLOCKS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
         # Same model name and hashes, other KV shapes (e.g. another TP layout): a load error.
         reader.kv = {n: torch.zeros(32, 1, BLOCK_SIZE, 16, dtype=torch.bfloat16) for n in reader.kv}
@@ -201,7 +201,7 @@ def test_chunks_of_other_shapes_are_never_placed(tmp_path):
 def test_metadata_is_picklable_for_the_worker_processes(store_url):
     import pickle
 
-    engine = V1Engine(store_url, chunk_blocks=CHUNK_BLOCKS)
+    engine = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     try:
         req = make_request(PROMPT)
         engine.lookup(req)
@@ -217,8 +217,8 @@ def test_chunks_evicted_between_lookup_and_load_are_recomputed(tmp_path):
     import shutil
 
     url = f"file://{tmp_path}/kv"
-    writer = V1Engine(url, chunk_blocks=CHUNK_BLOCKS)
-    reader = V1Engine(url, chunk_blocks=CHUNK_BLOCKS)
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
         write_prompt(writer, list(range(7)))
         req = make_request(PROMPT)
@@ -241,7 +241,7 @@ def test_chunks_evicted_between_lookup_and_load_are_recomputed(tmp_path):
 
 
 def test_unreachable_store_is_a_miss_not_an_error():
-    engine = V1Engine("http://127.0.0.1:9", chunk_blocks=CHUNK_BLOCKS)  # nothing listens
+    engine = V1Engine("http://127.0.0.1:9", chunk_tokens=CHUNK_TOKENS)  # nothing listens
     try:
         assert engine.lookup(make_request(PROMPT)) == (0, False)
     finally:
@@ -249,8 +249,8 @@ def test_unreachable_store_is_a_miss_not_an_error():
 
 
 def test_chunked_prefill_saves_each_chunk_once_as_it_completes(store_url):
-    writer = V1Engine(store_url, chunk_blocks=CHUNK_BLOCKS)
-    reader = V1Engine(store_url, chunk_blocks=CHUNK_BLOCKS)
+    writer = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     try:
         req = make_request(PROMPT)
         assert writer.lookup(req) == (0, False)
@@ -273,3 +273,41 @@ def test_chunked_prefill_saves_each_chunk_once_as_it_completes(store_url):
     assert ext == 6 * BLOCK_SIZE and errors == set()
     for name in writer.kv:
         assert torch.equal(reader.kv[name][10:16], writer.kv[name][0:6])
+
+
+def test_chunk_tokens_round_up_to_whole_engine_blocks():
+    from connector.vllm_v1 import chunk_geometry
+
+    assert chunk_geometry(vllm_config("memory://", chunk_tokens=32)) == (32, 2)
+    assert chunk_geometry(vllm_config("memory://", chunk_tokens=40)) == (48, 3)
+    assert chunk_geometry(vllm_config("memory://", chunk_tokens=1)) == (BLOCK_SIZE, 1)
+    assert chunk_geometry(vllm_config("memory://")) == (256, 256 // BLOCK_SIZE)  # the default
+
+
+def test_the_former_chunk_blocks_setting_keeps_its_stored_chunks(tmp_path):
+    # chunk_blocks=2 with 16-token blocks is chunk_tokens=32: same key space, same chunks.
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_blocks=2)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        assert writer.scheduler.ns_by_rank == reader.scheduler.ns_by_rank
+        write_prompt(writer, list(range(7)))
+        ext, _, errors = read_prompt(reader, list(range(10, 17)))
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert (ext, errors) == (6 * BLOCK_SIZE, set())
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"chunk_tokens": 0}, "chunk_tokens=0 must be a positive whole number"),
+    ({"chunk_tokens": "256"}, "chunk_tokens='256' must be a positive whole number"),
+    ({"chunk_blocks": -1}, "chunk_blocks=-1 must be a positive whole number"),
+    ({"chunk_blocks": 16, "chunk_tokens": 512}, "chunk_blocks=16 .* contradicts chunk_tokens=512"),
+])
+def test_bad_chunk_sizes_are_refused_at_start_in_one_line(extra, message):
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    with pytest.raises(ValueError, match=f"^kv_connector_extra_config: {message}") as err:
+        KvstashConnector(vllm_config("memory://", **extra), KVConnectorRole.SCHEDULER, None)
+    assert "\n" not in str(err.value)
