@@ -97,8 +97,7 @@ def _engine_child(spec: dict[str, Any]) -> int:
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvstashConnector", kv_connector_module_path="connector.vllm_v1",
             kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config=connector_config(spec["store"], spec["chunk_tokens"],
-                                                       spec["block_size"] or 128),
+            kv_connector_extra_config=connector_config(spec["store"], spec["chunk_tokens"]),
         )
     llm = LLM(**kwargs)
     cache = llm.llm_engine.vllm_config.cache_config
@@ -138,10 +137,9 @@ def _vllm_version() -> str:
     return "unknown"
 
 
-def connector_config(store: str, chunk_tokens: int, block_size: int) -> dict[str, Any]:
+def connector_config(store: str, chunk_tokens: int) -> dict[str, Any]:
     """`kv_connector_extra_config` for `connector.vllm_v1.KvstashConnector`."""
-    return {"store": store, "chunk_tokens": chunk_tokens,
-            "chunk_blocks": chunk_tokens // block_size}
+    return {"store": store, "chunk_tokens": chunk_tokens}
 
 
 @dataclass
