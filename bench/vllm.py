@@ -19,10 +19,13 @@ Prompts are `--cached-tokens` of random prefix plus one token: a whole number of
 and of vLLM blocks, so vLLM's prefix cache and kvstash both cache exactly the prefix.
 Each round draws a fresh prefix X and two prompts P = X+a and Q = X+b. Phase 1 sends P
 to the baseline, to the prefix-cache engine (priming its cache) and to each store's
-saving engine (the miss); once the saves are in the stores, phase 2 sends Q to the
-baseline, to the prefix-cache engine (the ideal hit) and to each store's loading engine
-(the kvstash hit). The engines' order rotates every round, so a noisy machine hurts
-them alike, and every ratio is the median over rounds of the ratio within a round.
+saving engine (the miss); phase 2 sends Q to the baseline, to the prefix-cache engine
+(the ideal hit) and to each store's loading engine (the kvstash hit). After a connector
+engine answers, the bench waits until its saves are in the store (its own client
+counts the chunks) before the next request goes anywhere: no measurement overlaps
+another engine's write-behind. The engines' order rotates every round, so a noisy
+machine hurts them alike, and every ratio is the median over rounds of the ratio within
+a round.
 `--concurrency` runs the same rounds with that many requests at once (throughput), and
 `--workload` sends a multi-turn or long-document stream to the baseline, the
 prefix-cache engine and a kvstash `file://` pair (alternating prompts between its two
