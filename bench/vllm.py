@@ -702,6 +702,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         model_dir, vocab, model_desc = _build_model(args, scratch)
         workload = _workload_prompts(args, vocab)
+        if workload and "file" not in names:
+            print(f"--workload {args.workload} skipped: it runs on the file:// store, which "
+                  "--stores leaves out", flush=True)
+            workload = []
         max_len = max([args.cached_tokens + 1, *map(len, workload)]) + 1
         with open_stores(names, scratch, args.s3_endpoint, args.s3_bucket) as (stores, notes):
             for note in notes:

@@ -17,6 +17,9 @@ import sys
 
 import pytest
 
+# Eight engines start at once (about 4 minutes on 2 busy cores), then run a few rounds.
+pytestmark = pytest.mark.timeout(1200)
+
 CACHED_TOKENS = 256  # two 128-token chunks; prompts are 257 tokens
 CHUNK_TOKENS = 128
 
