@@ -88,9 +88,6 @@ def _engine_child(spec: dict[str, Any]) -> int:
         model=spec["model_dir"], skip_tokenizer_init=True, dtype=spec["dtype"],
         max_model_len=spec["max_model_len"], enforce_eager=True, seed=0,
         enable_prefix_caching=spec["prefix_caching"], disable_log_stats=False,
-        # The worker inside the engine-core process: one process fewer per engine, which
-        # halves the start-up of eight engines on two cores; every row runs the same way.
-        distributed_executor_backend="uni",
     )
     if spec.get("block_size"):
         kwargs["block_size"] = spec["block_size"]
