@@ -181,9 +181,7 @@ class KVConnector:
         return True
 
     def _store_failed(self, what: str, exc: BaseException) -> None:
-        opened = self._breaker.opened
-        self._breaker.failure()
-        if self._breaker.opened != opened:
+        if self._breaker.record(False):
             log.warning(
                 "%s on %s failed (%s); bypassing the store for %.0f s",
                 what, self.store, exc or type(exc).__name__, self._breaker.open_for_s,

@@ -112,6 +112,19 @@ class CircuitBreaker:
         """A call that ended with neither verdict (cancelled): let another probe go."""
         self._probing = False
 
+    def record(self, verdict: bool | None) -> bool:
+        """One call's outcome: True (answered), False (failed), None (neither, e.g.
+        cancelled). Returns whether this outcome opened the breaker (to log it once)."""
+        if verdict is None:
+            self.release()
+        elif verdict:
+            self.success()
+        else:
+            opened = self.opened
+            self.failure()
+            return self.opened != opened
+        return False
+
     @property
     def is_open(self) -> bool:
         """Whether calls are being refused now (open, or half-open with its probe out)."""

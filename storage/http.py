@@ -656,16 +656,9 @@ class HttpStore(Store):
                 raise
             raise _HttpError(0, f"{type(exc).__name__}: {exc}") from exc
         finally:
-            if verdict is None:
-                breaker.release()
-            elif verdict:
-                breaker.success()
-            else:
-                opened = breaker.opened
-                breaker.failure()
-                if breaker.opened != opened:
-                    log.warning("%s: requests failing, not trying for %.1fs", self,
-                                breaker.open_for_s)
+            if breaker.record(verdict):
+                log.warning("%s: requests failing, not trying for %.1fs", self,
+                            breaker.open_for_s)
         return result
 
     def _head(self, method: str, path: str, length: int | None = None,

@@ -192,16 +192,9 @@ class S3Store(Store):
             verdict = None
             raise
         finally:
-            if verdict is None:
-                breaker.release()
-            elif verdict:
-                breaker.success()
-            else:
-                opened = breaker.opened
-                breaker.failure()
-                if breaker.opened != opened:
-                    log.warning("%s: circuit breaker open (last failure: %s); reads are misses "
-                                "until a probe succeeds", self, failure)
+            if breaker.record(verdict):
+                log.warning("%s: circuit breaker open (last failure: %s); reads are misses "
+                            "until a probe succeeds", self, failure)
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.get_running_loop().create_task(coro)
