@@ -252,6 +252,10 @@ class CachedPrefill:
             self._buffers = _PrefixBuffers(self.layout, ids.device, conn.reads_direct)
         staged = self._buffers.take(plan.chunks)
         hit = conn.load(tokens, plan.chunks * conn.chunk_tokens, staged, plan.deadline_s)
+        if hit < plan.chunks * conn.chunk_tokens:
+            # Reads past the end of the hit may still be landing in the staging memory (a
+            # stalled chunk): the next load must not verify and place from it.
+            self._buffers.raw = None
         return hit, (staged.cache(hit, self.model.config) if hit else None)
 
     @torch.no_grad()
