@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from connector.engine_io import direct_chunk_io, direct_file_tier
+from connector.engine_io import direct_chunk_io
 from connector.layout import ChunkLayout
 from connector.policy import LoadPlan, LoadPolicy
 from connector.writebehind import SaveJob, WriteBehindQueue
@@ -36,6 +36,7 @@ from gds.buffers import host_view
 from hashing import Namespace, chunk_keys, token_array
 from storage.base import Store
 from storage.breaker import CircuitBreaker
+from storage.capabilities import chunk_file_tier
 from storage.codec import ChunkError, ChunkHeader
 
 if TYPE_CHECKING:
@@ -364,7 +365,7 @@ class KVConnector:
         Past the first chunk that cannot be used the reads not yet started are cancelled."""
         from gds.filestore import settle
 
-        io, files = self.chunk_io, direct_file_tier(self.store)
+        io, files = self.chunk_io, chunk_file_tier(self.store)
         has_lower_tiers = files is not self.store
         n = self.chunk_tokens
         futures: list[concurrent.futures.Future[Any]] = []

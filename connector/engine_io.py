@@ -50,13 +50,6 @@ async def each_bounded(work: Callable[[int], Awaitable[bool]], n: int, limit: in
     return list(await asyncio.gather(*(one(i) for i in range(n))))
 
 
-def direct_file_tier(store: Store) -> Any:
-    """The store a connector may read through ChunkIO (`storage.capabilities.SupportsChunkFiles`:
-    `store` itself, or the first tier of a tier list), else None. Chunks that tier lacks are
-    read through the tier list (lower tiers, promotion)."""
-    return chunk_file_tier(store)
-
-
 def direct_chunk_io(store: Store, wanted: Any = True, max_in_flight: int = 8) -> Any:
     """The `gds.ChunkIO` a connector reads `store` through, or None: only a file:// store,
     or the file:// first tier of a tier list, is read that way (S3 and HTTP bytes go
@@ -67,7 +60,7 @@ def direct_chunk_io(store: Store, wanted: Any = True, max_in_flight: int = 8) ->
 
     if isinstance(wanted, str):
         wanted = parse_bool(wanted)
-    files = direct_file_tier(store)
+    files = chunk_file_tier(store)
     if files is None or not wanted:
         return None
     if wanted is not True:

@@ -59,12 +59,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.engine_io import StoreLoop, direct_chunk_io, direct_file_tier, each_bounded
+from connector.engine_io import StoreLoop, direct_chunk_io, each_bounded
 from connector.writebehind import SaveJob, WriteBehindQueue
 from gds.buffers import aligned_empty
 from gds.filestore import settle
 from hashing import Namespace, keys_from_block_hashes
 from storage.base import Store
+from storage.capabilities import chunk_file_tier
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -644,7 +645,7 @@ class KvstashConnector(KVConnectorBase_V1):
         store's bytes, and a chunk the file tier fails on, land in host memory through the
         store (pinned when the KV cache is on a GPU)."""
         device = next(iter(self._kv.values())).device
-        files = direct_file_tier(store) if self._chunk_io is not None else None
+        files = chunk_file_tier(store) if self._chunk_io is not None else None
         if files is not None:
             kind = "device" if device.type == "cuda" else "direct"
             buf = self._take_buffer(kind, device)

@@ -229,6 +229,11 @@ class _Connection:
         n = _content_length(headers)
         if n > limit:
             raise _HttpError(0, f"response body of {n} bytes is larger than expected")
+        async for piece in self._pieces(n):
+            yield piece
+
+    async def _pieces(self, n: int) -> AsyncIterator[bytes]:
+        """The next `n` bytes, in pieces of at most _PIECE bytes."""
         while n:
             piece = min(n, _PIECE)
             yield bytes(await self.read_exact(piece))
@@ -258,10 +263,8 @@ class _Connection:
             total += size
             if total > limit:
                 raise _HttpError(0, f"chunked response body past {limit} bytes")
-            while size:
-                piece = min(size, _PIECE)
-                yield bytes(await self.read_exact(piece))
-                size -= piece
+            async for piece in self._pieces(size):
+                yield piece
             if await self._read_line() != b"":
                 raise _HttpError(0, "chunked body is missing a CRLF")
 
