@@ -1,10 +1,15 @@
-"""`KVConnector`: the engine side of the cache — lookup, verified pipelined load, write-behind save.
+"""`KVConnector`: the one engine-side core — lookup, load-vs-recompute, bypass, verified loads, counters, write-behind.
 
-Threading contract. Every public method is synchronous and called from one engine thread.
-The connector owns an asyncio event loop in a daemon thread and is the only user of the
-store (the store's coroutines all run on that loop). The engine thread only hashes token
-ids, waits on futures with deadlines and copies bytes it already has; storage I/O,
-verification and saves run on the loop and its worker threads.
+Every engine adapter (HF transformers, the vLLM V1 connector, the vLLM offloading tier,
+SGLang HiCache) runs on it and only translates the engine's blocks, pages and buffers
+into chunks (keys, token ids) and load targets (`LoadTarget`).
+
+Threading contract. Every public method is synchronous, never waits on storage unless it
+says so, and may be called from the engine's threads. The store's coroutines all run on
+one asyncio loop in a daemon thread (`connector.engine_io.StoreLoop`, shared by every
+connector of a process that names the same store URLs). The synchronous `lookup`/`load`
+wait with deadlines (HF: the engine thread itself places each chunk); `lookup_async`,
+`load_async` and `write` return futures at once (vLLM, SGLang: the adapter polls them).
 
 Failure contract. Nothing raises into the engine for anything the store does: a miss, a
 timeout, an exception from a backend or a chunk that fails verification ends the hit at
@@ -28,29 +33,52 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
-from connector.engine_io import direct_chunk_io
-from connector.layout import ChunkLayout
+from connector.engine_io import StoreLoop
+from connector.layout import ChunkLayout, EngineLayout
 from connector.policy import LoadPlan, LoadPolicy
 from connector.writebehind import SaveJob, WriteBehindQueue
 from gds.buffers import host_view
 from hashing import Namespace, chunk_keys, token_array
 from storage.base import Store
 from storage.breaker import CircuitBreaker
-from storage.capabilities import chunk_file_tier
+from storage.capabilities import SupportsDirectReads
 from storage.codec import ChunkError, ChunkHeader
+from storage.options import parse_bool
 
 if TYPE_CHECKING:
     from gds import ChunkIO
 
 log = logging.getLogger("kvstash.connector")
 
-COUNTERS = (
-    "lookups", "lookup_tokens", "lookup_errors", "bypassed",
-    "loads", "hit_tokens", "hit_bytes", "load_seconds", "declined_tokens",
-    "load_misses", "load_errors", "load_timeouts", "verify_failures",
-    "save_queued", "saved_chunks", "saved_bytes", "save_skipped",
-    "save_drops", "save_dropped_bytes", "save_errors",
-)
+# The core's counters (engine adapters export them: vLLM as `vllm:kvstash_<name>`).
+COUNTERS = {
+    "lookups": "Prompt prefixes looked up in the store.",
+    "lookup_tokens": "Prompt tokens the store held at lookup (whole chunks).",
+    "lookup_errors": "Lookups that failed (store unreachable or erroring): misses.",
+    "lookup_timeouts": "Lookups that outlived lookup_timeout_s: misses.",
+    "bypassed": "Lookups and loads skipped while the circuit breaker had the store bypassed.",
+    "loads": "Loads started.",
+    "loaded_chunks": "Chunks read, verified and placed into the engine's KV cache.",
+    "hit_tokens": "Prompt tokens loaded from the store instead of computed.",
+    "hit_bytes": "Payload bytes loaded from the store.",
+    "load_seconds": "Wall time of loads, from start to the last chunk placed.",
+    "declined_tokens": "Stored tokens not loaded because recomputing them was faster.",
+    "failed_chunks": "Chunks a load planned but did not place (missing, corrupt, unreadable, late).",
+    "failed_load_tokens": "Prompt tokens recomputed because a chunk failed to load.",
+    "load_misses": "Chunks absent at load time.",
+    "load_errors": "Chunk reads that failed in the store or in placement.",
+    "load_timeouts": "Loads cut short by their deadline.",
+    "verify_failures": "Chunks rejected by verification (key, token ids, layout, checksum).",
+    "prefill_tokens": "Prompt tokens the engine computed (what the policy learns recompute speed from).",
+    "prefill_seconds": "Wall time of the engine's prefill steps.",
+    "save_queued": "Chunks handed to the write-behind queue.",
+    "saved_chunks": "Chunks written to the store.",
+    "saved_bytes": "Bytes of chunks written to the store.",
+    "save_skipped": "Chunks not written because the store already held them.",
+    "save_drops": "Chunks dropped because the write-behind queue was full.",
+    "save_dropped_bytes": "Bytes of chunks dropped because the write-behind queue was full.",
+    "save_errors": "Write-behind jobs that failed (their chunks become future misses).",
+}
 
 
 class LoadTarget(Protocol):
@@ -66,19 +94,78 @@ class LoadTarget(Protocol):
         """Move chunk i from its staging buffer into the engine's KV cache."""
 
 
+class Buffers:
+    """A `LoadTarget` whose staging buffers are the destinations themselves (nothing to
+    place): host pages of an offloading tier, SGLang's page buffers."""
+
+    def __init__(self, bufs: Sequence[Any]):
+        self.bufs = bufs
+
+    def staging(self, i: int) -> Any:
+        return self.bufs[i]
+
+    def place(self, i: int) -> None:
+        pass
+
+
+class LoadHandle:
+    """A load in flight (`KVConnector.load_async`). `chunks[i]` resolves to whether chunk
+    i was read, verified and placed; `done()` once every chunk has its answer and the
+    fetch has ended. `stalled`: the deadline cut it short, so a read still running may
+    yet write a staging buffer (do not reuse them)."""
+
+    def __init__(self, n: int, started: float):
+        self.chunks: list[concurrent.futures.Future[bool]] = [
+            concurrent.futures.Future() for _ in range(n)
+        ]
+        self.started = started
+        self.deadline = started
+        self.stalled = False
+        self.fetch: concurrent.futures.Future[None] | None = None
+
+    @classmethod
+    def failed(cls, n: int) -> LoadHandle:
+        """A load that did not start: every chunk failed."""
+        handle = cls(n, time.monotonic())
+        for f in handle.chunks:
+            f.set_result(False)
+        return handle
+
+    def done(self) -> bool:
+        return self.fetch is None or self.fetch.done()
+
+    def result(self, timeout: float | None = None) -> list[bool]:
+        """Per chunk, whether it was placed (waits up to `timeout` for the load to end)."""
+        if self.fetch is not None:
+            try:
+                self.fetch.result(timeout)
+            except concurrent.futures.CancelledError:
+                pass
+        return [f.done() and not f.cancelled() and f.result() for f in self.chunks]
+
+    def cancel(self) -> None:
+        if self.fetch is not None:
+            self.fetch.cancel()
+        for f in self.chunks:
+            _resolve(f, False)
+
+
 class KVConnector:
     """Engine-agnostic cache client over one store and one namespace.
 
-    `layout` (how a chunk's K/V sit in its payload) is usually bound by an engine adapter
-    (`connector.hf.CachedPrefill`). `max_in_flight` bounds concurrent chunk reads;
+    `store`: URL(s) (the process shares one loop and store per URL list) or a `Store`
+    (driven by a loop of its own). `layout` (how a chunk's K/V sit in its payload) is
+    bound by the engine adapter. `max_in_flight` bounds concurrent chunk reads;
     `save_queue_bytes` bounds the write-behind queue; `lookup_timeout_s` bounds the one
-    store call a miss costs.
+    store call a miss costs. `policy` decides how much of a stored prefix is worth
+    loading and how long to wait for it; `breaker_*` set the circuit breaker that
+    bypasses a failing store.
 
-    `direct_io`: a file:// store's chunks are read by `gds.ChunkIO` (GPUDirect Storage into
-    device memory where the host has it, pinned bounce buffers otherwise, in-place reads
-    into host memory), straight into whatever `LoadTarget.staging` returns, CUDA tensors
-    included. True builds a ChunkIO for the store's directory; pass one to share it; False
-    reads through the store like every other backend (whose bytes land in host staging).
+    `direct_io`: a store that reads directly into device buffers (`SupportsDirectReads`:
+    file://, or a tier list whose first tier is file://) is read that way, straight into
+    whatever `LoadTarget.staging` returns, CUDA tensors included. True enables it (the
+    store builds its ChunkIO); a `gds.ChunkIO` is shared with the store; False reads
+    through `get_into_many` like every other backend (bytes land in host staging).
     """
 
     def __init__(
@@ -86,7 +173,7 @@ class KVConnector:
         store: Store | str | Sequence[str],
         ns: Namespace,
         *,
-        layout: ChunkLayout | None = None,
+        layout: ChunkLayout | EngineLayout | None = None,
         max_in_flight: int = 8,
         lookup_timeout_s: float = 1.0,
         save_queue_bytes: int = 512 * 1024**2,
@@ -94,42 +181,43 @@ class KVConnector:
         breaker_failures: int = 1,
         breaker_cooldown: float = 1.0,
         breaker_max_cooldown: float = 30.0,
-        direct_io: bool | ChunkIO = True,
+        direct_io: bool | str | ChunkIO = True,
     ):
-        if not isinstance(store, Store):
-            from storage.registry import open_store
-
-            store = open_store(store)
-        self.store = store
+        self.io = StoreLoop(store) if isinstance(store, Store) else StoreLoop.shared(store)
+        self._owns_store = not isinstance(store, Store)
+        self.store = self.io.store
+        self._loop = self.io.loop
         self.ns = ns
-        self.layout: ChunkLayout | None = None
+        self.layout: ChunkLayout | EngineLayout | None = None
         self.max_in_flight = max_in_flight
         self.lookup_timeout_s = lookup_timeout_s
         self.policy = policy or LoadPolicy()
         self._breaker = CircuitBreaker(breaker_failures, breaker_cooldown, breaker_max_cooldown)
+        self._breaker_lock = threading.Lock()  # asked on engine threads, told on the loop
         self._counters = Counters()
         self._count = self._counters.add
         self._closed = False
         if layout is not None:
             self.bind_layout(layout)
-        self.chunk_io = direct_chunk_io(store, direct_io, max_in_flight)
-        self._owns_chunk_io = direct_io is True and self.chunk_io is not None
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="kvstash-connector", daemon=True
-        )
-        self._thread.start()
-        self._writer = WriteBehindQueue(store, self._loop, self._count, save_queue_bytes)
+        if isinstance(direct_io, str):
+            direct_io = parse_bool(direct_io)
+        self.chunk_io: ChunkIO | None = None
+        if direct_io is not False and isinstance(self.store, SupportsDirectReads):
+            given = None if direct_io is True else direct_io
+            self.chunk_io = self.store.enable_direct_reads(given, max_in_flight=max_in_flight)
+        self._writer = WriteBehindQueue(self.store, self._loop, self._count, save_queue_bytes)
         # A connector dropped or left open at exit still finishes its queued saves.
-        self._finalizer = weakref.finalize(self, _shutdown, self._loop, self._thread, self._writer)
+        self._finalizer = weakref.finalize(self, _shutdown, self.io, self._writer,
+                                           self._owns_store)
 
     def __repr__(self) -> str:
         return f"<KVConnector {self.store} ns={self.ns.id}>"
 
     # -- configuration -------------------------------------------------------------------
 
-    def bind_layout(self, layout: ChunkLayout) -> None:
-        """Fix the chunk layout; the namespace must describe it (or chunks would mix)."""
+    def bind_layout(self, layout: ChunkLayout | EngineLayout) -> None:
+        """Fix the chunk layout; the namespace must describe a model's ChunkLayout (or
+        chunks would mix). An EngineLayout's namespace is the adapter's to build."""
         wrong = [
             f"{name}={getattr(self.ns, name)!r} (the model needs {want!r})"
             for name, want in (
@@ -137,7 +225,7 @@ class KVConnector:
                 ("chunk_tokens", layout.chunk_tokens),
             )
             if getattr(self.ns, name) != want
-        ]
+        ] if isinstance(layout, ChunkLayout) else []
         if wrong:
             raise ValueError(
                 "namespace does not describe this model's KV layout: " + ", ".join(wrong)
@@ -151,11 +239,19 @@ class KVConnector:
 
     @property
     def reads_direct(self) -> bool:
-        """Whether loads go through `gds.ChunkIO`: staging may then be any tensor, on any
-        device; otherwise it must be host memory."""
+        """Whether loads go through the store's direct reads (`gds.ChunkIO`): staging may
+        then be any tensor, on any device; otherwise it must be host memory."""
         return self.chunk_io is not None
 
     # -- counters ------------------------------------------------------------------------
+
+    def counters(self) -> dict[str, float]:
+        """The counters of COUNTERS since start (any thread)."""
+        return self._counters.snapshot()
+
+    def count(self, **deltas: float) -> None:
+        """Add to counters of COUNTERS that only the engine adapter can see."""
+        self._count(**deltas)
 
     def stats(self) -> dict[str, Any]:
         """Counters since start, plus load GB/s and the policy's current estimates."""
@@ -165,7 +261,8 @@ class KVConnector:
         out["store"] = str(self.store)
         out["namespace"] = self.ns.id
         out["chunk_io"] = self.chunk_io.stats() if self.chunk_io is not None else None
-        out.update(self._breaker.snapshot())
+        with self._breaker_lock:
+            out.update(self._breaker.snapshot())
         out.update(self.policy.snapshot())
         return out
 
@@ -176,19 +273,28 @@ class KVConnector:
         breaker (a lookup), so it may be the half-open probe; a load only asks."""
         if self._closed:
             return True
-        if self._breaker.allow() if probe else not self._breaker.is_open:
-            return False
+        with self._breaker_lock:
+            if self._breaker.allow() if probe else not self._breaker.is_open:
+                return False
         self._count(bypassed=1)
         return True
 
-    def _store_failed(self, what: str, exc: BaseException) -> None:
-        if self._breaker.record(False):
-            log.warning(
-                "%s on %s failed (%s); bypassing the store for %.0f s",
-                what, self.store, exc or type(exc).__name__, self._breaker.open_for_s,
-            )
+    def _store_answered(self, exc: BaseException | None, what: str = "lookup") -> None:
+        """Tell the breaker how a probing call went (None: it succeeded)."""
+        with self._breaker_lock:
+            if exc is None:
+                self._breaker.success()
+                return
+            if not isinstance(exc, Exception):  # interrupted or cancelled: neither verdict
+                self._breaker.release()
+                return
+            tripped = self._breaker.record(False)
+            open_for = self._breaker.open_for_s
+        if tripped:
+            log.warning("%s on %s failed (%s); bypassing the store for %.0f s",
+                        what, self.store, exc or type(exc).__name__, open_for)
 
-    def _call(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
+    def _call(self, coro: Coroutine[Any, Any, Any], timeout: float | None) -> Any:
         """Run a store coroutine on the connector loop and wait at most `timeout` seconds."""
         future = asyncio.run_coroutine_threadsafe(coro, self._loop)
         try:
@@ -199,39 +305,79 @@ class KVConnector:
 
     # -- lookup --------------------------------------------------------------------------
 
-    def lookup(self, token_ids: Any, max_tokens: int | None = None) -> int:
-        """Tokens of this prompt's prefix the store holds (whole chunks, one batched call)."""
-        self._count(lookups=1)
-        try:
-            tokens = token_array(token_ids)
-        except ValueError as exc:
-            log.warning("lookup skipped: %s", exc)
-            return 0
+    def keys(self, token_ids: Any, max_tokens: int | None = None) -> tuple[list[str], np.ndarray]:
+        """(chunk keys, token ids) of a prompt's full chunks in this namespace."""
+        tokens = token_array(token_ids)
         if max_tokens is not None:
             tokens = tokens[: max(max_tokens, 0)]
         keys = chunk_keys(tokens, self.ns)
-        if not keys or self._bypassed(probe=True):
-            return 0
+        return keys, tokens[: len(keys) * self.chunk_tokens]
+
+    def lookup(self, token_ids: Any, max_tokens: int | None = None) -> int:
+        """Tokens of this prompt's prefix the store holds (whole chunks, one batched call);
+        waits at most `lookup_timeout_s`."""
         try:
-            n = int(self._call(self.store.prefix_len(keys), self.lookup_timeout_s))
+            keys, _ = self.keys(token_ids, max_tokens)
+        except ValueError as exc:
+            self._count(lookups=1)
+            log.warning("lookup skipped: %s", exc)
+            return 0
+        return self.lookup_async(keys).result() * self.chunk_tokens
+
+    def lookup_async(self, keys: Sequence[str] | Sequence[Sequence[str]]) -> concurrent.futures.Future[int]:
+        """Leading chunks of `keys` the store holds, without waiting: one batched call;
+        given several key lists (e.g. every worker rank's), the chunks held for all of
+        them. The future resolves within `lookup_timeout_s`, to 0 for a failure, a timeout
+        or a bypassed store (counted, and the breaker told), never to an exception."""
+        self._count(lookups=1)
+        lists = [list(k) for k in keys] if keys and not isinstance(keys[0], str) else [list(keys)]
+        if not lists[0] or self._bypassed(probe=True):
+            done: concurrent.futures.Future[int] = concurrent.futures.Future()
+            done.set_result(0)
+            return done
+        return asyncio.run_coroutine_threadsafe(self._lookup(lists), self._loop)
+
+    async def _lookup(self, lists: list[list[str]]) -> int:
+        try:
+            async with asyncio.timeout(self.lookup_timeout_s):
+                found = await asyncio.gather(*(self.store.prefix_len(k) for k in lists))
+        except TimeoutError as exc:
+            self._count(lookup_timeouts=1)
+            self._store_answered(exc)
+            return 0
         except BaseException as exc:
-            if not isinstance(exc, Exception):  # interrupted: neither verdict
-                self._breaker.release()
+            self._store_answered(exc)
+            if not isinstance(exc, Exception):
                 raise
             self._count(lookup_errors=1)
-            self._store_failed("lookup", exc)
             return 0
-        self._breaker.success()
-        hit = min(max(n, 0), len(keys)) * self.chunk_tokens
-        self._count(lookup_tokens=hit)
-        return hit
+        self._store_answered(None)
+        n = min(min(max(int(f), 0), len(k)) for f, k in zip(found, lists, strict=True))
+        self._count(lookup_tokens=n * self.chunk_tokens)
+        return n
 
-    def plan(self, cached_tokens: int) -> LoadPlan:
-        """How much of a cached prefix is worth loading now (see `connector.policy`)."""
-        layout = self._require_layout()
-        plan = self.policy.plan(
-            cached_tokens // self.chunk_tokens, self.chunk_tokens, layout.payload_nbytes
-        )
+    def exists(self, keys: Sequence[str], timeout: float | None = None) -> list[bool]:
+        """Which keys the store holds (waits at most `timeout`, default `lookup_timeout_s`);
+        all False for a failure or a bypassed store."""
+        if not keys or self._bypassed(probe=True):
+            return [False] * len(keys)
+        try:
+            found = self._call(self.store.exists(list(keys)), timeout or self.lookup_timeout_s)
+        except BaseException as exc:
+            self._store_answered(exc, "existence check")
+            if not isinstance(exc, Exception):
+                raise
+            self._count(lookup_errors=1)
+            return [False] * len(keys)
+        self._store_answered(None)
+        return [bool(f) for f in found]
+
+    def plan(self, cached_tokens: int, chunk_nbytes: int | None = None) -> LoadPlan:
+        """How much of a cached prefix is worth loading now (see `connector.policy`);
+        `chunk_nbytes` defaults to the bound layout's payload size."""
+        if chunk_nbytes is None:
+            chunk_nbytes = self._require_layout().payload_nbytes
+        plan = self.policy.plan(cached_tokens // self.chunk_tokens, self.chunk_tokens, chunk_nbytes)
         declined = cached_tokens // self.chunk_tokens - plan.chunks
         if declined > 0:
             self._count(declined_tokens=declined * self.chunk_tokens)
@@ -240,8 +386,13 @@ class KVConnector:
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine reports each prefill it ran, so the policy knows what recompute costs."""
         self.policy.observe_prefill(tokens, seconds)
+        self._count(prefill_tokens=tokens, prefill_seconds=seconds)
 
-    def _require_layout(self) -> ChunkLayout:
+    def observe_load(self, nbytes: int, seconds: float) -> None:
+        """A load measured elsewhere (e.g. vLLM's workers, reported to its scheduler)."""
+        self.policy.observe_load(nbytes, seconds)
+
+    def _require_layout(self) -> ChunkLayout | EngineLayout:
         if self.layout is None:
             raise RuntimeError("KVConnector has no chunk layout: call bind_layout() first")
         return self.layout
@@ -261,7 +412,6 @@ class KVConnector:
         placed on this thread while chunk i+1 is still being read. The first chunk that
         is missing, fails verification or is not there by the deadline ends the hit.
         """
-        layout = self._require_layout()
         n = self.chunk_tokens
         try:
             tokens = token_array(token_ids)
@@ -269,39 +419,29 @@ class KVConnector:
             log.warning("load skipped: %s", exc)
             return 0
         n_chunks = min(max(num_tokens, 0), len(tokens)) // n
-        if n_chunks == 0 or self._bypassed():
+        if n_chunks == 0:
             return 0
-        tokens = tokens[: n_chunks * n]
-        keys = chunk_keys(tokens, self.ns)
-        wait_s = self.policy.deadline_s(n_chunks * n) if deadline_s is None else deadline_s
-        started = time.monotonic()
-        deadline = started + wait_s
-        self._count(loads=1)
-        try:
-            dests = [target.staging(i) for i in range(n_chunks)]
-            if self.chunk_io is None:
-                dests = [host_view(d) for d in dests]
-        except Exception as exc:  # noqa: BLE001 - the engine could not give us memory: recompute
-            log.warning("load skipped: no staging memory: %s", exc)
+        keys, tokens = self.keys(tokens, n_chunks * n)
+        per_chunk = [tokens[i * n : (i + 1) * n] for i in range(n_chunks)]
+        handle = self._start_load(keys, per_chunk, target, deadline_s, place_on_io=False)
+        if handle.fetch is None:
             return 0
-        done: list[concurrent.futures.Future[bool]] = [
-            concurrent.futures.Future() for _ in range(n_chunks)
-        ]
-        fetch_all = self._fetch_direct if self.chunk_io is not None else self._fetch_all
-        fetch = asyncio.run_coroutine_threadsafe(
-            fetch_all(keys, tokens, dests, done, layout), self._loop
-        )
-        placed, stalled = 0, False
+        placed = 0
+        wait_s = handle.deadline - handle.started
         try:
             for i in range(n_chunks):
+                # The fetch resolves every chunk by the deadline; the margin covers a loop
+                # that is itself stuck.
+                remaining = max(handle.deadline - time.monotonic(), 0.0) + 1.0
                 try:
-                    ok = done[i].result(timeout=max(deadline - time.monotonic(), 0.0))
+                    ok = handle.chunks[i].result(timeout=remaining)
                 except concurrent.futures.TimeoutError:
-                    self._count(load_timeouts=1)
-                    log.warning("load from %s: chunk %d not there in %.3f s", self.store, i, wait_s)
-                    stalled = True
-                    break
+                    ok = False
+                    handle.stalled = True
                 if not ok:
+                    if handle.stalled:
+                        log.warning("load from %s: chunk %d not there in %.3f s",
+                                    self.store, i, wait_s)
                     break
                 target.place(i)
                 placed += 1
@@ -309,36 +449,112 @@ class KVConnector:
             log.warning("placing chunk %d failed: %s", placed, exc)
         finally:
             if placed < n_chunks:
-                fetch.cancel()
-        elapsed = time.monotonic() - started
-        nbytes = placed * layout.payload_nbytes
-        if placed == n_chunks or stalled:
-            self.policy.observe_load(nbytes, elapsed)
-        self._count(hit_tokens=placed * n, hit_bytes=nbytes, load_seconds=elapsed)
+                handle.cancel()
+        self._account(handle, placed, n_chunks)
         return placed * n
 
-    async def _fetch_all(
+    def load_async(
+        self,
+        keys: Sequence[str],
+        tokens: Sequence[Any],
+        target: LoadTarget,
+        deadline_s: float | None = None,
+    ) -> LoadHandle:
+        """Start loading chunks `keys` (chunk i holds token ids `tokens[i]`) into `target`
+        and return at once. Each chunk is read, verified and placed (`target.place(i)` on
+        an I/O thread, as it lands, in any order); past the first chunk that fails no
+        further read starts. Chunks not placed by the deadline (default: the policy's)
+        fail. Poll `handle.done()`; `handle.result()` says which chunks were placed."""
+        return self._start_load(list(keys), list(tokens), target, deadline_s, place_on_io=True)
+
+    def read(self, keys: Sequence[str], bufs: Sequence[Any], tokens: Sequence[Any] | None = None,
+             timeout: float | None = None) -> list[bool]:
+        """Blocking: read, verify and copy each chunk's payload into its buffer (host
+        memory, or any tensor when `reads_direct`); per chunk whether it is there. For
+        adapters whose engine waits on a background thread (SGLang)."""
+        tokens = tokens if tokens is not None else [()] * len(keys)
+        handle = self.load_async(keys, tokens, Buffers(bufs), timeout)
+        return handle.result(None if timeout is None else timeout + 1.0)
+
+    def _start_load(self, keys: list[str], tokens: list[Any], target: LoadTarget,
+                    deadline_s: float | None, place_on_io: bool) -> LoadHandle:
+        layout = self._require_layout()
+        n_chunks = len(keys)
+        if n_chunks == 0 or self._bypassed():
+            return LoadHandle.failed(n_chunks)
+        wait_s = (self.policy.deadline_s(n_chunks * self.chunk_tokens)
+                  if deadline_s is None else deadline_s)
+        handle = LoadHandle(n_chunks, time.monotonic())
+        handle.deadline = handle.started + wait_s
+        try:
+            dests = [target.staging(i) for i in range(n_chunks)]
+            if self.chunk_io is None:
+                dests = [host_view(d) for d in dests]
+        except Exception as exc:  # noqa: BLE001 - the engine could not give us memory: recompute
+            log.warning("load skipped: no staging memory: %s", exc)
+            return LoadHandle.failed(n_chunks)
+        self._count(loads=1)
+        handle.fetch = asyncio.run_coroutine_threadsafe(
+            self._fetch(keys, tokens, dests, handle, layout, target if place_on_io else None),
+            self._loop,
+        )
+        return handle
+
+    def _account(self, handle: LoadHandle, placed: int, planned: int) -> None:
+        """Counters and the policy's store speed, once a load has its answer."""
+        layout = self._require_layout()
+        elapsed = time.monotonic() - handle.started
+        nbytes = placed * layout.payload_nbytes
+        if placed == planned or handle.stalled:
+            self.policy.observe_load(nbytes, elapsed)
+        self._count(hit_tokens=placed * self.chunk_tokens, hit_bytes=nbytes,
+                    load_seconds=elapsed, loaded_chunks=placed,
+                    failed_chunks=planned - placed, load_timeouts=int(handle.stalled))
+
+    async def _fetch(
         self,
         keys: list[str],
-        tokens: np.ndarray,
-        bufs: list[memoryview],
-        done: list[concurrent.futures.Future[bool]],
-        layout: ChunkLayout,
+        tokens: list[Any],
+        dests: list[Any],
+        handle: LoadHandle,
+        layout: ChunkLayout | EngineLayout,
+        placer: LoadTarget | None,
     ) -> None:
-        """Read every chunk with one batched store call. Each chunk is checked as it lands
-        (on the store's I/O thread where it has one, else on the loop) and its future set
-        there, so the engine thread places it without a hop through the loop; past the
-        first chunk that cannot be used no further read is started."""
-        n = self.chunk_tokens
+        """Read every chunk with one batched store call: `read_chunks_into` when reading
+        directly (the reader checked each payload), else `get_into_many` into host
+        staging (checked here). Each chunk is verified as it lands, on the store's I/O
+        thread, placed there too when `placer` is given, and its future resolved there,
+        so nobody waits on a hop through the loop; past the first chunk that cannot be
+        used no further read is started. The deadline resolves what is left as failed."""
+        direct = self.chunk_io is not None
+        done = handle.chunks
 
-        def landed(i: int, header: ChunkHeader | None) -> bool:
-            ok = self._accept(keys[i], tokens[i * n : (i + 1) * n], bufs[i], layout, header)
+        def landed(i: int, header: ChunkHeader | None, why: str | None = None) -> bool:
+            ok = False
+            try:
+                if header is None:
+                    self._count(**{_MISS_COUNTER.get(why or "", "load_misses"): 1})
+                else:
+                    ok = self._accept(keys[i], tokens[i], None if direct else dests[i],
+                                      layout, header)
+                if ok and placer is not None:
+                    placer.place(i)
+            except Exception as exc:  # noqa: BLE001 - any failure is a miss
+                ok = False
+                self._count(load_errors=1)
+                log.warning("chunk %s from %s: %s", keys[i], self.store, exc)
             _resolve(done[i], ok)
             return ok
 
         try:
-            await self.store.get_into_many(keys, bufs, concurrency=self.max_in_flight,
-                                           on_done=landed)
+            async with asyncio.timeout_at(self._loop.time() + handle.deadline - time.monotonic()):
+                if direct:
+                    await self.store.read_chunks_into(keys, dests, on_done=landed)
+                else:
+                    await self.store.get_into_many(keys, dests, concurrency=self.max_in_flight,
+                                                   on_done=landed)
+        except TimeoutError:
+            handle.stalled = any(not f.done() for f in done)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - any backend failure is a miss
@@ -347,118 +563,12 @@ class KVConnector:
         finally:
             for f in done:
                 _resolve(f, False)
+            if placer is not None:
+                ok = [f.result() for f in done]
+                self._account(handle, sum(ok), len(ok))
 
-    async def _fetch_direct(
-        self,
-        keys: list[str],
-        tokens: np.ndarray,
-        dests: list[Any],
-        done: list[concurrent.futures.Future[bool]],
-        layout: ChunkLayout,
-    ) -> None:
-        """`_fetch_all` through ChunkIO: every chunk is submitted at once (ChunkIO runs at
-        most `max_inflight`, in order). ChunkIO checks the header against the key and, with
-        verify="checksum", the payload's xxh3 (on device for CUDA destinations); the layout
-        and token ids are checked here. The store is told of each read (hits refresh its
-        LRU, corrupt files are quarantined). With a tier list whose first tier is the file
-        store, a chunk that fails there is read through the tier list (`_from_lower_tiers`).
-        Past the first chunk that cannot be used the reads not yet started are cancelled."""
-        from gds.filestore import settle
-
-        io, files = self.chunk_io, chunk_file_tier(self.store)
-        has_lower_tiers = files is not self.store
-        n = self.chunk_tokens
-        futures: list[concurrent.futures.Future[Any]] = []
-
-        def finish(i: int, ok: bool) -> None:
-            _resolve(done[i], ok)
-            if not ok:
-                for later in futures[i + 1 :]:
-                    later.cancel()
-
-        def landed(i: int, fut: concurrent.futures.Future[Any]) -> None:
-            # On ChunkIO's request thread, where the store's own reads would have run.
-            ok = False
-            try:
-                if not fut.cancelled():
-                    header, why = settle(files, keys[i], fut)
-                    if header is not None:
-                        ok = self._accept(keys[i], tokens[i * n : (i + 1) * n], None, layout, header)
-                    elif has_lower_tiers:
-                        # Missing, corrupt (now quarantined) or unreadable in the file tier:
-                        # the tier list reads it from below, as its own get_into would.
-                        self._loop.call_soon_threadsafe(from_lower, i)
-                        return  # done[i] is resolved once the lower tiers answer
-                    else:
-                        self._count(**{_MISS_COUNTER.get(why, "load_misses"): 1})
-            except Exception as exc:  # noqa: BLE001 - any failure is a miss
-                self._count(load_errors=1)
-                log.warning("chunk %s from %s: %s", keys[i], files, exc)
-            finish(i, ok)
-
-        lower_reads: set[asyncio.Task] = set()
-
-        def from_lower(i: int) -> None:
-            async def read() -> None:
-                ok = False
-                try:
-                    ok = await self._from_lower_tiers(keys[i], tokens[i * n : (i + 1) * n],
-                                                      dests[i], layout)
-                except Exception as exc:  # noqa: BLE001 - any failure is a miss
-                    self._count(load_errors=1)
-                    log.warning("chunk %s from %s: %s", keys[i], self.store, exc)
-                finish(i, ok)
-
-            task = asyncio.ensure_future(read())
-            lower_reads.add(task)
-            task.add_done_callback(lower_reads.discard)
-
-        try:
-            for key, dest in zip(keys, dests, strict=True):
-                futures.append(io.submit_chunk(files.chunk_path(key), dest, key, trust=files))
-            for i, fut in enumerate(futures):  # once the list is whole: `landed` reads it
-                fut.add_done_callback(lambda f, i=i: landed(i, f))
-            # Every chunk's answer: from ChunkIO, or from the lower tiers it handed over to.
-            # (shielded: cancelling this fetch must not cancel the engine's futures)
-            await asyncio.gather(*(asyncio.shield(asyncio.wrap_future(f)) for f in done),
-                                 return_exceptions=True)
-        except Exception as exc:  # noqa: BLE001 - any failure is a miss (not a cancellation)
-            self._count(load_errors=1)
-            log.warning("direct read from %s failed: %s", files, exc)
-        finally:
-            for f in futures:
-                f.cancel()  # only those not yet started: no read starts after we give up
-            for task in list(lower_reads):
-                task.cancel()
-            for f in done:
-                _resolve(f, False)
-
-    async def _from_lower_tiers(self, key: str, tokens: np.ndarray, dest: Any,
-                                layout: ChunkLayout) -> bool:
-        """A chunk the file tier lacks (or failed to read), read through the tier list
-        (which tries the lower tiers and promotes a hit) into `dest`; a CUDA destination is
-        filled from pinned host memory, as for any S3 or HTTP store."""
-        from gds.buffers import is_cuda
-
-        if not is_cuda(dest):
-            host = host_view(dest)
-            return self._accept(key, tokens, host, layout, await self.store.get_into(key, host))
-        import torch
-
-        staging = torch.empty(layout.payload_nbytes, dtype=torch.uint8, pin_memory=True)
-        host = host_view(staging)
-        if not self._accept(key, tokens, host, layout, await self.store.get_into(key, host)):
-            return False
-        flat = dest.detach().reshape(-1).view(torch.uint8)
-        flat[: layout.payload_nbytes].copy_(staging, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(dest.device))
-        while not done.query():  # the engine thread places it next: the copy must be done
-            await asyncio.sleep(0.0002)
-        return True
-
-    def _accept(self, key: str, tokens: np.ndarray, buf: memoryview | None, layout: ChunkLayout,
-                header: ChunkHeader | None) -> bool:
+    def _accept(self, key: str, tokens: Any, buf: memoryview | None,
+                layout: ChunkLayout | EngineLayout, header: ChunkHeader | None) -> bool:
         """Whether a fetched chunk is the one these tokens need. `buf` None: its payload was
         checked by the reader (ChunkIO) and is not in host memory to check here."""
         if header is None:
@@ -482,57 +592,79 @@ class KVConnector:
         thread, so it must read KV that the engine will not overwrite. Returns the number
         of chunks queued (the rest were dropped: queue full). Never blocks on storage.
         """
-        layout = self._require_layout()
         n = self.chunk_tokens
         try:
-            tokens = token_array(token_ids)
+            keys, tokens = self.keys(token_ids)
         except ValueError as exc:
             log.warning("save skipped: %s", exc)
             return 0
-        keys = chunk_keys(tokens, self.ns)
         first = max(start_tokens, 0) // n
-        if first >= len(keys) or self._closed:
-            return 0
-        job = SaveJob(
-            keys=keys[first:],
-            tokens=[tokens[i * n : (i + 1) * n] for i in range(first, len(keys))],
-            first=first,
-            payload=payload,
-            chunk_nbytes=layout.payload_nbytes,
-            meta=layout.meta(),
+        return self.save_chunks(
+            keys[first:], [tokens[i * n : (i + 1) * n] for i in range(first, len(keys))],
+            payload, first=first,
         )
-        return self._writer.submit(job)
+
+    def save_chunks(self, keys: Sequence[str], tokens: Sequence[Any],
+                    payload: Callable[[int], Any], *, first: int = 0) -> int:
+        """Queue chunks by key for write-behind: chunk `first + j` has key `keys[j]`, token
+        ids `tokens[j]` and payload `payload(first + j)` (called later on a worker thread).
+        Returns the number of chunks queued (the rest were dropped: queue full)."""
+        if not keys or self._closed:
+            return 0
+        return self._writer.submit(self._job(keys, tokens, payload, first))
+
+    def write(self, keys: Sequence[str], tokens: Sequence[Any] | None,
+              payload: Callable[[int], Any]) -> concurrent.futures.Future[list[bool]]:
+        """`save_chunks` with an answer: the future resolves, once the queue has written
+        them, to whether each chunk is in the store (written, or already there); a chunk
+        the queue had no room for, or that failed, is False. For engines that track their
+        offload jobs (vLLM's offloading tier, SGLang's backup thread)."""
+        job = self._job(keys, [()] * len(keys) if tokens is None else tokens, payload, 0)
+        job.done = concurrent.futures.Future()
+        if self._closed:
+            job.done.set_result([False] * len(keys))
+        else:
+            self._writer.submit(job)
+        return job.done
+
+    def _job(self, keys: Sequence[str], tokens: Sequence[Any], payload: Callable[[int], Any],
+             first: int) -> SaveJob:
+        layout = self._require_layout()
+        return SaveJob(
+            keys=list(keys), tokens=[token_array(t) for t in tokens], first=first,
+            payload=payload, chunk_nbytes=layout.payload_nbytes, meta=layout.meta(),
+        )
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued save is written (or failed); False on timeout."""
         if self._closed:
             return True
         try:
-            self._call(self._writer.join(), timeout)  # type: ignore[arg-type]
+            self._call(self._writer.join(), timeout)
         except concurrent.futures.TimeoutError:
             return False
         return True
 
+    @property
+    def save_pending_bytes(self) -> int:
+        return self._writer.pending_bytes
+
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float | None = None) -> Any:
         """Run a coroutine on the connector's loop (e.g. a store call from a test or tool)."""
-        return self._call(coro, timeout)  # type: ignore[arg-type]
+        return self._call(coro, timeout)
 
     def close(self, close_store: bool = True, timeout: float | None = 30.0) -> None:
-        """Finish queued saves (up to `timeout`), then stop the loop (and close the store)."""
+        """Finish queued saves (up to `timeout`), then release the loop; the store is
+        closed with the last connector of the process that uses it (a store object given
+        to the constructor only if `close_store`)."""
         if self._closed:
             return
         if not self.flush(timeout):
             log.warning("closing %s with saves still queued", self.store)
         self._closed = True
-        try:
-            if close_store:
-                self._call(self.store.close(), timeout)  # type: ignore[arg-type]
-        except Exception as exc:  # noqa: BLE001 - closing must not fail the engine either
-            log.warning("closing %s: %s", self.store, exc)
-        finally:
-            self._finalizer()
-            if self._owns_chunk_io:
-                self.chunk_io.close()
+        self._finalizer.detach()
+        _shutdown(self.io, self._writer, self._owns_store or close_store,
+                  30.0 if timeout is None else timeout)
 
     def __enter__(self) -> KVConnector:
         return self
@@ -558,26 +690,19 @@ class Counters:
             return dict(self._values)
 
 
-def _shutdown(
-    loop: asyncio.AbstractEventLoop, thread: threading.Thread, writer: WriteBehindQueue,
-    timeout: float = 10.0,
-) -> None:
-    """Stop a connector's loop after its queued saves (bounded by `timeout`)."""
-    if loop.is_closed():
+def _shutdown(io: StoreLoop, writer: WriteBehindQueue, close_store: bool,
+              timeout: float = 10.0) -> None:
+    """Finish a connector's queued saves (bounded by `timeout`) and release its loop."""
+    if io.loop.is_closed():
         return
-    if threading.current_thread() is thread:  # collected on its own loop: cannot wait here
-        loop.stop()
-        return
-    for step in (writer.join, writer.stop):
-        try:
-            asyncio.run_coroutine_threadsafe(step(), loop).result(timeout)
-        except Exception as exc:  # noqa: BLE001 - shutting down must not raise
-            log.warning("connector shutdown: %s", exc or type(exc).__name__)
-            break
-    loop.call_soon_threadsafe(loop.stop)
-    thread.join(timeout)
-    if not thread.is_alive():
-        loop.close()
+    if threading.current_thread() is not io._thread:  # else collected on its own loop
+        for step in (writer.join, writer.stop):
+            try:
+                asyncio.run_coroutine_threadsafe(step(), io.loop).result(timeout)
+            except Exception as exc:  # noqa: BLE001 - shutting down must not raise
+                log.warning("connector shutdown: %s", exc or type(exc).__name__)
+                break
+    io.release(timeout, close_store=close_store)
 
 
 # The connector counter for each reason ChunkIO gives for a failed read (gds.errors).
@@ -593,8 +718,8 @@ def _resolve(f: concurrent.futures.Future[bool], ok: bool) -> None:
 
 
 def _verify(
-    header: ChunkHeader, key: str, tokens: np.ndarray, buf: memoryview | None,
-    layout: ChunkLayout,
+    header: ChunkHeader, key: str, tokens: Any, buf: memoryview | None,
+    layout: ChunkLayout | EngineLayout,
 ) -> str | None:
     """Why a fetched chunk cannot be used for these tokens, or None if it can."""
     if header.key != key:

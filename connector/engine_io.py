@@ -15,11 +15,10 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from storage.base import Store
-from storage.capabilities import chunk_file_tier
 from storage.registry import open_store
 
 log = logging.getLogger("kvstash.connector")
@@ -32,55 +31,21 @@ def store_id(urls: StoreSpec) -> tuple[str, ...]:
     return (urls,) if isinstance(urls, str) else tuple(urls)
 
 
-async def each_bounded(work: Callable[[int], Awaitable[bool]], n: int, limit: int) -> list[bool]:
-    """`[await work(i) for i < n]` with at most `limit` in flight; False where `work` raised.
-
-    One page or chunk failing (a backend error, a corrupt object) fails only itself.
-    """
-    gate = asyncio.Semaphore(limit)
-
-    async def one(i: int) -> bool:
-        async with gate:
-            try:
-                return await work(i)
-            except Exception as exc:  # noqa: BLE001 - the engine sees a miss, never an error
-                log.warning("engine page/chunk I/O failed: %s", exc)
-                return False
-
-    return list(await asyncio.gather(*(one(i) for i in range(n))))
-
-
-def direct_chunk_io(store: Store, wanted: Any = True, max_in_flight: int = 8) -> Any:
-    """The `gds.ChunkIO` a connector reads `store` through, or None: only a file:// store,
-    or the file:// first tier of a tier list, is read that way (S3 and HTTP bytes go
-    through the store into pinned host buffers). `wanted`: True (or "true", from an
-    engine's config) builds one for the store's directory; False none; a ChunkIO is used
-    as given."""
-    from storage.options import parse_bool
-
-    if isinstance(wanted, str):
-        wanted = parse_bool(wanted)
-    files = chunk_file_tier(store)
-    if files is None or not wanted:
-        return None
-    if wanted is not True:
-        return wanted
-    from gds import ChunkIO, IOConfig
-
-    return ChunkIO(IOConfig(max_inflight=max_in_flight), probe_dir=files.root)
-
-
 class StoreLoop:
     _shared: dict[tuple[str, ...], StoreLoop] = {}
     _shared_lock = threading.Lock()
 
-    def __init__(self, urls: StoreSpec):
-        self.id = store_id(urls)
-        # Opening validates the URL(s) now, on the caller's thread: a bad setting fails
-        # engine start-up with one clear ConfigError instead of every request missing.
-        self.store: Store = open_store(list(self.id))
+    def __init__(self, urls: StoreSpec | Store):
+        if isinstance(urls, Store):  # a store object: this loop is its own, not shared
+            self.id: tuple[str, ...] = ()
+            self.store = urls
+        else:
+            self.id = store_id(urls)
+            # Opening validates the URL(s) now, on the caller's thread: a bad setting fails
+            # engine start-up with one clear ConfigError instead of every request missing.
+            self.store = open_store(list(self.id))
         self.loop = asyncio.new_event_loop()
-        self._refs = 0
+        self._refs = 0 if self.id else 1  # shared(): counted there
         self._thread = threading.Thread(
             target=self.loop.run_forever, name="kvstash-engine-io", daemon=True
         )
@@ -113,16 +78,22 @@ class StoreLoop:
             future.cancel()
             raise
 
-    def release(self, timeout: float = 30.0) -> None:
-        """Drop one reference; the last one flushes and closes the store and stops the loop."""
+    def release(self, timeout: float = 30.0, close_store: bool = True) -> None:
+        """Drop one reference; the last one flushes and closes the store (unless
+        `close_store` is False: a store object its owner closes) and stops the loop."""
         with self._shared_lock:
             self._refs -= 1
             if self._refs > 0:
                 return
             if self._shared.get(self.id) is self:
                 del self._shared[self.id]
+        if self.loop.is_closed():
+            return
+        if threading.current_thread() is self._thread:  # dropped on its own loop
+            self.loop.stop()
+            return
         try:
-            self.call(lambda store: store.close(), timeout)
+            self.call(lambda store: store.close() if close_store else store.flush(), timeout)
         except Exception as exc:  # noqa: BLE001 - shutting down must not fail the engine
             log.warning("closing %s: %s", self.store, exc)
         finally:

@@ -59,3 +59,23 @@ class ChunkLayout:
 
     def matches(self, meta: dict[str, Any]) -> bool:
         return meta == self.meta()
+
+
+@dataclass(frozen=True)
+class EngineLayout:
+    """A chunk payload in an engine's own layout (vLLM's paged blocks, SGLang's host pages):
+    `payload_nbytes` bytes, described by `fields`, which every chunk header's meta carries
+    and a load checks (e.g. the engine format and a fingerprint of its KV cache shapes)."""
+
+    fields: tuple[tuple[str, Any], ...]
+    payload_nbytes: int
+
+    @classmethod
+    def of(cls, payload_nbytes: int, **fields: Any) -> EngineLayout:
+        return cls(tuple(sorted(fields.items())), int(payload_nbytes))
+
+    def meta(self) -> dict[str, Any]:
+        return dict(self.fields)
+
+    def matches(self, meta: dict[str, Any]) -> bool:
+        return meta == self.meta()

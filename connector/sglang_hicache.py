@@ -11,16 +11,21 @@ Keys are SGLang's own page hashes (hex SHA-256 chained over each page's tokens),
 recomputed, moved into our key space under a `Namespace` of the model, host-pool dtype,
 layout and page geometry, and the TP rank (MLA ranks share one copy) and PP stage.
 
+The backend runs on the engine core, `connector.KVConnector`: lookups behind its circuit
+breaker, verified reads (key, layout, checksum) through direct reads where the store has
+them, writes through its write-behind queue, one set of counters (`stats()`). SGLang's
+cache controller decides what to prefetch, so the core's load-vs-recompute policy does
+not apply here; its deadline does (`timeout_s`).
+
 Threading contract (SGLang's): the cache controller calls `batch_exists`,
 `batch_get_v1` and `batch_set_v1` from its prefetch and backup threads, never from the
 scheduler, and expects them to return when the I/O is done; each call is one batch on
-the store loop (`connector.engine_io.StoreLoop`), bounded by `timeout_s`. A failure is a
-False for that page (SGLang then stops the hit there), never an exception.
+the core, bounded by `timeout_s`. A failure is a False for that page (SGLang then stops
+the hit there), never an exception.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from typing import Any
 
@@ -31,10 +36,9 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from connector.engine_io import StoreLoop, each_bounded
+from connector.core import KVConnector
+from connector.layout import EngineLayout
 from hashing import Namespace, keys_from_block_hashes
-from storage.base import Store
-from storage.codec import encode_chunk
 
 log = logging.getLogger("kvstash.connector.sglang")
 
@@ -71,77 +75,83 @@ class KvstashHiCache(HiCacheStorage):
         self.timeout_s = float(extra.get("timeout_s", 10.0))
         self.max_in_flight = int(extra.get("max_in_flight", 16))
         self.ns: Namespace | None = None
-        self.io = StoreLoop.shared(extra["store"])
+        self.store_urls = extra["store"]
+        self.core: KVConnector | None = None
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
         page = mem_pool_host.get_dummy_flat_data_page()
         self.page_nbytes = page.numel() * page.element_size()
         self.ns = hicache_namespace(self.config, mem_pool_host, self.page_nbytes, self.salt)
-        log.info("SGLang HiCache storage on %s, namespace %s", self.io.store, self.ns.id)
+        if self.core is not None:
+            self.core.close()
+        self.core = KVConnector(
+            self.store_urls, self.ns,
+            layout=EngineLayout.of(self.page_nbytes, engine=FORMAT),
+            max_in_flight=self.max_in_flight, lookup_timeout_s=self.timeout_s,
+        )
+        log.info("SGLang HiCache storage on %s, namespace %s", self.core.store, self.ns.id)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine core's counters and state (connector.core.COUNTERS)."""
+        return self.core.stats() if self.core is not None else {}
 
     def _keys(self, keys: list[str]) -> list[str]:
         assert self.ns is not None, "register_mem_pool_host must come first"
         return keys_from_block_hashes(keys, self.ns)
 
-    def _run(self, fn: Any, default: Any) -> Any:
+    def _read(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
+        """Read, verify and copy pages into `pages` (host memory), within `timeout_s`."""
+        return self.core.read(self._keys(keys), pages, timeout=self.timeout_s)
+
+    def _write(self, keys: list[str], payload: Any) -> list[bool]:
+        """Write pages through the core's queue; waits up to `timeout_s` for the answer."""
+        future = self.core.write(self._keys(keys), None, payload)
         try:
-            return self.io.call(fn, self.timeout_s)
+            return future.result(self.timeout_s)
         except Exception as exc:  # noqa: BLE001 - storage trouble is a miss, never an error
-            log.warning("HiCache storage on %s failed: %s", self.io.store, exc)
-            return default
+            log.warning("HiCache storage on %s: write not done in %.1f s: %s",
+                        self.core.store, self.timeout_s, exc or type(exc).__name__)
+            return [False] * len(keys)
+
+    def _page_buffer(self) -> torch.Tensor:
+        if self.core.reads_direct:
+            from gds.buffers import aligned_empty
+
+            return aligned_empty(self.page_nbytes)
+        return torch.empty(self.page_nbytes, dtype=torch.uint8)
 
     # -- the interface SGLang's cache controller uses -----------------------------------
 
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> int:
-        ours = self._keys(keys)
-        return self._run(lambda store: store.prefix_len(ours), 0)
+        return self.core.lookup_async(self._keys(keys)).result()
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        ours, pool = self._keys(keys), self.mem_pool_host
+        pool = self.mem_pool_host
         starts = [int(x) for x in host_indices[:: pool.page_size]]
-
-        async def read(store: Store) -> list[bool]:
-            async def one(i: int) -> bool:
-                page = torch.empty(self.page_nbytes, dtype=torch.uint8)
-                header = await store.get_into(ours[i], page.numpy())
-                if header is None or header.payload_len != self.page_nbytes:
-                    return False
-                pool.set_from_flat_data_page(starts[i], page.view(pool.dtype))
-                return True
-
-            return await each_bounded(one, len(ours), self.max_in_flight)
-
-        return self._run(read, [False] * len(keys))
+        pages = [self._page_buffer() for _ in keys]
+        ok = self._read(keys, pages)
+        for i, good in enumerate(ok):
+            if good:
+                pool.set_from_flat_data_page(starts[i], pages[i].view(pool.dtype))
+        return ok
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor,
         extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> list[bool]:
-        ours, pool = self._keys(keys), self.mem_pool_host
+        pool = self.mem_pool_host
         starts = [int(x) for x in host_indices[:: pool.page_size]]
-        meta = {"engine": FORMAT}
 
-        async def write(store: Store) -> list[bool]:
-            present = await store.exists(ours)
+        def payload(i: int) -> Any:  # on the core's worker thread, while SGLang waits
+            return pool.get_data_page(starts[i], flat=True).contiguous().view(torch.uint8).numpy()
 
-            async def one(i: int) -> bool:
-                if present[i]:
-                    return True
-                page = pool.get_data_page(starts[i], flat=True).contiguous()
-                payload = page.view(torch.uint8).numpy()
-                blob = await asyncio.to_thread(encode_chunk, ours[i], (), payload, meta)
-                await store.put(ours[i], blob)
-                return True
-
-            return await each_bounded(one, len(ours), self.max_in_flight)
-
-        return self._run(write, [False] * len(keys))
+        return self._write(keys, payload)
 
     # -- the older per-key interface, still abstract in HiCacheStorage -------------------
 
@@ -151,10 +161,8 @@ class KvstashHiCache(HiCacheStorage):
     def get(
         self, key: str, target_location: Any = None, target_sizes: Any = None,
     ) -> torch.Tensor | None:
-        (ours,) = self._keys([key])
-        out = torch.empty(self.page_nbytes, dtype=torch.uint8)
-        header = self._run(lambda store: store.get_into(ours, out.numpy()), None)
-        if header is None or header.payload_len != self.page_nbytes:
+        out = self._page_buffer()
+        if not self._read([key], [out])[0]:
             return None
         page = out.view(self.mem_pool_host.dtype)
         if target_location is not None:
@@ -171,21 +179,18 @@ class KvstashHiCache(HiCacheStorage):
     def set(
         self, key: str, value: Any = None, target_location: Any = None, target_sizes: Any = None,
     ) -> bool:
-        (ours,) = self._keys([key])
         payload = value.contiguous().view(torch.uint8).numpy()
-
-        async def put(store: Store) -> bool:
-            await store.put(ours, encode_chunk(ours, (), payload, {"engine": FORMAT}))
-            return True
-
-        return self._run(put, False)
+        return self._write([key], lambda i: payload)[0]
 
     def batch_set(
         self, keys: list[str], values: Any = None, target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
-        return all([self.set(k, v) for k, v in zip(keys, values, strict=True)])
+        payloads = [v.contiguous().view(torch.uint8).numpy() for v in values]
+        return all(self._write(keys, payloads.__getitem__))
 
     def close(self) -> None:
         """Flush and release the store (SGLang has no hook for it; call at shutdown)."""
-        self.io.release()
+        if self.core is not None:
+            self.core.close()
+            self.core = None

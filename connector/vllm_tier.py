@@ -15,18 +15,23 @@ Keys are vLLM's own offload keys (block hash + KV group), never recomputed, move
 key space under a `Namespace` built from the offloading config (model, cache dtype, page
 bytes, tokens per hash, blocks per chunk, groups, parallel layout); see `tier_namespace`.
 
+The tier runs on the engine core, `connector.KVConnector`: existence checks behind its
+circuit breaker, verified loads (key, layout, checksum) through direct reads where the
+store has them, write-behind stores, one set of counters (`KvstashTier.stats()`). vLLM's
+offloading manager decides what to load, so the core's load-vs-recompute policy does
+not apply here; its deadline does (`timeout_s`).
+
 Threading contract (vLLM's): every method runs in the scheduler process under the tiering
 manager's lock and must not block. `lookup` answers RETRY while an existence check is
 pending; the checks of one step go to the store as one batch from vLLM's own
-`AsyncLookupManager` thread. `submit_store` / `submit_load` only hand a coroutine to the
-store loop (`connector.engine_io.StoreLoop`); `get_finished_jobs` polls the futures.
-Any store failure is a failed job (a store that is not written, a load that vLLM turns
-into a miss and recomputes), never an exception into the scheduler.
+`AsyncLookupManager` thread. `submit_store` / `submit_load` only hand the pages to the
+core (`write`, `load_async`); `get_finished_jobs` polls the futures. Any store failure
+is a failed job (a store that is not written, a load that vLLM turns into a miss and
+recomputes), never an exception into the scheduler.
 """
 
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import logging
 import time
@@ -50,10 +55,10 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.backpressure import BackpressureDetector
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
-from connector.engine_io import StoreLoop, StoreSpec, each_bounded
+from connector.core import Buffers, KVConnector, LoadHandle
+from connector.engine_io import StoreSpec
+from connector.layout import EngineLayout
 from hashing import Namespace, keys_from_block_hashes
-from storage.base import Store
-from storage.codec import encode_chunk
 
 log = logging.getLogger("vllm.kvstash.tier")  # vLLM shows only loggers under "vllm"
 
@@ -85,8 +90,14 @@ def tier_namespace(spec: OffloadingSpec, page_bytes: int, salt: str = "") -> Nam
 class _Job:
     keys: list[OffloadKey]
     is_load: bool
-    future: concurrent.futures.Future[list[bool]]
+    future: concurrent.futures.Future[list[bool]] | LoadHandle
     started: float
+
+    def done(self) -> bool:
+        return self.future.done()
+
+    def result(self) -> list[bool]:
+        return self.future.result()
 
 
 class _StoreLookups(AsyncLookupManager):
@@ -99,8 +110,7 @@ class _StoreLookups(AsyncLookupManager):
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         # Runs on vLLM's lookup thread, so waiting here never blocks the scheduler; a
         # timeout or store error raises, and the base class turns the batch into misses.
-        store_keys = self._tier.store_keys(keys)
-        return self._tier.io.call(lambda store: store.exists(store_keys), self._tier.timeout_s)
+        return self._tier.core.exists(self._tier.store_keys(keys), self._tier.timeout_s)
 
 
 class KvstashTier(SecondaryTierManager):
@@ -136,16 +146,22 @@ class KvstashTier(SecondaryTierManager):
         self.ns = tier_namespace(offloading_spec, self.block_size_bytes, salt)
         self.timeout_s = float(timeout_s)
         self._pages = primary_kv_view.cast("B")
-        self._max_in_flight = int(max_in_flight)
         self._jobs: dict[JobId, _Job] = {}
         self._events: list[OffloadingEvent] | None = (
             [] if enable_kv_events and offloading_spec.kv_events_config.enable_kv_cache_events
             else None
         )
-        self.io = StoreLoop.shared(store)
+        self.core = KVConnector(
+            store, self.ns, layout=EngineLayout.of(self.block_size_bytes, engine=FORMAT),
+            max_in_flight=int(max_in_flight), lookup_timeout_s=self.timeout_s,
+        )
         self._lookups = _StoreLookups(self)
         log.info("vLLM offloading tier %s on %s, namespace %s",
-                 tier_type, self.io.store, self.ns.id)
+                 tier_type, self.core.store, self.ns.id)
+
+    def stats(self) -> dict[str, Any]:
+        """The engine core's counters and state (connector.core.COUNTERS)."""
+        return self.core.stats()
 
     def store_keys(self, keys: Sequence[OffloadKey]) -> list[str]:
         return keys_from_block_hashes([bytes(k) for k in keys], self.ns)
@@ -179,53 +195,30 @@ class KvstashTier(SecondaryTierManager):
 
     @override
     def submit_store(self, job_metadata: TransferJob) -> None:
+        # The slots stay pinned until this job is reported, so they are read in place.
         keys = list(job_metadata.keys)
         pages = [self._page(c) for c in job_metadata.chunk_ids]
-        store_keys = self.store_keys(keys)
-        self._start(job_metadata.job_id, keys, False,
-                    lambda store: self._write(store, store_keys, pages))
+        future = self.core.write(self.store_keys(keys), None, pages.__getitem__)
+        self._jobs[job_metadata.job_id] = _Job(keys, False, future, time.monotonic())
 
     @override
     def submit_load(self, job_metadata: TransferJob) -> None:
         keys = list(job_metadata.keys)
         pages = [self._page(c) for c in job_metadata.chunk_ids]
         store_keys = self.store_keys(keys)
-        self._start(job_metadata.job_id, keys, True,
-                    lambda store: self._read(store, store_keys, pages))
-
-    def _start(self, job_id: JobId, keys: list[OffloadKey], is_load: bool, fn: Any) -> None:
-        self._jobs[job_id] = _Job(keys, is_load, self.io.submit(fn), time.monotonic())
-
-    async def _write(self, store: Store, keys: list[str], pages: list[memoryview]) -> list[bool]:
-        present = await store.exists(keys)
-        meta = {"engine": FORMAT}
-
-        async def write(i: int) -> bool:
-            if present[i]:
-                return True
-            # The slot stays pinned until this job is reported, so it is read in place.
-            blob = await asyncio.to_thread(encode_chunk, keys[i], (), pages[i], meta)
-            await store.put(keys[i], blob)
-            return True
-
-        return await each_bounded(write, len(keys), self._max_in_flight)
-
-    async def _read(self, store: Store, keys: list[str], pages: list[memoryview]) -> list[bool]:
-        async def read(i: int) -> bool:
-            header = await store.get_into(keys[i], pages[i])
-            return header is not None and header.payload_len == len(pages[i])
-
-        return await each_bounded(read, len(keys), self._max_in_flight)
+        handle = self.core.load_async(store_keys, [()] * len(keys), Buffers(pages),
+                                      deadline_s=self.timeout_s)
+        self._jobs[job_metadata.job_id] = _Job(keys, True, handle, time.monotonic())
 
     @override
     def get_finished_jobs(self) -> Iterable[JobResult]:
         results = []
-        for job_id in [j for j, job in self._jobs.items() if job.future.done()]:
+        for job_id in [j for j, job in self._jobs.items() if job.done()]:
             job = self._jobs.pop(job_id)
             try:
-                ok = job.future.result()
-            except Exception as exc:  # noqa: BLE001 - e.g. the existence check of a store job
-                log.warning("vLLM tier job %s on %s failed: %s", job_id, self.io.store, exc)
+                ok = job.result()
+            except Exception as exc:  # noqa: BLE001 - e.g. cancelled at shutdown
+                log.warning("vLLM tier job %s on %s failed: %s", job_id, self.core.store, exc)
                 ok = [False] * len(job.keys)
             done = [k for k, good in zip(job.keys, ok, strict=True) if good]
             success = len(done) == len(job.keys)
@@ -260,7 +253,11 @@ class KvstashTier(SecondaryTierManager):
 
     @override
     def drain_jobs(self) -> None:
-        concurrent.futures.wait([job.future for job in self._jobs.values()])
+        for job in self._jobs.values():
+            try:
+                job.future.result()
+            except Exception:  # noqa: BLE001 - reported by get_finished_jobs
+                pass
 
     @override
     def shutdown(self) -> None:
@@ -270,4 +267,4 @@ class KvstashTier(SecondaryTierManager):
         # vLLM unmaps the primary region after its tiers shut down; an export left on
         # it would keep the shared-memory file mapped.
         self._pages.release()
-        self.io.release()
+        self.core.close()

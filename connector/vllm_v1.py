@@ -15,25 +15,32 @@ inside a `Namespace` per worker rank (`connector_namespace`). Its header carries
 chunk's token ids, so a load is verified against the request, and a fingerprint of the
 worker's KV layout, so a chunk saved with other shapes or dtypes is never placed.
 
-Scheduler side (engine core process): `get_num_new_matched_tokens` starts one batched
-existence check per request on the store loop and answers None ("ask again next step")
-until it resolves or `lookup_timeout_s` passes (then: no hit). Hits load asynchronously
-between steps (the request waits in WAITING_FOR_REMOTE_KVS, other requests keep running).
-`build_connector_meta` ships this step's loads and the chunks each request completes
-this step (prompt chunks only) to the workers.
+Both sides run on the engine core, `connector.KVConnector` (one per process and side):
+lookup, the load-vs-recompute policy, the circuit breaker that bypasses a failing store,
+verified loads, counters and write-behind saves. This module only translates vLLM's
+requests, blocks and KV cache tensors into the core's chunks and load targets.
 
-Worker side (one per GPU): `start_load_kv` submits the step's loads to the store loop;
-they read, verify and place chunks into the paged KV cache and are reported through
-`get_finished`. A chunk that is missing, corrupt or unreadable adds its blocks to
-`get_block_ids_with_load_errors`, which vLLM recomputes under
+Scheduler side (engine core process): `get_num_new_matched_tokens` starts one batched
+existence check per request (`lookup_async`) and answers None ("ask again next step")
+until it resolves (within `lookup_timeout_s`; a failure or timeout is no hit). The core's
+policy then decides how many of the stored chunks are worth loading, from the load and
+prefill speeds the workers measure and report through vLLM's KV-connector stats. Hits
+load asynchronously between steps (the request waits in WAITING_FOR_REMOTE_KVS, other
+requests keep running). `build_connector_meta` ships this step's loads (with the
+policy's deadline) and the chunks each request completes this step (prompt chunks only)
+to the workers.
+
+Worker side (one per GPU): `start_load_kv` hands the step's loads to the core
+(`load_async`), which reads, verifies and places chunks into the paged KV cache; they are
+reported through `get_finished`. A chunk that is missing, corrupt, unreadable or late
+adds its blocks to `get_block_ids_with_load_errors`, which vLLM recomputes under
 `kv_load_failure_policy=recompute`. `save_kv_layer` copies each layer's new blocks into
-host buffers as the forward goes; `wait_for_save` hands them to a bounded write-behind
-queue, so neither the forward nor the scheduler ever waits on storage.
+host buffers as the forward goes; `wait_for_save` hands them to the core's bounded
+write-behind queue, so neither the forward nor the scheduler ever waits on storage.
 """
 
 from __future__ import annotations
 
-import asyncio
 import atexit
 import concurrent.futures
 import logging
@@ -59,13 +66,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.engine_io import StoreLoop, direct_chunk_io, each_bounded
-from connector.writebehind import SaveJob, WriteBehindQueue
+from connector.core import COUNTERS, KVConnector, LoadHandle
+from connector.layout import EngineLayout
+from connector.policy import LoadPolicy
 from gds.buffers import aligned_empty
-from gds.filestore import settle
 from hashing import Namespace, keys_from_block_hashes
-from storage.base import Store
-from storage.capabilities import chunk_file_tier
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -153,23 +158,10 @@ def connector_namespace(
     )
 
 
-# kvstash's counters in vLLM's KV-connector stats, logged in vLLM's periodic "KV Transfer
-# metrics" line and exported as Prometheus counters `vllm:kvstash_<name>` (`_total`).
-COUNTERS = {
-    "lookups": "Requests whose prompt prefix was looked up in the kvstash store.",
-    "hit_tokens": "Prompt tokens the kvstash store held at lookup (whole chunks).",
-    "lookup_errors": "Lookups that failed (store unreachable or erroring): misses.",
-    "lookup_timeouts": "Lookups that outlived lookup_timeout_s: misses.",
-    "loaded_chunks": "Chunks read, verified and placed into the KV cache.",
-    "load_errors": "Chunks that were missing, corrupt or unreadable at load: recomputed.",
-    "failed_load_tokens": "Prompt tokens recomputed because a chunk failed to load.",
-    "save_queued": "Chunks handed to the write-behind queue.",
-    "saved_chunks": "Chunks written to the kvstash store.",
-    "saved_bytes": "Bytes of chunks written to the kvstash store.",
-    "save_skipped": "Chunks not written because the store already held them.",
-    "save_drops": "Chunks dropped because the write-behind queue was full.",
-    "save_errors": "Write-behind jobs that failed (their chunks become future misses).",
-}
+# The core's counters (connector.core.COUNTERS) travel in vLLM's KV-connector stats: logged
+# in vLLM's periodic "KV Transfer metrics" line and exported as Prometheus counters
+# `vllm:kvstash_<name>` (`_total`). The scheduler also reads the workers' load and prefill
+# measurements from them, for its load-vs-recompute policy.
 
 
 @dataclass
@@ -243,12 +235,14 @@ class ChunkRef:
 class ReqChunks:
     req_id: str
     chunks: list[ChunkRef]
+    deadline_s: float | None = None  # loads: the policy's bound on waiting for them
 
 
 @dataclass
 class KvstashMetadata(KVConnectorMetadata):
     loads: list[ReqChunks] = field(default_factory=list)
     saves: list[ReqChunks] = field(default_factory=list)
+    prefill_tokens: int = 0  # prompt tokens this step computes (the workers time it)
 
 
 @dataclass
@@ -258,7 +252,8 @@ class _Req:
     request: Request
     lookup: concurrent.futures.Future[int] | None = None
     lookup_started: float = 0.0
-    hit_chunks: int | None = None
+    hit_chunks: int | None = None  # chunks worth loading (the policy's part of the stored ones)
+    deadline_s: float | None = None
     num_computed: int = 0
     load_planned: bool = False
     block_ids: list[int] = field(default_factory=list)
@@ -277,10 +272,64 @@ class _LayerLayout:
     block_nbytes: int
 
 
-async def _prefix_on_every_rank(store: Store, keys_by_rank: list[list[str]]) -> int:
-    """Chunks present for every worker rank (a chunk is only usable if all ranks have it)."""
-    found = await asyncio.gather(*(store.prefix_len(keys) for keys in keys_by_rank))
-    return min(found)
+def _flag(value: Any) -> bool:
+    from storage.options import parse_bool
+
+    return parse_bool(value) if isinstance(value, str) else bool(value)
+
+
+class _StepTimer:
+    """Times one forward step: wall clock on CPU, CUDA events on a GPU (whose kernels run
+    after the step's Python returns)."""
+
+    def __init__(self, tokens: int, device: torch.device):
+        self.tokens = tokens
+        self.started = time.monotonic()
+        self.ended = self.started
+        self._events = None
+        if device.type == "cuda":
+            self._events = (torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+    def stop(self) -> None:
+        self.ended = time.monotonic()
+        if self._events is not None:
+            self._events[1].record()
+
+    def ready(self) -> bool:
+        return self._events is None or self._events[1].query()
+
+    def seconds(self) -> float:
+        if self._events is not None:
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self.ended - self.started
+
+
+class _ChunkTarget:
+    """Where one request's chunks load: staging buffers from the worker's pool, placed
+    into the request's blocks of the paged KV cache (skipping those computed locally)."""
+
+    def __init__(self, worker: KvstashConnector, chunks: list[ChunkRef]):
+        self.worker = worker
+        self.chunks = chunks
+        self.kind = worker._staging_kind()
+        self.bufs: dict[int, torch.Tensor] = {}
+
+    def staging(self, i: int) -> torch.Tensor:
+        self.bufs[i] = self.worker._take_buffer(self.kind)
+        return self.bufs[i]
+
+    def place(self, i: int) -> None:  # on an I/O thread, as chunk i lands
+        self.worker._place(self.chunks[i], self.bufs[i])
+
+    def release(self, reuse: bool) -> None:
+        """Return the staging buffers to the pool (not after a stalled load: a read still
+        running may yet write them)."""
+        if reuse:
+            for buf in self.bufs.values():
+                self.worker._give_back(self.kind, buf)
+        self.bufs = {}
 
 
 class KvstashConnector(KVConnectorBase_V1):
@@ -290,7 +339,10 @@ class KvstashConnector(KVConnectorBase_V1):
     `lookup_timeout_s` (default 2), `max_in_flight` (chunk reads per load, default 8),
     `save_queue_bytes` (write-behind bound, 1 GiB),
     `direct_io` (default true: a file:// store is read through gds.ChunkIO into the KV
-    cache's device)."""
+    cache's device), `adaptive` (default true: load a stored prefix only while the store
+    delivers it faster than the engine recomputes it), `breaker_failures`,
+    `breaker_cooldown`, `breaker_max_cooldown` (the circuit breaker, as for every store),
+    `exit_flush_s` (default 4: how long a stopping worker writes queued saves)."""
 
     _cache_hit_source = CacheHitSource.DISK
 
@@ -316,60 +368,65 @@ class KvstashConnector(KVConnectorBase_V1):
         self.exit_flush_s = float(extra.get("exit_flush_s", 4.0))
         self._signal_handlers: dict[int, tuple[Any, Any]] = {}
         _route_kvstash_warnings()
-        self.io = StoreLoop.shared(store)
-        self.counters: dict[str, int] = {}
-        self._reported: dict[str, int] = {}  # counters already handed to vLLM's stats
-        self._counters_lock = threading.Lock()  # bumped from the store loop and the engine
+        worker = role == KVConnectorRole.WORKER
+        self.core = KVConnector(
+            store, self.ns_by_rank[self.rank],
+            max_in_flight=int(extra.get("max_in_flight", 8)),
+            lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
+            save_queue_bytes=int(extra.get("save_queue_bytes", 1024**3)),
+            policy=LoadPolicy(adaptive=_flag(extra.get("adaptive", True))),
+            breaker_failures=int(extra.get("breaker_failures", 1)),
+            breaker_cooldown=float(extra.get("breaker_cooldown", 1.0)),
+            breaker_max_cooldown=float(extra.get("breaker_max_cooldown", 30.0)),
+            direct_io=extra.get("direct_io", True) if worker else False,
+        )
+        self._reported: dict[str, float] = {}  # counters already handed to vLLM's stats
         # scheduler side
         self._reqs: dict[str, _Req] = {}
         self._loads: list[ReqChunks] = []
+        self._chunk_nbytes_seen = 0  # one chunk's payload, as the workers report it
+        self._step_tokens = 0  # prompt tokens of the step being built
         # worker side
         self._layers: list[_LayerLayout] = []
         self._kv: dict[str, torch.Tensor] = {}
         self._fingerprint = ""
         self._chunk_nbytes = 0
-        self._loading: dict[str, tuple[ReqChunks, concurrent.futures.Future[set[int]]]] = {}
+        self._loading: dict[str, tuple[ReqChunks, LoadHandle, _ChunkTarget]] = {}
         self._load_errors: set[int] = set()
         # Free chunk staging buffers by kind, kept between loads: fresh memory costs a page
         # fault per 4 KiB page on first touch (~2 GB/s on the 2-vCPU VMs here, slower than
-        # reading a page-cached chunk). Used on the store loop only.
+        # reading a page-cached chunk). Used on the engine thread only.
         self._load_buffers: dict[str, list[torch.Tensor]] = {}
         self._save_buffers: list[torch.Tensor] = []
         self._saved_layers: set[str] = set()
-        self._writer: WriteBehindQueue | None = None
-        self._chunk_io = None
-        if role == KVConnectorRole.WORKER:
-            self._chunk_io = direct_chunk_io(self.io.store, extra.get("direct_io", True),
-                                             self.max_in_flight)
-            self._writer = WriteBehindQueue(
-                self.io.store, self.io.loop, self._count,
-                int(extra.get("save_queue_bytes", 1024**3)),
-            )
+        self._step_timer: _StepTimer | None = None
+        self._timers: list[_StepTimer] = []  # stopped, not yet read
+        if worker:
             self._flush_on_exit()
             if getattr(vllm_config, "shutdown_timeout", None) == 0:
                 log.info("kvstash: vLLM kills its engine processes at once on SIGTERM "
                          "(--shutdown-timeout 0): saves still queued then are lost; give "
                          "--shutdown-timeout a few seconds to let them be written")
         log.info("kvstash vLLM connector (%s) on %s, rank %d/%d, chunks of %d tokens "
-                 "(%d blocks)", role.name.lower(), self.io.store, self.rank,
+                 "(%d blocks)", role.name.lower(), self.core.store, self.rank,
                  self.world_size, self.chunk_tokens, self.chunk_blocks)
 
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a future miss
 
-    def _count(self, **deltas: int) -> None:
-        with self._counters_lock:
-            for name, d in deltas.items():
-                self.counters[name] = self.counters.get(name, 0) + d
+    @property
+    def counters(self) -> dict[str, float]:
+        """The core's counters since start (connector.core.COUNTERS)."""
+        return self.core.counters()
 
     # -- vLLM's KV-connector stats and Prometheus metrics ---------------------------------
 
     def get_kv_connector_stats(self) -> KvstashConnectorStats | None:
         """The counters' growth since the last call (vLLM asks every step, on each side)."""
-        with self._counters_lock:
-            delta = {k: v - self._reported.get(k, 0) for k, v in self.counters.items()}
-            self._reported = dict(self.counters)
+        now = self.core.counters()
+        delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
+        self._reported = now
         delta = {k: v for k, v in delta.items() if v}
         return KvstashConnectorStats(data=delta) if delta else None
 
@@ -406,7 +463,7 @@ class KvstashConnector(KVConnectorBase_V1):
         ]
 
     def _hit_chunks(self, st: _Req) -> int | None:
-        """Chunks the store holds for this request; None while the check is in flight."""
+        """Chunks worth loading for this request; None while the lookup is in flight."""
         if st.hit_chunks is not None:
             return st.hit_chunks
         if st.lookup is None:
@@ -418,26 +475,27 @@ class KvstashConnector(KVConnectorBase_V1):
                 st.hit_chunks = 0
                 return 0
             refs = self._chunk_refs(st, 0, n)
-            keys = [self._keys(refs, r) for r in range(self.world_size)]
-            self._count(lookups=1)
-            st.lookup = self.io.submit(lambda store: _prefix_on_every_rank(store, keys))
+            st.lookup = self.core.lookup_async([self._keys(refs, r) for r in range(self.world_size)])
             st.lookup_started = time.monotonic()
             return None
         if st.lookup.done():
             try:
-                st.hit_chunks = st.lookup.result()
-            except Exception as exc:  # noqa: BLE001 - an unreachable store is a miss
-                log.warning("lookup on %s failed: %s", self.io.store, exc)
-                self._count(lookup_errors=1)
-                st.hit_chunks = 0
-        elif time.monotonic() - st.lookup_started > self.lookup_timeout_s:
-            st.lookup.cancel()
-            self._count(lookup_timeouts=1)
-            st.hit_chunks = 0
-        if st.hit_chunks is not None:
-            st.saved_chunks = max(st.saved_chunks, st.hit_chunks)  # already stored
-            if st.hit_chunks:
-                self._count(hit_tokens=st.hit_chunks * self.chunk_tokens)
+                stored = st.lookup.result()
+            except Exception as exc:  # noqa: BLE001 - cancelled: a miss
+                log.warning("lookup on %s failed: %s", self.core.store, exc)
+                stored = 0
+        elif time.monotonic() - st.lookup_started > self.core.lookup_timeout_s + 1.0:
+            st.lookup.cancel()  # the core answers by its timeout; this is its loop stuck
+            self.core.count(lookup_timeouts=1)
+            stored = 0
+        else:
+            return None
+        st.saved_chunks = max(st.saved_chunks, stored)  # already stored
+        # What is not in vLLM's own prefix cache yet is loaded only where it beats a recompute.
+        local = min(st.num_computed // self.chunk_tokens, stored)
+        plan = self.core.plan((stored - local) * self.chunk_tokens, self._chunk_nbytes_seen or 1)
+        st.hit_chunks = local + plan.chunks
+        st.deadline_s = plan.deadline_s
         return st.hit_chunks
 
     def get_num_new_matched_tokens(
@@ -465,7 +523,7 @@ class KvstashConnector(KVConnectorBase_V1):
         first_block = st.num_computed // self.block_size
         end_chunk = (st.num_computed + num_external_tokens) // self.chunk_tokens
         chunks = self._chunk_refs(st, first_block // self.chunk_blocks, end_chunk, first_block)
-        self._loads.append(ReqChunks(request.request_id, chunks))
+        self._loads.append(ReqChunks(request.request_id, chunks, st.deadline_s))
         st.load_planned = True
         st.loaded_tokens = num_external_tokens
 
@@ -482,11 +540,18 @@ class KvstashConnector(KVConnectorBase_V1):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
         saves: list[ReqChunks] = []
+        prefill = 0
+
+        def prompt_part(st: _Req, computed: int, n: int) -> int:
+            return max(0, min(n, st.request.num_prompt_tokens - computed))
+
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
                 st.block_ids = list(new.block_ids[0])
-                self._plan_save(st, new.num_computed_tokens + scheduled.get(new.req_id, 0), saves)
+                n = scheduled.get(new.req_id, 0)
+                prefill += prompt_part(st, new.num_computed_tokens, n)
+                self._plan_save(st, new.num_computed_tokens + n, saves)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
@@ -497,8 +562,10 @@ class KvstashConnector(KVConnectorBase_V1):
                 st.block_ids = list(new_ids[0]) if new_ids else []
             elif new_ids:
                 st.block_ids.extend(new_ids[0])
-            self._plan_save(st, cached.num_computed_tokens[i] + scheduled.get(req_id, 0), saves)
-        meta = KvstashMetadata(loads=self._loads, saves=saves)
+            n = scheduled.get(req_id, 0)
+            prefill += prompt_part(st, cached.num_computed_tokens[i], n)
+            self._plan_save(st, cached.num_computed_tokens[i] + n, saves)
+        meta = KvstashMetadata(loads=self._loads, saves=saves, prefill_tokens=prefill)
         self._loads = []
         return meta
 
@@ -506,7 +573,19 @@ class KvstashConnector(KVConnectorBase_V1):
         """Chunks that failed to load (the workers' `get_block_ids_with_load_errors`): vLLM
         has cut the request back to its first failed block and recomputes from there.
         The recomputed chunks are saved again, and the request's cached-token count (which
-        vLLM fixed when it scheduled the load) is cut back to what was really loaded."""
+        vLLM fixed when it scheduled the load) is cut back to what was really loaded.
+
+        The workers' counters in it feed the policy: how fast loads delivered bytes, and
+        how fast the engine computed prompt tokens."""
+        stats = connector_output.kv_connector_stats
+        data = getattr(stats, "data", None) or {}
+        if data.get("loaded_chunks"):
+            self._chunk_nbytes_seen = int(data.get("hit_bytes", 0) // data["loaded_chunks"])
+        if data.get("loads") and data.get("load_seconds"):
+            self.core.observe_load(int(data.get("hit_bytes", 0)), float(data["load_seconds"]))
+        if data.get("prefill_tokens") and data.get("prefill_seconds"):
+            self.core.policy.observe_prefill(int(data["prefill_tokens"]),
+                                             float(data["prefill_seconds"]))
         bad = connector_output.invalid_block_ids
         if not bad:
             return
@@ -522,7 +601,7 @@ class KvstashConnector(KVConnectorBase_V1):
             if failed <= 0:
                 continue
             st.failed_tokens += failed
-            self._count(failed_load_tokens=failed)
+            self.core.count(failed_load_tokens=failed)
             st.saved_chunks = min(st.saved_chunks, valid // self.chunk_tokens)
             stats = getattr(st.request, "prefill_stats", None)
             if stats is not None and stats.num_prompt_tokens:
@@ -567,6 +646,8 @@ class KvstashConnector(KVConnectorBase_V1):
         described = repr([(x.name, x.block_dim, x.block_shape, str(x.dtype)) for x in self._layers])
         self._fingerprint = xxhash.xxh3_64_hexdigest(described.encode())
         self._chunk_nbytes = sum(x.block_nbytes for x in self._layers) * self.chunk_blocks
+        self.core.bind_layout(EngineLayout.of(self._chunk_nbytes, engine=FORMAT,
+                                              kv=self._fingerprint))
 
     def _views(self, buf: torch.Tensor, n_blocks: int):
         """(layer, kv, view) for each layer's share of a chunk buffer, in payload order."""
@@ -586,46 +667,32 @@ class KvstashConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstashMetadata)
+        if meta.prefill_tokens:
+            self._step_timer = _StepTimer(meta.prefill_tokens, self._device())
         for req in meta.loads:
             if req.req_id not in self._loading:
+                target = _ChunkTarget(self, req.chunks)
                 keys = self._keys(req.chunks, self.rank)
-                future = self.io.submit(
-                    lambda store, req=req, keys=keys: self._load(store, req, keys)
-                )
-                self._loading[req.req_id] = (req, future)
+                handle = self.core.load_async(keys, [c.token_ids for c in req.chunks], target,
+                                              deadline_s=req.deadline_s)
+                self._loading[req.req_id] = (req, handle, target)
 
-    async def _load(self, store: Store, req: ReqChunks, keys: list[str]) -> set[int]:
-        """Read, verify and place every chunk of one request; the block ids that failed."""
+    def _device(self) -> torch.device:
+        return next(iter(self._kv.values())).device
 
-        async def one(i: int) -> bool:
-            chunk = req.chunks[i]
-            header, buf, kind = await self._read_chunk(store, keys[i])
-            try:
-                if (
-                    header is None
-                    or header.payload_len != self._chunk_nbytes
-                    or header.meta.get("kv") != self._fingerprint
-                    or not header.matches_tokens(chunk.token_ids)
-                ):
-                    return False
-                await asyncio.to_thread(self._place, chunk, buf)
-                return True
-            finally:
-                self._give_back(kind, buf)
+    def _staging_kind(self) -> str:
+        """"device" memory for direct reads into a GPU, "direct" aligned host memory for
+        direct reads on CPU, "host" (pinned for a GPU) for what stores copy into."""
+        cuda = self._device().type == "cuda"
+        if self.core.reads_direct:
+            return "device" if cuda else "direct"
+        return "host"
 
-        ok = await each_bounded(one, len(req.chunks), self.max_in_flight)
-        self._count(loaded_chunks=sum(ok), load_errors=len(ok) - sum(ok))
-        return {
-            b for chunk, good in zip(req.chunks, ok, strict=True) if not good
-            for b in chunk.block_ids[chunk.first :]
-        }
-
-    def _take_buffer(self, kind: str, device: torch.device) -> torch.Tensor:
-        """A chunk staging buffer: "device" memory for direct reads into a GPU, "direct"
-        aligned host memory for direct reads on CPU, "host" (pinned for a GPU) for stores."""
+    def _take_buffer(self, kind: str) -> torch.Tensor:
         free = self._load_buffers.get(kind)
         if free:
             return free.pop()
+        device = self._device()
         if kind == "device":
             return torch.empty(self._chunk_nbytes, dtype=torch.uint8, device=device)
         if kind == "direct":
@@ -634,32 +701,8 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def _give_back(self, kind: str, buf: torch.Tensor) -> None:
         free = self._load_buffers.setdefault(kind, [])
-        if len(free) < self.max_in_flight and buf.nbytes == self._chunk_nbytes:
+        if len(free) < self.core.max_in_flight and buf.nbytes == self._chunk_nbytes:
             free.append(buf)
-
-    async def _read_chunk(self, store: Store, key: str) -> tuple[Any, torch.Tensor, str]:
-        """(header or None, the chunk's payload buffer, its kind for `_give_back`). A file:// store's chunk (or its
-        file:// first tier's) goes through gds.ChunkIO straight to the KV cache's device
-        (cuFile, or pinned bounce buffers; ChunkIO checks its header and payload checksum,
-        or trusts a file the store verified before and that is unchanged since); any other
-        store's bytes, and a chunk the file tier fails on, land in host memory through the
-        store (pinned when the KV cache is on a GPU)."""
-        device = next(iter(self._kv.values())).device
-        files = chunk_file_tier(store) if self._chunk_io is not None else None
-        if files is not None:
-            kind = "device" if device.type == "cuda" else "direct"
-            buf = self._take_buffer(kind, device)
-            fut = self._chunk_io.submit_chunk(files.chunk_path(key), buf, key, trust=files)
-            await asyncio.gather(asyncio.wrap_future(fut), return_exceptions=True)  # settle() reads it
-            header = settle(files, key, fut)[0]
-            if header is not None or files is store:
-                return header, buf, kind
-            # Missing, corrupt (now quarantined) or unreadable in the file tier: the tier
-            # list reads it from below, as its own get_into would.
-            self._give_back(kind, buf)
-        buf = self._take_buffer("host", device)
-        # Not given back if this raises or is cancelled: a store thread may still write it.
-        return await store.get_into(key, buf.numpy()), buf, "host"
 
     def _place(self, chunk: ChunkRef, buf: torch.Tensor) -> None:
         """Copy a verified chunk into its blocks, skipping the ones computed locally."""
@@ -673,14 +716,15 @@ class KvstashConnector(KVConnectorBase_V1):
         """Nothing to wait for: loads finish between steps, before their request runs."""
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        done = {req_id for req_id, (_, f) in self._loading.items() if f.done()}
+        done = {req_id for req_id, (_, handle, _) in self._loading.items() if handle.done()}
         for req_id in done:
-            req, future = self._loading.pop(req_id)
-            try:
-                self._load_errors |= future.result()
-            except Exception as exc:  # noqa: BLE001 - e.g. cancelled at shutdown
-                log.warning("load of %s failed: %s", req_id, exc)
-                self._load_errors |= {b for c in req.chunks for b in c.block_ids[c.first :]}
+            req, handle, target = self._loading.pop(req_id)
+            ok = handle.result()
+            self._load_errors |= {
+                b for chunk, good in zip(req.chunks, ok, strict=True) if not good
+                for b in chunk.block_ids[chunk.first :]
+            }
+            target.release(reuse=not handle.stalled)
         return None, done or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -722,7 +766,8 @@ class KvstashConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstashMetadata)
-        if not meta.saves or self._writer is None:
+        self._time_step()
+        if not meta.saves or self.core.layout is None:
             return
         for name, kv in self._kv.items():  # layers the forward did not hand to save_kv_layer
             self._gather(name, kv, meta.saves)
@@ -731,13 +776,20 @@ class KvstashConnector(KVConnectorBase_V1):
         buffers = iter(self._save_buffers)
         for req in meta.saves:
             bufs = [next(buffers).numpy() for _ in req.chunks]
-            self._writer.submit(SaveJob(
-                keys=self._keys(req.chunks, self.rank),
-                tokens=[np.asarray(c.token_ids, dtype="<u4") for c in req.chunks],
-                first=0, payload=bufs.__getitem__, chunk_nbytes=self._chunk_nbytes,
-                meta={"engine": FORMAT, "kv": self._fingerprint},
-            ))
+            self.core.save_chunks(self._keys(req.chunks, self.rank),
+                                  [c.token_ids for c in req.chunks], bufs.__getitem__)
         self._save_buffers, self._saved_layers = [], set()
+
+    def _time_step(self) -> None:
+        """The prompt tokens this step computed and its time, for the scheduler's policy
+        (on a GPU from CUDA events, read once they have completed: never a sync)."""
+        timer, self._step_timer = self._step_timer, None
+        if timer is not None:
+            timer.stop()
+            self._timers.append(timer)
+        while self._timers and self._timers[0].ready():
+            done = self._timers.pop(0)
+            self.core.count(prefill_tokens=done.tokens, prefill_seconds=done.seconds())
 
     def _flush_on_exit(self) -> None:
         """Flush queued saves when this worker process is told to stop. vLLM's OpenAI
@@ -772,43 +824,30 @@ class KvstashConnector(KVConnectorBase_V1):
         self._signal_handlers = {}
 
     def _flush_before_exit(self) -> None:
-        writer = self._writer
-        if writer is None or not writer.pending_bytes:
+        pending = self.core.save_pending_bytes
+        if not pending:
             return
-        pending = writer.pending_bytes
         deadline = time.monotonic() + self.exit_flush_s
         flushed = self.flush(self.exit_flush_s)
         if flushed:  # and the cascade of a tier list to its lower tiers
             try:
-                self.io.call(lambda store: store.flush(), max(deadline - time.monotonic(), 0.1))
+                self.core.run(self.core.store.flush(), max(deadline - time.monotonic(), 0.1))
             except Exception:  # noqa: BLE001 - a timeout or a failing tier: logged below
                 flushed = False
         if flushed:
             log.info("kvstash: flushed %d bytes of queued saves before exit", pending)
         else:
             log.warning("kvstash: %d bytes of queued saves not written within exit_flush_s="
-                        "%.1f s; those chunks will be misses", writer.pending_bytes,
+                        "%.1f s; those chunks will be misses", self.core.save_pending_bytes,
                         self.exit_flush_s)
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait for queued saves to reach the store (tests, shutdown); False on timeout."""
-        if self._writer is None:
-            return True
-        try:
-            self.io.call(lambda store: self._writer.join(), timeout)
-        except concurrent.futures.TimeoutError:
-            return False
-        return True
+        return self.core.flush(timeout)
 
     def shutdown(self) -> None:
         self._forget_exit_flush()
-        if self._writer is not None:
-            self.flush()
-            self.io.call(lambda store: self._writer.stop(), 30.0)
-            self._writer = None
-        for _, future in self._loading.values():
-            future.cancel()
-        if self._chunk_io is not None:
-            self._chunk_io.close()
-            self._chunk_io = None
-        self.io.release()
+        for _, handle, _ in self._loading.values():
+            handle.cancel()
+        self._loading.clear()
+        self.core.close()

@@ -11,6 +11,7 @@ through its predecessors) and the rest are dropped and counted.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -34,11 +35,20 @@ class SaveJob:
     payload: Callable[[int], Any]  # chunk index -> payload buffer; runs on a worker thread
     chunk_nbytes: int
     meta: dict[str, Any] = field(default_factory=dict)
+    # Set for a caller that wants the answer: per chunk, whether the store holds it now.
+    done: concurrent.futures.Future[list[bool]] | None = None
+    total: int = -1  # chunks asked for (a truncated job answers for the dropped ones too)
 
     def truncate(self, n: int) -> SaveJob:
         return SaveJob(
-            self.keys[:n], self.tokens[:n], self.first, self.payload, self.chunk_nbytes, self.meta
+            self.keys[:n], self.tokens[:n], self.first, self.payload, self.chunk_nbytes,
+            self.meta, self.done, len(self.keys) if self.total < 0 else self.total,
         )
+
+    def answer(self, stored: list[bool]) -> None:
+        if self.done is not None and not self.done.done():
+            total = len(self.keys) if self.total < 0 else self.total
+            self.done.set_result(stored + [False] * (total - len(stored)))
 
 
 class WriteBehindQueue:
@@ -79,6 +89,8 @@ class WriteBehindQueue:
         if fits:
             self._count(save_queued=fits)
             self.loop.call_soon_threadsafe(self._queue.put_nowait, job.truncate(fits))
+        else:
+            job.answer([])
         return fits
 
     async def join(self) -> None:
@@ -107,6 +119,7 @@ class WriteBehindQueue:
 
     async def _save(self, job: SaveJob) -> None:
         remaining = len(job.keys)
+        stored: list[bool] = []
         try:
             present: Sequence[bool] = await self.store.exists(job.keys)
             for j, key in enumerate(job.keys):
@@ -118,11 +131,13 @@ class WriteBehindQueue:
                         self._count(saved_chunks=1, saved_bytes=len(blob))
                     else:
                         self._count(save_skipped=1)
+                stored.append(True)
                 remaining -= 1
                 self._release(job.chunk_nbytes)
         finally:
             # A failed job drops its unsaved chunks: without the failed one they are unreachable.
             self._release(remaining * job.chunk_nbytes)
+            job.answer(stored)
 
     @staticmethod
     def _encode(job: SaveJob, j: int) -> bytes:

@@ -9,19 +9,21 @@ protocol (or, in the store contract tests, skipped with the reason).
   `get_blob_into` fills a reusable buffer). file://, memory://, tiers whose first tier has it.
 - `SupportsGC`: `gc(capacity)` evicts down to a bound from a fresh scan (`kvstash gc`).
   file:// and s3://.
-- `SupportsChunkFiles`: the store's chunks are files a reader outside it may read directly
-  (gds.ChunkIO, straight into device memory): where each key's file is, which files it has
-  verified, and how such reads are accounted back to it. file://.
+- `SupportsDirectReads`: chunk payloads are read straight into destination tensors on any
+  device through the store's own `gds.ChunkIO` (GPUDirect Storage into GPU memory, pinned
+  bounce buffers, O_DIRECT into host memory), each header checked against its key.
+  file://, and tier lists whose first tier is file:// (what that tier lacks is read from
+  the tiers below into host memory, and copied to the destination's device).
 """
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
-    from storage.base import BlobFile, Store
+    from gds import ChunkIO
+    from storage.base import BlobFile
     from storage.codec import ChunkHeader
 
 
@@ -45,27 +47,21 @@ class SupportsGC(Protocol):
 
 
 @runtime_checkable
-class SupportsChunkFiles(Protocol):
-    root: Path  # the directory every chunk file lives under
+class SupportsDirectReads(Protocol):
+    def enable_direct_reads(self, chunk_io: ChunkIO | None = None, *,
+                            max_in_flight: int = 8) -> ChunkIO:
+        """Read through a ChunkIO from now on and return it: the one given (shared; its
+        owner closes it), else the store's own, built once for its directory (probing the
+        filesystem and the GPU) and closed with the store."""
 
-    def chunk_path(self, key: str) -> Path:
-        """The file that holds `key` (it may not exist)."""
-
-    def known_header(self, key: str, st: os.stat_result) -> ChunkHeader | None:
-        """The header of `key`'s file if the store verified this very file (same identity)."""
-
-    def record_read(self, key: str, size: int | None, *, corrupt: str | None = None,
-                    error: bool = False) -> None:
-        """Account for a read done outside the store: a hit refreshes its LRU place, a
-        corrupt file is quarantined, a miss or an I/O error is counted."""
-
-
-def chunk_file_tier(store: Store) -> SupportsChunkFiles | None:
-    """The store whose chunk files a direct reader may read: `store` itself, or the first
-    tier of a tier list (`[file:///nvme, s3://...]`, whose `get_into` reads what that
-    tier lacks from the tiers below), or None."""
-    from storage.tiered import TieredStore
-
-    if isinstance(store, TieredStore) and store.tiers:
-        store = store.tiers[0]
-    return store if isinstance(store, SupportsChunkFiles) else None
+    async def read_chunks_into(
+        self, keys: Sequence[str], dests: Sequence[Any], *,
+        on_done: Callable[[int, ChunkHeader | None, str | None], bool | None] | None = None,
+    ) -> list[ChunkHeader | None]:
+        """Each key's payload into the first bytes of its destination (a tensor on any
+        device, or writable host memory); per key its verified header, or None on a miss.
+        Every read is submitted at once (the ChunkIO runs `max_in_flight` of them, in
+        order). `on_done(i, header, why)` runs on an I/O thread as key i settles: `why` is
+        None on a hit, else "missing", "corrupt" or "io"; returning False cancels the reads
+        not yet started. Cancelled, the call starts no further read; a read already
+        running may still write its destination."""

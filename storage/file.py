@@ -36,7 +36,9 @@ each keep their own index; `kvstash gc` enforces a capacity exactly from a fresh
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import errno
+import functools
 import logging
 import os
 import secrets
@@ -332,6 +334,8 @@ class FileStore(Store):
         self._used = 0
         self._tmp_bytes = 0  # tmp files of other writers, found by the last scan
         self._real_dirs: set[str] = set()  # fan-out directories checked to be no symlink
+        self._chunk_io: Any = None  # see enable_direct_reads
+        self._owns_chunk_io = False
         self._open_root()
         self._rebuild_index()
 
@@ -806,7 +810,74 @@ class FileStore(Store):
             used, n = self._used + self._tmp_bytes, len(self._index)
         return {"evicted": self.counters["evictions"] - before, "used_bytes": used, "chunks": n}
 
-    # -- reads done outside the store (gds.ChunkIO straight into device memory) ---------
+    # -- direct reads: gds.ChunkIO straight into destination tensors (SupportsDirectReads)
+
+    def enable_direct_reads(self, chunk_io: Any = None, *, max_in_flight: int = 8) -> Any:
+        """Read chunks through a `gds.ChunkIO` from now on (see SupportsDirectReads) and
+        return it: `chunk_io` if given (shared: its owner closes it), else this store's
+        own, built once for its directory and closed with the store."""
+        if chunk_io is not None:
+            if self._chunk_io is not None and self._owns_chunk_io and chunk_io is not self._chunk_io:
+                self._chunk_io.close()
+            self._chunk_io, self._owns_chunk_io = chunk_io, False
+        elif self._chunk_io is None:
+            from gds import ChunkIO, IOConfig
+
+            self._chunk_io = ChunkIO(IOConfig(max_inflight=max_in_flight), probe_dir=self.root)
+            self._owns_chunk_io = True
+        return self._chunk_io
+
+    @property
+    def chunk_io(self) -> Any:
+        """The ChunkIO direct reads go through, or None before `enable_direct_reads`."""
+        return self._chunk_io
+
+    async def read_chunks_into(
+        self, keys: Sequence[str], dests: Sequence[Any], *,
+        on_done: Callable[[int, ChunkHeader | None, str | None], bool | None] | None = None,
+    ) -> list[ChunkHeader | None]:
+        """See SupportsDirectReads. The store is told of each read as if it had done it: a
+        hit refreshes its LRU place, a corrupt file is quarantined, an absent one forgotten;
+        a file this store verified before and that is unchanged since is read without its
+        header and checksum (`verify=changed`)."""
+        from gds.filestore import settle
+
+        check_batch(keys, dests)
+        io = self.enable_direct_reads()
+        results: list[ChunkHeader | None] = [None] * len(keys)
+        futures: list[concurrent.futures.Future[Any]] = []
+
+        def landed(i: int, fut: concurrent.futures.Future[Any]) -> None:
+            if fut.cancelled():
+                return
+            try:
+                results[i], why = settle(self, keys[i], fut)
+            except Exception as exc:  # noqa: BLE001 - not a ReadError (a CUDA error): a miss
+                log.warning("%s: direct read of %s failed: %s", self, keys[i], exc)
+                results[i], why = None, "io"
+            if on_done is not None and on_done(i, results[i], why) is False:
+                for later in futures[i + 1 :]:
+                    later.cancel()
+
+        try:
+            for key, dest in zip(keys, dests, strict=True):
+                futures.append(io.submit_chunk(self.chunk_path(key), dest, key, trust=self))
+            for i, fut in enumerate(futures):  # once the list is whole: `landed` reads it
+                fut.add_done_callback(functools.partial(landed, i))
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures),
+                                 return_exceptions=True)
+        finally:
+            for f in futures:
+                f.cancel()  # only those not yet started: no read starts after we give up
+        return results
+
+    async def close(self) -> None:
+        await super().close()
+        if self._chunk_io is not None and self._owns_chunk_io:
+            self._chunk_io.close()
+        self._chunk_io = None
+
+    # -- reads done by a reader outside the store (gds.ChunkIO's `trust=`) ---------------
 
     def chunk_path(self, key: str) -> Path:
         """The file that holds `key` (it may not exist)."""

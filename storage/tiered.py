@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from storage.base import BlobFile, Store, check_blob
-from storage.capabilities import SupportsBlobFiles
+from storage.capabilities import SupportsBlobFiles, SupportsDirectReads
 from storage.codec import ChunkHeader
 from storage.errors import StoreError
 
@@ -21,6 +21,12 @@ MAX_BACKGROUND = 64
 
 
 class TieredStore(Store):
+    def __new__(cls, tiers: Sequence[Store]) -> TieredStore:
+        # A tier list reads directly into device buffers when its first tier can.
+        if cls is TieredStore and tiers and isinstance(tiers[0], SupportsDirectReads):
+            cls = DirectTieredStore
+        return super().__new__(cls)
+
     def __init__(self, tiers: Sequence[Store]):
         super().__init__()
         self.tiers = list(tiers)
@@ -97,8 +103,11 @@ class TieredStore(Store):
 
     async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
         self.counters["gets"] += 1
-        for i, tier in enumerate(self.tiers):
-            header = await tier.get_into(key, out)
+        return await self._get_into_from(0, key, out)
+
+    async def _get_into_from(self, first: int, key: str, out: Any) -> ChunkHeader | None:
+        for i in range(first, len(self.tiers)):
+            header = await self.tiers[i].get_into(key, out)
             if header is not None:
                 self.counters["hits"] += 1
                 self.counters["bytes_read"] += header.total_len
@@ -146,3 +155,85 @@ class TieredStore(Store):
         await self.flush()
         for t in self.tiers:
             await t.close()
+
+
+class DirectTieredStore(TieredStore):
+    """A tier list whose first tier reads directly into device buffers (SupportsDirectReads):
+    chunks go there first; what it lacks, or fails to read, is read from the tiers below
+    (which promote it) into host memory, and copied to a device destination."""
+
+    def enable_direct_reads(self, chunk_io: Any = None, *, max_in_flight: int = 8) -> Any:
+        return self.tiers[0].enable_direct_reads(chunk_io, max_in_flight=max_in_flight)
+
+    @property
+    def chunk_io(self) -> Any:
+        return self.tiers[0].chunk_io
+
+    async def read_chunks_into(
+        self, keys: Sequence[str], dests: Sequence[Any], *,
+        on_done: Callable[[int, ChunkHeader | None, str | None], bool | None] | None = None,
+    ) -> list[ChunkHeader | None]:
+        loop = asyncio.get_running_loop()
+        results: list[ChunkHeader | None] = [None] * len(keys)
+        lower: set[asyncio.Task] = set()
+        self.counters["gets"] += len(keys)
+
+        async def from_lower(i: int) -> None:
+            header = None
+            try:
+                header = await self._lower_into(keys[i], dests[i])
+            except Exception as exc:  # noqa: BLE001 - any failure is a miss
+                log.warning("%s: reading %s from the lower tiers failed: %s", self, keys[i], exc)
+            results[i] = header
+            if on_done is not None:
+                on_done(i, header, None if header is not None else "missing")
+
+        def start_lower(i: int) -> None:
+            task = loop.create_task(from_lower(i))
+            lower.add(task)
+            task.add_done_callback(lower.discard)
+
+        def landed(i: int, header: ChunkHeader | None, why: str | None) -> bool | None:
+            if header is None and len(self.tiers) > 1:
+                loop.call_soon_threadsafe(start_lower, i)
+                return None  # `on_done` once the lower tiers answer
+            results[i] = header
+            if header is not None:
+                self.counters["hits"] += 1
+                self.counters["bytes_read"] += header.total_len
+            else:
+                self.counters["misses"] += 1
+            return on_done(i, header, why) if on_done is not None else None
+
+        try:
+            await self.tiers[0].read_chunks_into(keys, dests, on_done=landed)
+            await asyncio.sleep(0)  # let the hand-offs from the I/O threads start
+            while lower:
+                await asyncio.gather(*list(lower), return_exceptions=True)
+                await asyncio.sleep(0)
+        finally:
+            for task in list(lower):
+                task.cancel()
+        return results
+
+    async def _lower_into(self, key: str, dest: Any) -> ChunkHeader | None:
+        """`key` read through the tiers below the first (promoting it) into `dest`; a CUDA
+        destination is filled from pinned host memory, as for any S3 or HTTP store."""
+        from gds.buffers import host_view, is_cuda
+
+        if not is_cuda(dest):
+            return await self._get_into_from(1, key, host_view(dest))
+        import torch
+
+        size = dest.numel() * dest.element_size()
+        staging = torch.empty(size, dtype=torch.uint8, pin_memory=True)
+        header = await self._get_into_from(1, key, host_view(staging))
+        if header is None:
+            return None
+        flat = dest.detach().reshape(-1).view(torch.uint8)
+        flat[: header.payload_len].copy_(staging[: header.payload_len], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(dest.device))
+        while not done.query():  # the caller places it next: the copy must be done
+            await asyncio.sleep(0.0002)
+        return header

@@ -208,7 +208,7 @@ def test_the_connector_declines_a_hit_that_would_load_slower_than_recompute():
 def test_a_connector_dropped_without_close_still_finishes_its_saves():
     store = MemoryStore()
     conn = connector(store)
-    keys, thread = chunk_keys(TOKENS, conn.ns), conn._thread
+    keys, thread = chunk_keys(TOKENS, conn.ns), conn.io._thread
 
     def slow_payload(i: int):
         time.sleep(0.05)
@@ -228,3 +228,57 @@ def test_a_closed_connector_misses_and_drops_quietly():
     assert conn.load(TOKENS, 160, ListEngine(10)) == 0
     assert conn.save(TOKENS, payload_of) == 0
     assert conn.flush(1)
+
+
+def chunk_tokens_of(tokens=TOKENS, n: int = 16) -> list[np.ndarray]:
+    return [tokens[i : i + n] for i in range(0, len(tokens), n)]
+
+
+def test_an_async_load_places_chunks_as_they_land_and_fails_a_stalled_one_by_its_deadline():
+    """`load_async` (the vLLM worker's path): nothing waits on the caller's thread; every
+    chunk is placed on an I/O thread as it lands, and the stalled one fails at the deadline."""
+    store = DelayedStore(MemoryStore())
+    conn = saved(connector(store))
+    keys = chunk_keys(TOKENS, conn.ns)
+    store.slow.add(keys[2])
+    engine = ListEngine(10)
+    handle = conn.load_async(keys[:4], chunk_tokens_of()[:4], engine, deadline_s=0.5)
+    ok = handle.result(10)
+    assert handle.done() and handle.stalled
+    assert ok[:2] == [True, True] and ok[2] is False
+    assert sorted(engine.placed) == [i for i, good in enumerate(ok) if good]
+    for i in engine.placed:
+        assert (engine.bufs[i] == payload_of(i)).all()
+    stats = conn.stats()
+    assert stats["load_timeouts"] == 1 and stats["loaded_chunks"] == sum(ok)
+    assert stats["failed_chunks"] == 4 - sum(ok)
+    conn.close()
+
+
+def test_an_async_load_of_a_bypassed_store_fails_every_chunk_at_once():
+    class Unreachable(MemoryStore):
+        async def prefix_len(self, keys):
+            raise ConnectionError("no route to store")
+
+    conn = saved(connector(Unreachable(), breaker_cooldown=60))
+    keys = chunk_keys(TOKENS, conn.ns)
+    assert conn.lookup_async(keys).result(5) == 0  # fails, and opens the breaker
+    handle = conn.load_async(keys[:3], chunk_tokens_of()[:3], ListEngine(3))
+    assert handle.done() and handle.result() == [False] * 3
+    assert conn.lookup_async(keys).result(5) == 0
+    stats = conn.stats()
+    assert stats["lookup_errors"] == 1 and stats["bypassed"] == 2
+    conn.close()
+
+
+def test_write_answers_per_chunk_whether_the_store_holds_it():
+    conn = connector()
+    keys = chunk_keys(TOKENS, conn.ns)
+    assert conn.write(keys[:3], chunk_tokens_of()[:3], payload_of).result(10) == [True] * 3
+    # already there: still True (the store holds it), and counted as skipped
+    assert conn.write(keys[:2], chunk_tokens_of()[:2], payload_of).result(10) == [True] * 2
+    assert conn.stats()["saved_chunks"] == 3 and conn.stats()["save_skipped"] == 2
+    small = connector(save_queue_bytes=LAYOUT.payload_nbytes)  # room for one chunk
+    assert small.write(keys[:3], chunk_tokens_of()[:3], payload_of).result(10) == [True, False, False]
+    conn.close()
+    small.close()

@@ -222,15 +222,18 @@ async def test_blob_files_give_the_verified_blob_for_sending(store, ns):
 
 
 def test_each_backend_declares_its_capabilities(tmp_path):
-    from storage.capabilities import SupportsBlobFiles, SupportsChunkFiles, SupportsGC
+    from storage.capabilities import SupportsBlobFiles, SupportsDirectReads, SupportsGC
 
     def caps(url):
         s = open_store(url)
-        return {c.__name__ for c in (SupportsBlobFiles, SupportsGC, SupportsChunkFiles)
+        return {c.__name__ for c in (SupportsBlobFiles, SupportsGC, SupportsDirectReads)
                 if isinstance(s, c)}
 
     assert caps(f"file://{tmp_path}/f") == {"SupportsBlobFiles", "SupportsGC",
-                                            "SupportsChunkFiles"}
+                                            "SupportsDirectReads"}
     assert caps("memory://") == {"SupportsBlobFiles"}
     assert caps(["memory://", f"file://{tmp_path}/t"]) == {"SupportsBlobFiles"}
+    # a tier list reads directly where its first tier can; the tiers below fill in
+    assert caps([f"file://{tmp_path}/u", "memory://"]) == {"SupportsBlobFiles",
+                                                          "SupportsDirectReads"}
     assert caps("http://127.0.0.1:9") == set()

@@ -168,7 +168,8 @@ def test_a_corrupt_chunk_is_recomputed_counted_and_saved_again(saved, from_file,
     same_output(saved.generations[A_CORRUPT], corrupt)
     # only the first chunk was loaded, and vLLM's cached-token count says so
     assert corrupt.num_cached_tokens == CHUNK
-    assert from_file.metrics["vllm:kvstash_load_errors"] >= 1
+    assert from_file.metrics["vllm:kvstash_failed_chunks"] >= 1
+    assert from_file.metrics["vllm:kvstash_verify_failures"] >= 1
     assert from_file.metrics["vllm:kvstash_failed_load_tokens"] == 2 * CHUNK
     # the damaged chunk was written again by B from its recomputed KV
     assert from_file.metrics["vllm:kvstash_save_queued"] == 2  # chunks 2 and 3, recomputed

@@ -118,7 +118,7 @@ def test_pages_saved_by_one_engine_load_into_another(store_url):
         saved = offload(writer, keys)
         # vLLM's hashes are the keys; the store holds one chunk per page
         tier = writer.secondary_tiers[0]
-        stored = tier.io.call(lambda s: s.exists(tier.store_keys(keys)), 10)
+        stored = tier.core.run(tier.core.store.exists(tier.store_keys(keys)), 10)
         # The reader starts before the writer shuts down (a second engine on the same store).
         reader = new_manager(store_url)
     finally:

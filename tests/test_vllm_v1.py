@@ -88,7 +88,7 @@ def test_saved_blocks_load_into_another_engine(store_url):
     try:
         write_prompt(writer, list(range(7)))
         ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
-        io = reader.worker._chunk_io
+        io = reader.worker.core.chunk_io
         if store_url.startswith("file://"):  # read through gds.ChunkIO, not the store
             assert io.stats()["counters"]["chunk_reads"] == 3
         else:
@@ -124,7 +124,7 @@ def test_a_tier_list_reads_its_file_tier_through_chunkio_and_the_rest_from_below
             f.seek(-1, os.SEEK_CUR)
             f.write(bytes([b[0] ^ 1]))
         ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
-        counters = reader.worker._chunk_io.stats()["counters"]
+        counters = reader.worker.core.chunk_io.stats()["counters"]
     finally:
         writer.shutdown()
         reader.shutdown()
@@ -327,8 +327,10 @@ def test_counters_reach_vllms_connector_stats_once_each(tmp_path):
         writer.shutdown()
         reader.shutdown()
     assert worker.data["save_queued"] == 3 and worker.data["saved_chunks"] == 3
+    # the step's prompt tokens and their time, for the reading scheduler's policy
+    assert worker.data["prefill_tokens"] == len(PROMPT) and worker.data["prefill_seconds"] > 0
     assert again is None, "a counter is reported once, as growth since the last report"
-    assert scheduler.data == {"lookups": 1, "hit_tokens": 6 * BLOCK_SIZE}
+    assert scheduler.data == {"lookups": 1, "lookup_tokens": 6 * BLOCK_SIZE}
     assert loads.data["loaded_chunks"] == 3
     # vLLM rebuilds the stats in its logging process from the dict and sums intervals
     total = KvstashConnector.build_kv_connector_stats(scheduler.to_dict()).aggregate(loads)
@@ -356,3 +358,53 @@ def test_chunk_staging_buffers_are_reused_between_loads(store_url):
     assert again == {kind: sorted(ptrs) for kind, ptrs in kept.items()}
     for name in writer.kv:
         assert torch.equal(reader.kv[name][20:26], writer.kv[name][0:6])
+
+
+def worker_stats(**data):
+    """What vLLM hands the scheduler from its workers after a step (their counters' growth)."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    return KVConnectorOutput(kv_connector_stats=KvstashConnector.build_kv_connector_stats(data))
+
+
+def test_the_policy_declines_stored_chunks_that_load_slower_than_a_recompute(tmp_path):
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(writer, list(range(7)))
+        # the reader's workers measured loads at 1 MB/s and prefill at 10,000 tokens/s
+        reader.scheduler.update_connector_output(worker_stats(
+            loads=1, loaded_chunks=1, hit_bytes=10**6, load_seconds=1.0,
+            prefill_tokens=10_000, prefill_seconds=1.0,
+        ))
+        assert reader.lookup(make_request(PROMPT)) == (0, False)
+        counters = reader.scheduler.counters
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert counters["lookup_tokens"] == 3 * CHUNK_TOKENS
+    assert counters["declined_tokens"] == 3 * CHUNK_TOKENS
+
+
+def test_loads_carry_the_policys_deadline_to_the_workers(tmp_path):
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(writer, list(range(7)))
+        # fast loads (1 GB/s), slow prefill (100 tokens/s): load, and wait at most half
+        # of what recomputing the 96 stored tokens would take
+        reader.scheduler.update_connector_output(worker_stats(
+            loads=1, loaded_chunks=1, hit_bytes=10**6, load_seconds=0.001,
+            prefill_tokens=100, prefill_seconds=1.0,
+        ))
+        req = make_request(PROMPT)
+        ext, is_async = reader.lookup(req)
+        reader.scheduler.update_state_after_alloc(req, blocks(range(10, 17)), ext)
+        meta, _, _ = reader.step()
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert (ext, is_async) == (3 * CHUNK_TOKENS, True)
+    assert meta.loads[0].deadline_s == pytest.approx(0.5 * 3 * CHUNK_TOKENS / 100)
