@@ -41,7 +41,7 @@ from gds.buffers import host_view
 from hashing import Namespace, chunk_keys, token_array
 from storage.base import Store
 from storage.breaker import CircuitBreaker
-from storage.capabilities import SupportsDirectReads
+from storage.capabilities import SupportsDirectReads, SupportsRangeReads
 from storage.codec import ChunkError, ChunkHeader
 from storage.options import parse_bool
 
@@ -150,6 +150,75 @@ class LoadHandle:
             _resolve(f, False)
 
 
+class SegmentTarget(LoadTarget, Protocol):
+    """A `LoadTarget` that places a chunk one layer at a time (`load_segments_async`)."""
+
+    def place_segment(self, i: int, s: int) -> None:
+        """Move segment (layer) s of chunk i from its staging buffer into the KV cache."""
+
+
+class SegmentLoad(LoadHandle):
+    """A layer-pipelined load (`KVConnector.load_segments_async`): `wait_segment(s)` returns
+    once every chunk has placed its segment s or failed, so layer s may compute while later
+    layers are still being read. `chunks[i]` resolves True once all of chunk i is placed."""
+
+    def __init__(self, n: int, n_segments: int, started: float):
+        super().__init__(n, started)
+        self._lock = threading.Lock()
+        self._ready = [threading.Event() for _ in range(n_segments)]
+        self._left = [n] * n_segments  # chunks still to answer for each segment
+        self._placed = [[False] * n_segments for _ in range(n)]
+        self._alive = [True] * n
+        if n == 0:
+            for e in self._ready:
+                e.set()
+
+    @classmethod
+    def failed_segments(cls, n: int, n_segments: int) -> SegmentLoad:
+        load = cls(n, n_segments, time.monotonic())
+        for i in range(n):
+            load.fail(i)
+        return load
+
+    def wait_segment(self, s: int, timeout: float | None = None) -> bool:
+        """Wait until segment s of every chunk is placed or its chunk failed; False on timeout."""
+        return self._ready[s].wait(timeout)
+
+    def alive(self, i: int) -> bool:
+        return self._alive[i]
+
+    def placed(self, i: int, s: int) -> None:
+        with self._lock:
+            if not self._alive[i] or self._placed[i][s]:
+                return
+            self._placed[i][s] = True
+            self._answered(s)
+            whole = all(self._placed[i])
+        if whole:
+            _resolve(self.chunks[i], True)
+
+    def fail(self, i: int) -> None:
+        """Chunk i will not be placed whole: its segments not yet placed stop being waited for."""
+        with self._lock:
+            if not self._alive[i] or all(self._placed[i]):
+                return
+            self._alive[i] = False
+            for s, done in enumerate(self._placed[i]):
+                if not done:
+                    self._answered(s)
+        _resolve(self.chunks[i], False)
+
+    def _answered(self, s: int) -> None:
+        self._left[s] -= 1
+        if self._left[s] == 0:
+            self._ready[s].set()
+
+    def cancel(self) -> None:
+        for i in range(len(self.chunks)):
+            self.fail(i)
+        super().cancel()
+
+
 class KVConnector:
     """Engine-agnostic cache client over one store and one namespace.
 
@@ -182,6 +251,7 @@ class KVConnector:
         breaker_cooldown: float = 1.0,
         breaker_max_cooldown: float = 30.0,
         direct_io: bool | str | ChunkIO = True,
+        segment_checksums: bool = True,
     ):
         self.io = StoreLoop(store) if isinstance(store, Store) else StoreLoop.shared(store)
         self._owns_store = not isinstance(store, Store)
@@ -192,6 +262,7 @@ class KVConnector:
         self.max_in_flight = max_in_flight
         self.lookup_timeout_s = lookup_timeout_s
         self.policy = policy or LoadPolicy()
+        self.segment_checksums = segment_checksums
         self._breaker = CircuitBreaker(breaker_failures, breaker_cooldown, breaker_max_cooldown)
         self._breaker_lock = threading.Lock()  # asked on engine threads, told on the loop
         self._counters = Counters()
@@ -476,6 +547,131 @@ class KVConnector:
         handle = self.load_async(keys, tokens, Buffers(bufs), timeout)
         return handle.result(None if timeout is None else timeout + 1.0)
 
+    def load_segments_async(
+        self,
+        keys: Sequence[str],
+        tokens: Sequence[Any],
+        target: SegmentTarget,
+        deadline_s: float | None = None,
+    ) -> SegmentLoad:
+        """Start a layer-pipelined load and return at once: every chunk's header is read and
+        checked (key, token ids, layout), then every segment's byte range is requested,
+        segment-major (segment 0 of every chunk first), at most `max_in_flight` at a time;
+        each is verified against its own checksum and placed (`target.place_segment(i, s)`,
+        on an I/O thread) as it lands. The engine computes layer s after
+        `handle.wait_segment(s)`. A chunk saved without segment checksums (an older chunk),
+        or a store without ranged reads (`SupportsRangeReads`), is read and verified whole
+        and placed at once. A chunk that fails stops being read; the deadline fails what is
+        left."""
+        layout = self._require_layout()
+        n_chunks, n_segments = len(keys), max(len(layout.segments), 1)
+        if n_chunks == 0 or self._bypassed():
+            return SegmentLoad.failed_segments(n_chunks, n_segments)
+        wait_s = (self.policy.deadline_s(n_chunks * self.chunk_tokens)
+                  if deadline_s is None else deadline_s)
+        handle = SegmentLoad(n_chunks, n_segments, time.monotonic())
+        handle.deadline = handle.started + wait_s
+        try:
+            dests = [host_view(target.staging(i)) for i in range(n_chunks)]
+        except Exception as exc:  # noqa: BLE001 - the engine could not give us memory: recompute
+            log.warning("load skipped: no staging memory: %s", exc)
+            return SegmentLoad.failed_segments(n_chunks, n_segments)
+        self._count(loads=1)
+        handle.fetch = asyncio.run_coroutine_threadsafe(
+            self._fetch_segments(list(keys), list(tokens), dests, handle, layout, target),
+            self._loop,
+        )
+        return handle
+
+    async def _fetch_segments(self, keys: list[str], tokens: list[Any], dests: list[memoryview],
+                              handle: SegmentLoad, layout: ChunkLayout | EngineLayout,
+                              target: SegmentTarget) -> None:
+        store = self.store
+        sizes = list(layout.segments) or [layout.payload_nbytes]
+        offsets = [sum(sizes[:s]) for s in range(len(sizes))]
+        expected = list(zip(offsets, sizes, strict=True))
+        gate = asyncio.Semaphore(self.max_in_flight)
+        ranged = isinstance(store, SupportsRangeReads) and bool(layout.segments)
+        tasks: list[asyncio.Task] = []
+
+        def place_all(i: int) -> None:
+            for s in range(len(sizes)):
+                target.place_segment(i, s)
+                handle.placed(i, s)
+
+        async def whole(i: int) -> None:
+            async with gate:
+                if not handle.alive(i):
+                    return
+                header = await store.get_into(keys[i], dests[i])
+            if self._accept(keys[i], tokens[i], dests[i], layout, header):
+                await asyncio.to_thread(place_all, i)
+            else:
+                handle.fail(i)
+
+        async def head(i: int) -> ChunkHeader | None:
+            async with gate:
+                header = await store.read_header(keys[i])
+            if not self._accept(keys[i], tokens[i], None, layout, header):
+                handle.fail(i)
+                return None
+            return header
+
+        def check_and_place(i: int, s: int, header: ChunkHeader) -> bool:
+            off, size = expected[s]
+            try:
+                header.verify_segment(s, dests[i][off : off + size])
+            except ChunkError as exc:
+                self._count(verify_failures=1)
+                log.warning("chunk %s from %s rejected: %s", keys[i], store, exc)
+                return False
+            if handle.alive(i):
+                target.place_segment(i, s)
+                handle.placed(i, s)
+            return True
+
+        async def segment(i: int, s: int, header: ChunkHeader) -> None:
+            async with gate:
+                if not handle.alive(i):
+                    return
+                off, size = expected[s]
+                ok = await store.read_range_into(keys[i], header, off, dests[i][off : off + size])
+            if not ok:
+                self._count(load_misses=1)
+                handle.fail(i)
+            elif not check_and_place(i, s, header):
+                handle.fail(i)
+
+        try:
+            async with asyncio.timeout_at(self._loop.time() + handle.deadline - time.monotonic()):
+                if not ranged:
+                    await asyncio.gather(*(whole(i) for i in range(len(keys))))
+                    return
+                headers = await asyncio.gather(*(head(i) for i in range(len(keys))))
+                for i, h in enumerate(headers):
+                    if h is not None and [(o, n) for o, n, _ in h.segments] != expected:
+                        tasks.append(asyncio.ensure_future(whole(i)))  # no segment checksums
+                        headers[i] = None
+                for s in range(len(sizes)):  # segment-major: layer 0 of every chunk first
+                    for i, h in enumerate(headers):
+                        if h is not None:
+                            tasks.append(asyncio.ensure_future(segment(i, s, h)))
+                await asyncio.gather(*tasks)
+        except TimeoutError:
+            handle.stalled = any(not f.done() for f in handle.chunks)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any backend failure is a miss
+            self._count(load_errors=1)
+            log.warning("layered load from %s failed: %s", store, exc)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for i in range(len(keys)):
+                handle.fail(i)  # no-op for chunks placed whole
+            ok = [f.result() for f in handle.chunks]
+            self._account(handle, sum(ok), len(ok))
+
     def _start_load(self, keys: list[str], tokens: list[Any], target: LoadTarget,
                     deadline_s: float | None, place_on_io: bool) -> LoadHandle:
         layout = self._require_layout()
@@ -633,6 +829,7 @@ class KVConnector:
         return SaveJob(
             keys=list(keys), tokens=[token_array(t) for t in tokens], first=first,
             payload=payload, chunk_nbytes=layout.payload_nbytes, meta=layout.meta(),
+            segments=tuple(layout.segments) if self.segment_checksums else (),
         )
 
     def flush(self, timeout: float | None = None) -> bool:

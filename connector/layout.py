@@ -57,6 +57,11 @@ class ChunkLayout:
         """What every chunk header of this layout carries in its meta."""
         return {"layout": LAYOUT_NAME, "dtype": self.dtype, "shape": list(self.shape)}
 
+    @property
+    def segments(self) -> tuple[int, ...]:
+        """Byte length of each layer's K/V in the payload, in order (one checksum each)."""
+        return (self.payload_nbytes // self.layers,) * self.layers
+
     def matches(self, meta: dict[str, Any]) -> bool:
         return meta == self.meta()
 
@@ -65,14 +70,20 @@ class ChunkLayout:
 class EngineLayout:
     """A chunk payload in an engine's own layout (vLLM's paged blocks, SGLang's host pages):
     `payload_nbytes` bytes, described by `fields`, which every chunk header's meta carries
-    and a load checks (e.g. the engine format and a fingerprint of its KV cache shapes)."""
+    and a load checks (e.g. the engine format and a fingerprint of its KV cache shapes).
+    `segments`: where the payload is layer-major, each layer's byte length; chunks are
+    then saved with one checksum per layer, so a load may verify and place layer by layer."""
 
     fields: tuple[tuple[str, Any], ...]
     payload_nbytes: int
+    segments: tuple[int, ...] = ()  # byte length of each layer's part, in payload order
 
     @classmethod
-    def of(cls, payload_nbytes: int, **fields: Any) -> EngineLayout:
-        return cls(tuple(sorted(fields.items())), int(payload_nbytes))
+    def of(cls, payload_nbytes: int, segments: Any = (), **fields: Any) -> EngineLayout:
+        segments = tuple(int(n) for n in segments)
+        if segments and sum(segments) != payload_nbytes:
+            raise ValueError(f"segments sum to {sum(segments)} bytes, payload is {payload_nbytes}")
+        return cls(tuple(sorted(fields.items())), int(payload_nbytes), segments)
 
     def meta(self) -> dict[str, Any]:
         return dict(self.fields)

@@ -66,7 +66,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-from connector.core import COUNTERS, KVConnector, LoadHandle
+from connector.core import COUNTERS, KVConnector, LoadHandle, SegmentLoad
 from connector.layout import EngineLayout
 from connector.policy import LoadPolicy
 from gds.buffers import aligned_empty
@@ -310,10 +310,10 @@ class _ChunkTarget:
     """Where one request's chunks load: staging buffers from the worker's pool, placed
     into the request's blocks of the paged KV cache (skipping those computed locally)."""
 
-    def __init__(self, worker: KvstashConnector, chunks: list[ChunkRef]):
+    def __init__(self, worker: KvstashConnector, chunks: list[ChunkRef], kind: str | None = None):
         self.worker = worker
         self.chunks = chunks
-        self.kind = worker._staging_kind()
+        self.kind = kind or worker._staging_kind()
         self.bufs: dict[int, torch.Tensor] = {}
 
     def staging(self, i: int) -> torch.Tensor:
@@ -322,6 +322,9 @@ class _ChunkTarget:
 
     def place(self, i: int) -> None:  # on an I/O thread, as chunk i lands
         self.worker._place(self.chunks[i], self.bufs[i])
+
+    def place_segment(self, i: int, s: int) -> None:  # layerwise: layer s of chunk i
+        self.worker._place(self.chunks[i], self.bufs[i], only=s)
 
     def release(self, reuse: bool) -> None:
         """Return the staging buffers to the pool (not after a stalled load: a read still
@@ -366,6 +369,13 @@ class KvstashConnector(KVConnectorBase_V1):
             for r in range(self.world_size)
         ]
         self.exit_flush_s = float(extra.get("exit_flush_s", 4.0))
+        mode = extra.get("load_mode", "async")
+        if mode not in ("async", "layerwise"):
+            raise ValueError(f"kv_connector_extra_config: load_mode={mode!r} must be "
+                             f"'async' or 'layerwise'")
+        # async: loads run between steps while other requests compute; layerwise: a hit
+        # is scheduled at once and layer i computes as soon as layer i's bytes are placed.
+        self.layerwise = mode == "layerwise"
         self._signal_handlers: dict[int, tuple[Any, Any]] = {}
         _route_kvstash_warnings()
         worker = role == KVConnectorRole.WORKER
@@ -393,6 +403,8 @@ class KvstashConnector(KVConnectorBase_V1):
         self._chunk_nbytes = 0
         self._loading: dict[str, tuple[ReqChunks, LoadHandle, _ChunkTarget]] = {}
         self._load_errors: set[int] = set()
+        self._layer_loads: list[tuple[ReqChunks, SegmentLoad, _ChunkTarget]] = []
+        self._layer_index: dict[str, int] = {}
         # Free chunk staging buffers by kind, kept between loads: fresh memory costs a page
         # fault per 4 KiB page on first touch (~2 GB/s on the 2-vCPU VMs here, slower than
         # reading a page-cached chunk). Used on the engine thread only.
@@ -511,7 +523,7 @@ class KvstashConnector(KVConnectorBase_V1):
         if hit is None:
             return None, False
         extra = hit * self.chunk_tokens - num_computed_tokens
-        return (extra, True) if extra > 0 else (0, False)
+        return (extra, not self.layerwise) if extra > 0 else (0, False)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
@@ -646,18 +658,23 @@ class KvstashConnector(KVConnectorBase_V1):
         described = repr([(x.name, x.block_dim, x.block_shape, str(x.dtype)) for x in self._layers])
         self._fingerprint = xxhash.xxh3_64_hexdigest(described.encode())
         self._chunk_nbytes = sum(x.block_nbytes for x in self._layers) * self.chunk_blocks
-        self.core.bind_layout(EngineLayout.of(self._chunk_nbytes, engine=FORMAT,
-                                              kv=self._fingerprint))
+        self._layer_index = {layer.name: i for i, layer in enumerate(self._layers)}
+        self.core.bind_layout(EngineLayout.of(
+            self._chunk_nbytes, segments=[x.block_nbytes * self.chunk_blocks for x in self._layers],
+            engine=FORMAT, kv=self._fingerprint,
+        ))
 
-    def _views(self, buf: torch.Tensor, n_blocks: int):
-        """(layer, kv, view) for each layer's share of a chunk buffer, in payload order."""
+    def _views(self, buf: torch.Tensor, n_blocks: int, only: int | None = None):
+        """(layer, kv, view) for each layer's share of a chunk buffer, in payload order
+        (`only`: that layer's alone)."""
         off = 0
-        for layer in self._layers:
+        for i, layer in enumerate(self._layers):
             nbytes = layer.block_nbytes * self.chunk_blocks
-            shape = list(layer.block_shape)
-            shape.insert(layer.block_dim, self.chunk_blocks)
-            view = buf[off : off + nbytes].view(layer.dtype).view(shape)
-            yield layer, self._kv[layer.name], view.narrow(layer.block_dim, 0, n_blocks)
+            if only is None or only == i:
+                shape = list(layer.block_shape)
+                shape.insert(layer.block_dim, self.chunk_blocks)
+                view = buf[off : off + nbytes].view(layer.dtype).view(shape)
+                yield layer, self._kv[layer.name], view.narrow(layer.block_dim, 0, n_blocks)
             off += nbytes
 
     # -- loads ---------------------------------------------------------------------------
@@ -667,14 +684,18 @@ class KvstashConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstashMetadata)
-        if meta.prefill_tokens:
+        if meta.prefill_tokens and not (self.layerwise and meta.loads):  # not load waits
             self._step_timer = _StepTimer(meta.prefill_tokens, self._device())
         for req in meta.loads:
-            if req.req_id not in self._loading:
+            keys = self._keys(req.chunks, self.rank)
+            tokens = [c.token_ids for c in req.chunks]
+            if self.layerwise:  # ranges land in host memory, then each layer is placed
+                target = _ChunkTarget(self, req.chunks, kind="host")
+                handle = self.core.load_segments_async(keys, tokens, target, req.deadline_s)
+                self._layer_loads.append((req, handle, target))
+            elif req.req_id not in self._loading:
                 target = _ChunkTarget(self, req.chunks)
-                keys = self._keys(req.chunks, self.rank)
-                handle = self.core.load_async(keys, [c.token_ids for c in req.chunks], target,
-                                              deadline_s=req.deadline_s)
+                handle = self.core.load_async(keys, tokens, target, deadline_s=req.deadline_s)
                 self._loading[req.req_id] = (req, handle, target)
 
     def _device(self) -> torch.device:
@@ -704,18 +725,46 @@ class KvstashConnector(KVConnectorBase_V1):
         if len(free) < self.core.max_in_flight and buf.nbytes == self._chunk_nbytes:
             free.append(buf)
 
-    def _place(self, chunk: ChunkRef, buf: torch.Tensor) -> None:
-        """Copy a verified chunk into its blocks, skipping the ones computed locally."""
+    def _place(self, chunk: ChunkRef, buf: torch.Tensor, only: int | None = None) -> None:
+        """Copy a verified chunk (`only`: that layer of it) into its blocks, skipping the
+        ones computed locally."""
         k = len(chunk.block_ids)
-        for layer, kv, view in self._views(buf, k):
+        for layer, kv, view in self._views(buf, k, only):
             idx = torch.tensor(chunk.block_ids[chunk.first :], device=kv.device)
             src = view.narrow(layer.block_dim, chunk.first, k - chunk.first)
             kv.index_copy_(layer.block_dim, idx, src.to(kv.device))
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """Nothing to wait for: loads finish between steps, before their request runs."""
+        """Layerwise loads: wait until this layer of every chunk loading in this step is
+        placed (or its chunk failed, or the deadline passed: then the rest fails and vLLM
+        recomputes those blocks). Async loads finished between steps: nothing to wait for."""
+        s = self._layer_index.get(layer_name)
+        if s is None:
+            return
+        for _, handle, _ in self._layer_loads:
+            if not handle.wait_segment(s, max(handle.deadline - time.monotonic(), 0.0)):
+                handle.stalled = True
+                handle.cancel()
+
+    def _finish_layer_loads(self) -> None:
+        """After the forward: every layerwise load of the step has its answer; failed
+        chunks' blocks go to `get_block_ids_with_load_errors`."""
+        loads, self._layer_loads = self._layer_loads, []
+        for req, handle, target in loads:
+            for s in range(len(self._layers)):  # layers the forward did not wait for
+                if not handle.wait_segment(s, max(handle.deadline - time.monotonic(), 0.0)):
+                    handle.stalled = True
+                    handle.cancel()
+            ok = [f.done() and f.result() for f in handle.chunks]
+            self._load_errors |= {
+                b for chunk, good in zip(req.chunks, ok, strict=True) if not good
+                for b in chunk.block_ids[chunk.first :]
+            }
+            # Range reads of a failed chunk may still be landing: reuse only when all ended.
+            target.release(reuse=handle.done() and not handle.stalled)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        self._finish_layer_loads()
         done = {req_id for req_id, (_, handle, _) in self._loading.items() if handle.done()}
         for req_id in done:
             req, handle, target = self._loading.pop(req_id)
@@ -847,7 +896,8 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._forget_exit_flush()
-        for _, handle, _ in self._loading.values():
+        for _, handle, _ in [*self._loading.values(), *self._layer_loads]:
             handle.cancel()
         self._loading.clear()
+        self._layer_loads = []
         self.core.close()

@@ -38,11 +38,13 @@ class SaveJob:
     # Set for a caller that wants the answer: per chunk, whether the store holds it now.
     done: concurrent.futures.Future[list[bool]] | None = None
     total: int = -1  # chunks asked for (a truncated job answers for the dropped ones too)
+    segments: tuple[int, ...] = ()  # per-layer byte lengths: one checksum each in the header
 
     def truncate(self, n: int) -> SaveJob:
         return SaveJob(
             self.keys[:n], self.tokens[:n], self.first, self.payload, self.chunk_nbytes,
             self.meta, self.done, len(self.keys) if self.total < 0 else self.total,
+            self.segments,
         )
 
     def answer(self, stored: list[bool]) -> None:
@@ -142,4 +144,7 @@ class WriteBehindQueue:
     @staticmethod
     def _encode(job: SaveJob, j: int) -> bytes:
         payload = job.payload(job.first + j)
+        if job.segments:
+            return encode_chunk(job.keys[j], job.tokens[j], payload, job.meta,
+                                segments=list(job.segments))
         return encode_chunk(job.keys[j], job.tokens[j], payload, job.meta)

@@ -65,3 +65,13 @@ class SupportsDirectReads(Protocol):
         None on a hit, else "missing", "corrupt" or "io"; returning False cancels the reads
         not yet started. Cancelled, the call starts no further read; a read already
         running may still write its destination."""
+
+
+@runtime_checkable
+class SupportsRangeReads(Protocol):
+    async def read_header(self, key: str) -> ChunkHeader | None:
+        """The verified header of `key`'s chunk, or None on a miss (one small request)."""
+
+    async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
+        """Payload bytes [offset, offset + len(out)) of `key`'s chunk into `out`; False on a
+        miss or error. The caller verifies what it read (`ChunkHeader.verify_segment`)."""

@@ -3,7 +3,7 @@
 Header layout (little-endian):
 
     0   8s  magic b"KVSTASH\\0"
-    8   H   format version (1)
+    8   H   format version: 1, or 2 for a chunk with segment checksums
     10  H   flags (0)
     12  I   header length: 4096, or a larger multiple of 4096 when the tokens and meta
             do not fit (so the payload stays 4 KiB-aligned for O_DIRECT and GDS)
@@ -12,10 +12,19 @@ Header layout (little-endian):
     32  Q   xxh3-64 of the whole header with this field zeroed
     40  H   key length      42 H  reserved (0)
     44  I   token count     48 I  meta length
-    52      key (ascii), token ids (uint32 LE), meta (JSON utf-8), zero padding
+    52      key (ascii), token ids (uint32 LE), meta (JSON utf-8),
+            version 2 only: segment count (uint32), then per segment its length and the
+            xxh3-64 of its bytes (uint64 each), then zero padding
 
 Every byte of the header is covered by the header checksum, and the payload by its own,
 so any single corrupted byte is detected. Decoding never raises anything but ChunkError.
+
+Segments (version 2). A payload that is layer-major (every layer's K/V one contiguous
+byte range) may be saved with one checksum per segment, consecutive ranges that cover the
+payload exactly. A reader can then fetch, verify and use one layer's range while the next
+is in flight (`ChunkHeader.verify_segment`); the whole-payload checksum is still written
+and still checked by every whole read. Version 1 chunks (no segments) decode as before;
+readers older than version 2 refuse version 2 chunks, so upgrade readers before writers.
 """
 
 from __future__ import annotations
@@ -32,6 +41,9 @@ from hashing import is_valid_key, token_array
 
 MAGIC = b"KVSTASH\x00"
 VERSION = 1
+VERSION_SEGMENTS = 2
+MAX_SEGMENTS = 1024
+_SEGMENT = struct.Struct("<QQ")
 ALIGN = 4096
 HEADER_SIZE = 4096
 _FIXED = struct.Struct("<8sHHIQQQHHII")
@@ -60,6 +72,7 @@ class ChunkHeader:
     header_len: int
     payload_len: int
     payload_checksum: int
+    segments: tuple[tuple[int, int, int], ...] = ()  # (offset, length, xxh3-64) per segment
 
     @property
     def total_len(self) -> int:
@@ -72,6 +85,17 @@ class ChunkHeader:
             raise ChunkError(f"payload is {view.nbytes} bytes, header says {self.payload_len}")
         if xxhash.xxh3_64_intdigest(view, seed=0) != self.payload_checksum:
             raise ChunkError(f"payload checksum mismatch for {self.key}")
+
+    def verify_segment(self, i: int, data: Any) -> None:
+        """Raise ChunkError unless `data` is segment i's bytes (its length and checksum)."""
+        if not 0 <= i < len(self.segments):
+            raise ChunkError(f"chunk {self.key} has no segment {i} ({len(self.segments)} segments)")
+        _, length, checksum = self.segments[i]
+        view = memoryview(data).cast("B")
+        if view.nbytes != length:
+            raise ChunkError(f"segment {i} is {view.nbytes} bytes, header says {length}")
+        if xxhash.xxh3_64_intdigest(view, seed=0) != checksum:
+            raise ChunkError(f"segment {i} checksum mismatch for {self.key}")
 
     def matches_tokens(self, token_ids: Any) -> bool:
         return np.array_equal(self.token_ids, token_array(token_ids))
@@ -95,13 +119,34 @@ class Chunk:
         return self.header.meta
 
 
-def header_size_for(n_tokens: int, meta_len: int, key_len: int = 49) -> int:
+def header_size_for(n_tokens: int, meta_len: int, key_len: int = 49, n_segments: int = 0) -> int:
     need = _FIXED.size + key_len + 4 * n_tokens + meta_len
+    if n_segments:
+        need += 4 + _SEGMENT.size * n_segments
     return max(HEADER_SIZE, -(-need // ALIGN) * ALIGN)
 
 
-def encode_header(key: str, token_ids: Any, payload: Any, meta: dict | None = None) -> bytes:
-    """The header bytes for `payload` (the payload itself is not copied)."""
+def _checksums(view: memoryview, segments: Any) -> tuple[int, list[tuple[int, int]]]:
+    """(the payload's xxh3-64, [(length, xxh3-64)] per segment) in one pass over the bytes."""
+    lengths = [int(n) for n in segments]
+    if not lengths or len(lengths) > MAX_SEGMENTS or min(lengths) <= 0:
+        raise ChunkError(f"segments must be 1 to {MAX_SEGMENTS} positive lengths")
+    if sum(lengths) != view.nbytes:
+        raise ChunkError(f"segments cover {sum(lengths)} bytes, the payload is {view.nbytes}")
+    whole = xxhash.xxh3_64(seed=0)
+    table, pos = [], 0
+    for n in lengths:
+        part = view[pos : pos + n]
+        whole.update(part)
+        table.append((n, xxhash.xxh3_64_intdigest(part, seed=0)))
+        pos += n
+    return whole.intdigest(), table
+
+
+def encode_header(key: str, token_ids: Any, payload: Any, meta: dict | None = None, *,
+                  segments: Any = None) -> bytes:
+    """The header bytes for `payload` (the payload itself is not copied). `segments`: byte
+    lengths of consecutive payload ranges, one checksum each (a version 2 header)."""
     if not is_valid_key(key):
         raise ChunkError(f"malformed key {key!r}")
     tokens = token_array(token_ids)
@@ -111,25 +156,38 @@ def encode_header(key: str, token_ids: Any, payload: Any, meta: dict | None = No
     except RecursionError as exc:
         raise ChunkError("meta is nested too deeply") from exc
     kb = key.encode("ascii")
-    hlen = header_size_for(len(tokens), len(meta_bytes), len(kb))
+    if segments is None:
+        version, checksum, table = VERSION, xxhash.xxh3_64_intdigest(view, seed=0), []
+    else:
+        version, (checksum, table) = VERSION_SEGMENTS, _checksums(view, segments)
+    hlen = header_size_for(len(tokens), len(meta_bytes), len(kb), len(table))
     if hlen > MAX_HEADER_SIZE:
         raise ChunkError(f"header of {hlen} bytes exceeds {MAX_HEADER_SIZE}")
     buf = bytearray(hlen)
     _FIXED.pack_into(
-        buf, 0, MAGIC, VERSION, 0, hlen, view.nbytes, xxhash.xxh3_64_intdigest(view, seed=0),
+        buf, 0, MAGIC, version, 0, hlen, view.nbytes, checksum,
         0, len(kb), 0, len(tokens), len(meta_bytes),
     )
     pos = _FIXED.size
     for part in (kb, tokens.tobytes(), meta_bytes):
         buf[pos : pos + len(part)] = part
         pos += len(part)
+    if table:
+        struct.pack_into("<I", buf, pos, len(table))
+        pos += 4
+        for entry in table:
+            _SEGMENT.pack_into(buf, pos, *entry)
+            pos += _SEGMENT.size
     struct.pack_into("<Q", buf, _HCHECK_OFFSET, xxhash.xxh3_64_intdigest(bytes(buf), seed=0))
     return bytes(buf)
 
 
-def encode_chunk(key: str, token_ids: Any, payload: Any, meta: dict | None = None) -> bytes:
-    """Header + payload in one immutable blob; the payload starts at a 4 KiB boundary."""
-    header = encode_header(key, token_ids, payload, meta)
+def encode_chunk(key: str, token_ids: Any, payload: Any, meta: dict | None = None, *,
+                 segments: Any = None) -> bytes:
+    """Header + payload in one immutable blob; the payload starts at a 4 KiB boundary.
+    `segments`: byte lengths of consecutive payload ranges (e.g. one per layer), each
+    saved with its own checksum."""
+    header = encode_header(key, token_ids, payload, meta, segments=segments)
     return header + memoryview(payload).cast("B")
 
 
@@ -146,7 +204,7 @@ def decode_header(data: Any, key: str | None = None) -> ChunkHeader:
         raise ChunkError(f"unreadable header: {exc}") from exc
     if magic != MAGIC:
         raise ChunkError("bad magic: not a kvstash chunk")
-    if version != VERSION:
+    if version not in (VERSION, VERSION_SEGMENTS):
         raise ChunkError(f"unsupported chunk format version {version}")
     if hlen < HEADER_SIZE or hlen % ALIGN or hlen > MAX_HEADER_SIZE:
         raise ChunkError(f"bad header length {hlen}")
@@ -163,6 +221,8 @@ def decode_header(data: Any, key: str | None = None) -> ChunkHeader:
         got_key = bytes(view[pos : pos + klen]).decode("ascii")
         tokens = np.frombuffer(bytes(view[pos + klen : pos + klen + 4 * ntok]), dtype="<u4")
         meta = json.loads(bytes(view[pos + klen + 4 * ntok : pos + klen + 4 * ntok + mlen]))
+        segments = (_decode_segments(view, pos + klen + 4 * ntok + mlen, hlen, plen)
+                    if version == VERSION_SEGMENTS else ())
     except (UnicodeDecodeError, ValueError) as exc:
         raise ChunkError(f"unreadable header fields: {exc}") from exc
     except RecursionError as exc:
@@ -172,7 +232,27 @@ def decode_header(data: Any, key: str | None = None) -> ChunkHeader:
         raise ChunkError("unsupported header flags or meta")
     if key is not None and got_key != key:
         raise ChunkError(f"chunk holds key {got_key!r}, expected {key!r}")
-    return ChunkHeader(got_key, tokens, meta, hlen, plen, pcheck)
+    return ChunkHeader(got_key, tokens, meta, hlen, plen, pcheck, segments)
+
+
+def _decode_segments(view: memoryview, pos: int, hlen: int,
+                     plen: int) -> tuple[tuple[int, int, int], ...]:
+    """The segment table at `pos` (inside a header whose checksum already held)."""
+    if pos + 4 > hlen:
+        raise ChunkError("segment table overflows the header")
+    (n,) = struct.unpack_from("<I", view, pos)
+    if not 0 < n <= MAX_SEGMENTS or pos + 4 + n * _SEGMENT.size > hlen:
+        raise ChunkError(f"bad segment count {n}")
+    out, offset = [], 0
+    for i in range(n):
+        length, checksum = _SEGMENT.unpack_from(view, pos + 4 + i * _SEGMENT.size)
+        if length <= 0:
+            raise ChunkError(f"segment {i} is empty")
+        out.append((offset, length, checksum))
+        offset += length
+    if offset != plen:
+        raise ChunkError(f"segments cover {offset} bytes, the payload is {plen}")
+    return tuple(out)
 
 
 def decode_chunk(blob: Any, key: str | None = None, token_ids: Any = None) -> Chunk:

@@ -871,6 +871,68 @@ class FileStore(Store):
                 f.cancel()  # only those not yet started: no read starts after we give up
         return results
 
+    # -- ranged reads (SupportsRangeReads) --------------------------------------------------
+
+    async def read_header(self, key: str) -> ChunkHeader | None:
+        """The verified header of `key`'s file (which must be as long as it says); a corrupt
+        header is quarantined. A hit refreshes the chunk's LRU place."""
+        check_key(key)
+        header = await asyncio.to_thread(self._read_header_sync, key)
+        self._count_get(None if header is None else header.total_len)
+        return header
+
+    def _read_header_sync(self, key: str) -> ChunkHeader | None:
+        opened = self._open_for_read(key)
+        if opened is None:
+            return None
+        fd, path = opened
+        try:
+            st = os.fstat(fd)
+            header = self.known_header(key, st)
+            if header is None:
+                try:
+                    header = decode_header(read_at(fd, HEADER_SIZE), key)
+                except TruncatedHeader as short:
+                    header = decode_header(read_at(fd, short.header_len), key)
+            if st.st_size != header.total_len:
+                raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
+        except ChunkError as exc:
+            self._quarantine(key, path, str(exc))
+            return None
+        except OSError as exc:
+            if exc.errno not in _MISS_ERRNOS:
+                self.counters["errors"] += 1
+            return None
+        finally:
+            os.close(fd)
+        self._touch(key, path, st)
+        return header
+
+    async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
+        """Payload bytes [offset, offset + len(out)) of `key`'s file; the caller verifies
+        them against the header's segment checksums."""
+        check_key(key)
+        view = memoryview(out).cast("B")
+        if offset < 0 or offset + view.nbytes > header.payload_len:
+            return False
+        return await asyncio.to_thread(self._read_range_sync, key, header, offset, view)
+
+    def _read_range_sync(self, key: str, header: ChunkHeader, offset: int, view: memoryview) -> bool:
+        opened = self._open_for_read(key)
+        if opened is None:
+            return False
+        fd, _ = opened
+        try:
+            if os.fstat(fd).st_size != header.total_len:  # replaced since its header was read
+                return False
+            return read_into_at(fd, view, header.header_len + offset) == view.nbytes
+        except OSError as exc:
+            if exc.errno not in _MISS_ERRNOS:
+                self.counters["errors"] += 1
+            return False
+        finally:
+            os.close(fd)
+
     async def close(self) -> None:
         await super().close()
         if self._chunk_io is not None and self._owns_chunk_io:

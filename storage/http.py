@@ -413,6 +413,9 @@ class _TlsConnection(_Connection):
         self.writer.close()
 
 
+_RANGE = re.compile(r"bytes (\d{1,18})-(\d{1,18})/(\d{1,18})")
+
+
 def _content_length(headers: dict[str, str]) -> int:
     value = headers.get("content-length", "")
     # 18 digits: below 2**63, so no length can overflow an allocation or a slice.
@@ -833,6 +836,93 @@ class HttpStore(Store):
             header = None
         self._count_get(None if header is None else header.total_len)
         return header
+
+    # -- ranged reads (SupportsRangeReads) --------------------------------------------------
+
+    async def _range_response(self, conn: _Connection, key: str, start: int,
+                              stop: int) -> tuple[int, int] | None:
+        """Send `GET` with `Range: bytes=start-(stop-1)`; (the body's length, the chunk's
+        total size) on a 206 whose Content-Range is the range asked for (clipped at the
+        end), None on 404 or 416."""
+        await conn.sendall(self._head("GET", self._chunk_path(key),
+                                      extra=f"Range: bytes={start}-{stop - 1}\r\n"))
+        status, headers = await conn.read_head()
+        if status == 206:
+            length = _content_length(headers)
+            got = _RANGE.fullmatch(headers.get("content-range", ""))
+            if got is None:
+                raise _HttpError(0, f"a 206 with Content-Range {headers.get('content-range')!r}")
+            first, last, total = (int(x) for x in got.groups())
+            if first != start or last != min(stop, total) - 1 or length != last - first + 1:
+                raise _HttpError(0, f"asked for bytes {start}-{stop - 1}, got {first}-{last} "
+                                    f"({length} bytes)")
+            if total > self.max_chunk:
+                raise _HttpError(0, f"a {total}-byte chunk is over max_chunk={self.max_chunk}")
+            return length, total
+        if status == 200:  # Range ignored: the whole chunk follows; not worth reading
+            raise _HttpError(0, "the server ignored Range")
+        err = await self._error_of(conn, status, headers)
+        if status in (404, 416):
+            return None
+        raise err
+
+    async def read_header(self, key: str) -> ChunkHeader | None:
+        """The verified header: one `Range: bytes=0-4095` GET (a second for a longer one)."""
+        check_key(key)
+
+        async def head_of(stop: int) -> tuple[bytearray, int] | None:
+            async def op(conn: _Connection) -> tuple[bytearray, int] | None:
+                got = await self._range_response(conn, key, 0, stop)
+                if got is None:
+                    return None
+                data = await conn.read_exact(got[0])
+                conn.reusable = True
+                return data, got[1]
+
+            return await self._call(op)
+
+        header = None
+        try:
+            got = await head_of(HEADER_SIZE)
+            if got is not None:
+                try:
+                    header = decode_header(got[0], key)
+                except TruncatedHeader as short:
+                    again = await head_of(short.header_len)
+                    got = None if again is None else (again[0], got[1])
+                    header = None if again is None else decode_header(again[0], key)
+            if header is not None and got is not None and header.total_len != got[1]:
+                raise ChunkError(f"chunk is {got[1]} bytes, header says {header.total_len}")
+        except (_HttpError, ChunkError) as exc:
+            self._count_failure("read_header", key, exc)
+            header = None
+        self._count_get(None if header is None else header.total_len)
+        return header
+
+    async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
+        """Payload bytes [offset, offset + len(out)) by one Range GET; False on a miss."""
+        check_key(key)
+        view = memoryview(out).cast("B")
+        if offset < 0 or offset + view.nbytes > header.payload_len or not view.nbytes:
+            return False
+        start = header.header_len + offset
+
+        async def op(conn: _Connection) -> bool:
+            got = await self._range_response(conn, key, start, start + view.nbytes)
+            if got is None:
+                return False
+            if got[0] != view.nbytes or got[1] != header.total_len:
+                raise _HttpError(0, f"range of {got[0]} bytes of a {got[1]}-byte chunk, "
+                                    f"expected {view.nbytes} of {header.total_len}")
+            await conn.read_into(view)
+            conn.reusable = True
+            return True
+
+        try:
+            return bool(await self._call(op))
+        except (_HttpError, ChunkError) as exc:
+            self._count_failure("read_range_into", key, exc)
+            return False
 
     async def _lookup(self, keys: Sequence[str], stop_at_gap: bool) -> tuple[int, list[bool]]:
         body = json.dumps({"keys": list(keys), "stop_at_gap": stop_at_gap},

@@ -9,7 +9,7 @@ from typing import Any
 
 from storage.base import Store, check_blob, check_key, check_tenant, copy_payload
 from storage.buffers import host_buffer
-from storage.codec import ChunkHeader
+from storage.codec import ChunkHeader, decode_header
 from storage.errors import StoreFull
 from storage.options import StoreURL, format_size, parse_size
 
@@ -85,6 +85,23 @@ class MemoryStore(Store):
     async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
         data = self._lookup(key)
         return None if data is None else copy_payload(key, data, out)
+
+    # -- ranged reads (SupportsRangeReads) --------------------------------------------------
+
+    async def read_header(self, key: str) -> ChunkHeader | None:
+        data = self._lookup(key)
+        return None if data is None else decode_header(data, key)
+
+    async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
+        check_key(key)
+        with self._lock:  # part of the read its header counted
+            data = self._data.get(key)
+        view = memoryview(out).cast("B")
+        start = header.header_len + offset
+        if data is None or offset < 0 or start + view.nbytes > len(data):
+            return False
+        view[:] = memoryview(data)[start : start + view.nbytes]
+        return True
 
     def _lookup(self, key: str) -> bytes | memoryview | None:
         check_key(key)

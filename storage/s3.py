@@ -291,11 +291,15 @@ class S3Store(Store):
 
     async def _guarded_read(self, key: str, out: memoryview | None) -> tuple[ChunkHeader, Any] | None:
         """A read with every failure turned into a counted miss: (header, blob or None)."""
+        if out is None:
+            return await self._guarded(key, self._read_blob(key))
+        header = await self._guarded(key, self._read_into(key, out))
+        return None if header is None else (header, None)
+
+    async def _guarded(self, key: str, read: Any) -> Any:
+        """Await a read of `key` with every failure turned into a counted miss (None)."""
         try:
-            if out is None:
-                got: tuple[ChunkHeader, Any] = await self._read_blob(key)
-            else:
-                got = (await self._read_into(key, out), None)
+            got = await read
         except (_Missing, _TooSmall):
             return None
         except (StoreError, ClientError) as exc:
@@ -342,6 +346,50 @@ class S3Store(Store):
         with contextlib.suppress(StoreUnavailable, _Missing, ClientError):
             async with self._op("touch") as client:
                 await client.put_object(Bucket=self.opts.bucket, Key=marker_name(name), Body=b"")
+
+    # -- ranged reads (SupportsRangeReads) --------------------------------------------------
+
+    async def read_header(self, key: str) -> ChunkHeader | None:
+        """The verified header: one `Range: bytes=0-4095` GET (a second for a longer header)."""
+        check_key(key)
+        header = await self._guarded(key, self._read_header(key))
+        self._count_get(None if header is None else header.total_len)
+        return header
+
+    async def _read_header(self, key: str) -> ChunkHeader:
+        name = self._name(key)
+        async with self._op("get header") as client:
+            resp = await client.get_object(Bucket=self.opts.bucket, Key=name,
+                                           Range=f"bytes=0-{HEADER_SIZE - 1}")
+            total, first = _object_size(resp), int(resp["ContentLength"])
+            if first > HEADER_SIZE:
+                raise ChunkError(f"asked for {HEADER_SIZE} bytes, got {first}")
+            head = bytearray(first)
+            async with resp["Body"] as body:
+                await _BodyReader(body).read_into(memoryview(head))
+        try:
+            header = decode_header(head, key)
+        except TruncatedHeader as short:
+            head = bytearray(short.header_len)
+            await self._get_range(name, 0, short.header_len, memoryview(head))
+            header = decode_header(head, key)
+        if total != header.total_len:
+            raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+        return header
+
+    async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
+        """Payload bytes [offset, offset + len(out)) by one Range GET; False on a miss."""
+        check_key(key)
+        view = memoryview(out).cast("B")
+        if offset < 0 or offset + view.nbytes > header.payload_len:
+            return False
+        start = header.header_len + offset
+
+        async def ranged() -> bool:
+            await self._get_range(self._name(key), start, start + view.nbytes, view)
+            return True
+
+        return await self._guarded(key, ranged()) is True
 
     async def get(self, key: str) -> bytes | None:
         """The verified blob as a bytearray (filled in place: no copy after the network)."""

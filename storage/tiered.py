@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from storage.base import BlobFile, Store, check_blob
-from storage.capabilities import SupportsBlobFiles, SupportsDirectReads
+from storage.capabilities import SupportsBlobFiles, SupportsDirectReads, SupportsRangeReads
 from storage.codec import ChunkHeader
 from storage.errors import StoreError
 
@@ -120,6 +120,25 @@ class TieredStore(Store):
                 return header
         self.counters["misses"] += 1
         return None
+
+    # -- ranged reads (SupportsRangeReads): from the first tier that has the chunk ---------
+
+    async def read_header(self, key: str) -> ChunkHeader | None:
+        for tier in self.tiers:
+            if isinstance(tier, SupportsRangeReads):
+                header = await tier.read_header(key)
+                if header is not None:
+                    return header
+        return None
+
+    async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
+        # Chunks are immutable: any tier holding the key holds these bytes (the caller's
+        # segment checksum says whether they are).
+        for tier in self.tiers:
+            if isinstance(tier, SupportsRangeReads) and await tier.read_range_into(
+                    key, header, offset, out):
+                return True
+        return False
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         per_tier = await asyncio.gather(*(t.exists(keys) for t in self.tiers))

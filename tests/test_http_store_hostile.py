@@ -274,3 +274,54 @@ async def test_a_hostile_key_listing_is_store_unavailable(hostile):
     finally:
         await store.close()
         server.close()
+
+
+def _ranged_replies(blob: bytes, start: int, stop: int) -> dict[str, bytes]:
+    """Lies in answer to `Range: bytes=start-(stop-1)` of the chunk `blob`."""
+    part, total, n = blob[start:stop], len(blob), stop - start
+    cr = f"Content-Range: bytes {start}-{stop - 1}/{total}"
+    return {
+        "range_ignored_whole_chunk_200": reply("200 OK", blob),
+        "content_range_missing": reply("206 Partial Content", part),
+        "content_range_of_another_range": reply(
+            "206 Partial Content", part, f"Content-Range: bytes {start + 1}-{stop}/{total}"),
+        "content_range_disagrees_with_length": reply(
+            "206 Partial Content", part[:100], cr, "Content-Length: 100"),
+        "total_of_2_to_the_62": reply(
+            "206 Partial Content", part, f"Content-Range: bytes {start}-{stop - 1}/{1 << 62}"),
+        "total_other_than_the_header_says": reply(
+            "206 Partial Content", part, f"Content-Range: bytes {start}-{stop - 1}/{total + n}"),
+        "body_cut_short": reply("206 Partial Content", part[:100], cr, f"Content-Length: {n}"),
+    }
+
+
+RANGED_LIES = sorted(_ranged_replies(b"\0" * 8192, 0, 4096))
+
+
+@pytest.mark.parametrize("name", RANGED_LIES + ["header_of_another_key"])
+async def test_a_hostile_reply_to_a_header_read_is_a_miss(ns, name):
+    (key, _, blob), (other, _, other_blob) = make_chunks(ns, 2, payload_size=5000)
+    replies = _ranged_replies(blob, 0, 4096)
+    replies["header_of_another_key"] = reply(
+        "206 Partial Content", other_blob[:4096], f"Content-Range: bytes 0-4095/{len(blob)}")
+    server = OneReplyServer(replies[name])
+    store = open_store(f"{server.url}?timeout=2s&breaker_failures=1000")
+    try:
+        assert await store.read_header(key) is None
+    finally:
+        await store.close()
+        server.close()
+
+
+@pytest.mark.parametrize("name", RANGED_LIES)
+async def test_a_hostile_reply_to_a_payload_range_is_a_miss(ns, name):
+    (key, _, blob), = make_chunks(ns, 1, payload_size=5000)
+    header = decode_header(blob, key)
+    start, stop = header.header_len + 1000, header.header_len + 3000
+    server = OneReplyServer(_ranged_replies(blob, start, stop)[name])
+    store = open_store(f"{server.url}?timeout=2s&breaker_failures=1000")
+    try:
+        assert await store.read_range_into(key, header, 1000, bytearray(2000)) is False
+    finally:
+        await store.close()
+        server.close()

@@ -237,3 +237,52 @@ def test_each_backend_declares_its_capabilities(tmp_path):
     assert caps([f"file://{tmp_path}/u", "memory://"]) == {"SupportsBlobFiles",
                                                           "SupportsDirectReads"}
     assert caps("http://127.0.0.1:9") == set()
+
+
+def _ranged(store):
+    from storage.capabilities import SupportsRangeReads
+
+    if not isinstance(store, SupportsRangeReads):
+        pytest.skip(f"{store.url}: no ranged reads (SupportsRangeReads)")
+    return store
+
+
+def _segmented(ns, n: int, sizes=(1000, 3000, 192)):
+    """Chunks saved with one checksum per segment (a version 2 header)."""
+    from storage.codec import encode_chunk
+
+    out = []
+    for key, tokens, blob in make_chunks(ns, n, payload_size=sum(sizes)):
+        payload = decode_chunk(blob).payload
+        out.append((key, bytes(payload), encode_chunk(key, tokens, payload, {"s": 1},
+                                                      segments=list(sizes))))
+    return out
+
+
+async def test_ranged_reads_give_the_header_then_each_segment_it_vouches_for(store, ns):
+    store = _ranged(store)
+    (key, payload, blob), (absent, _, _) = _segmented(ns, 2)
+    await store.put(key, blob)
+    header = await store.read_header(key)
+    assert header is not None and header.key == key and header.payload_len == len(payload)
+    assert [(o, n) for o, n, _ in header.segments] == [(0, 1000), (1000, 3000), (4000, 192)]
+    for i, (offset, length, _) in enumerate(header.segments):
+        buf = bytearray(length)
+        assert await store.read_range_into(key, header, offset, buf) is True
+        header.verify_segment(i, buf)
+        assert bytes(buf) == payload[offset : offset + length]
+    assert await store.read_header(absent) is None
+    assert await store.read_range_into(absent, header, 0, bytearray(10)) is False
+    # a range past the payload's end is refused, not read from the next object or padding
+    assert await store.read_range_into(key, header, 4000, bytearray(500)) is False
+
+
+async def test_a_chunk_without_segments_has_a_header_with_none(store, ns):
+    store = _ranged(store)
+    (key, _, blob), = make_chunks(ns, 1, payload_size=2000)
+    await store.put(key, blob)
+    header = await store.read_header(key)
+    assert header is not None and header.segments == ()
+    buf = bytearray(2000)
+    assert await store.read_range_into(key, header, 0, buf) is True
+    header.verify_payload(buf)

@@ -408,3 +408,104 @@ def test_loads_carry_the_policys_deadline_to_the_workers(tmp_path):
         reader.shutdown()
     assert (ext, is_async) == (3 * CHUNK_TOKENS, True)
     assert meta.loads[0].deadline_s == pytest.approx(0.5 * 3 * CHUNK_TOKENS / 100)
+
+
+def read_prompt_layerwise(engine: V1Engine, block_ids: list[int], check_layer=None):
+    """A layerwise hit: the request runs in the step its blocks were allocated; the forward
+    waits for each layer before its attention (`check_layer(name)` runs right after)."""
+    req = make_request(PROMPT)
+    ext, is_async = engine.lookup(req)
+    assert is_async is False
+    engine.scheduler.update_state_after_alloc(req, blocks(block_ids), ext)
+    meta = engine.scheduler.build_connector_meta(scheduler_output())
+    worker = engine.worker
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)
+    for name in engine.kv:
+        worker.wait_for_layer_load(name)
+        if check_layer is not None:
+            check_layer(name)
+    worker.wait_for_save()
+    _, recving = worker.get_finished(set())
+    errors = worker.get_block_ids_with_load_errors()
+    worker.clear_connector_metadata()
+    return ext, recving, errors
+
+
+def scheduler_output():
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput(
+        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+        finished_req_ids=set(), free_encoder_mm_hashes=[],
+    )
+
+
+@pytest.fixture(params=["file", "s3"])
+def ranged_store_url(request, tmp_path):
+    """Stores that read byte ranges of a chunk: file:// (pread) and s3:// (Range GETs)."""
+    return engine_store_url(request, tmp_path)
+
+
+def test_layerwise_loads_place_each_layer_before_its_attention_runs(ranged_store_url):
+    url = ranged_store_url
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise")
+    src, dst = list(range(7)), list(range(10, 17))
+    seen = []
+
+    def check_layer(name):  # what this layer's attention would read
+        seen.append(torch.equal(reader.kv[name][dst[:6]], writer.kv[name][src[:6]]))
+
+    try:
+        write_prompt(writer, src)
+        ext, recving, errors = read_prompt_layerwise(reader, dst, check_layer)
+        counters = reader.worker.counters
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert ext == 3 * CHUNK_TOKENS and not recving and errors == set()
+    assert seen == [True] * len(reader.kv)
+    assert counters["loaded_chunks"] == 3 and counters["failed_chunks"] == 0
+
+
+def test_a_layerwise_load_fails_only_the_chunk_with_a_corrupt_layer(tmp_path):
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise")
+    src, dst = list(range(7)), list(range(10, 17))
+    try:
+        write_prompt(writer, src)
+        files = sorted((tmp_path / "kv").rglob("*.kv"), key=lambda p: p.stat().st_mtime)
+        assert len(files) == 3
+        data = bytearray(files[1].read_bytes())  # chunk 1 in saving order: its last layer
+        data[-1] ^= 0xFF
+        files[1].write_bytes(bytes(data))
+        ext, _, errors = read_prompt_layerwise(reader, dst)
+        counters = reader.worker.counters
+        layer0 = next(iter(reader.kv))
+        assert torch.equal(reader.kv[layer0][dst[:2]], writer.kv[layer0][src[:2]])
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert ext == 3 * CHUNK_TOKENS
+    assert errors == set(dst[2:4])  # chunk 1's blocks: vLLM recomputes from there
+    assert counters["failed_chunks"] == 1 and counters["verify_failures"] == 1
+
+
+def test_chunks_saved_without_layer_checksums_still_load_layerwise(tmp_path):
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    writer.worker.core.segment_checksums = False  # as chunks written before they existed
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise")
+    src, dst = list(range(7)), list(range(10, 17))
+    try:
+        write_prompt(writer, src)
+        ext, _, errors = read_prompt_layerwise(reader, dst)
+        same = all(torch.equal(reader.kv[n][dst[:6]], writer.kv[n][src[:6]]) for n in reader.kv)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert ext == 3 * CHUNK_TOKENS and errors == set() and same
