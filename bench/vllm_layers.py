@@ -1,0 +1,257 @@
+"""`kvstash bench vllm-layers`: a hit's TTFT with whole-prefix loads against layer-pipelined loads.
+
+Through the real engine (vLLM, random-weight preset), on a store whose load time is
+comparable to the hit's compute: a kvserver behind `bench.s3shape` (per-connection
+latency and bandwidth, like a remote server). Side by side in one run, every engine in
+its own process:
+
+- compute: vLLM's own prefix cache (no connector) answering Q = X + b after P = X + a:
+  the hit's forward with the prefix already in memory, no load at all;
+- load: the bench reading X's chunks through the shaped store with the connector's
+  concurrency (`get_into_many`), no compute at all;
+- ideal: max(load, compute) per round — what perfect overlap of the two would give;
+- whole-prefix: the V1 connector, `load_mode=async` (the default): every chunk is loaded
+  before the request's forward starts;
+- layer-pipelined: the V1 connector, `load_mode=layerwise`: the forward starts at once
+  and layer i computes as soon as layer i of every chunk is read, verified and placed.
+
+A writer engine saves X through the unshaped kvserver first. Each reader gets its own
+suffix, so no reader's saves lengthen another's hit. Unless `--shape` is given, the
+bandwidth is calibrated in a first round so that the load takes about as long as the
+compute. Ratios are medians over rounds of the ratio within a round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.vllm import FIRST_TOKEN_ID, REPO, Engine, _build_model
+
+TARGET = 1.15  # layer-pipelined TTFT within 15 % of max(load, compute)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-250m", help="model preset (default llama-250m)")
+    p.add_argument("--model-dir", metavar="DIR", help="a local Hugging Face model directory")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    p.add_argument("--cached-tokens", type=int, default=2048, help="prefix loaded (default 2048)")
+    p.add_argument("--suffix-tokens", type=int, default=512,
+                   help="tokens computed after the prefix (default 512)")
+    p.add_argument("--chunk-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=0, help="vLLM block size (0: vLLM's)")
+    p.add_argument("--max-in-flight", type=int, default=4, help="connector reads at once")
+    p.add_argument("--shape", metavar="LAT,BW",
+                   help="per-connection latency and bandwidth of the store, e.g. 1ms,20MBps "
+                        "(default: calibrated so that the load takes about the compute time)")
+    p.add_argument("--repeat", type=int, default=5, help="rounds (default 5)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--keep-logs", metavar="DIR", type=Path)
+    p.add_argument("--json", metavar="PATH")
+
+
+class Proxy:
+    """`python -m bench.s3shape` in front of a kvserver (it shapes any TCP)."""
+
+    def __init__(self, upstream: str, shape: str):
+        host_port = upstream.removeprefix("http://").split("/")[0]
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.s3shape", "--upstream", host_port, "--shape", shape],
+            stdout=subprocess.PIPE, text=True, cwd=REPO,
+        )
+        line = self.proc.stdout.readline().split()
+        if len(line) != 2 or line[0] != "listening":
+            self.stop()
+            raise RuntimeError(f"bench.s3shape did not start: {line}")
+        self.url = f"http://127.0.0.1:{line[1]}"
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+
+
+def _load_seconds(url: str, keys: list[str], nbytes: int, in_flight: int) -> float:
+    """Read `keys` through the store at `url` as the connector would: all at once, at most
+    `in_flight` in flight, into host buffers. Seconds."""
+    from storage import open_store
+
+    async def read() -> float:
+        store = open_store(url)
+        bufs = [np.empty(nbytes, dtype=np.uint8) for _ in keys]
+        try:
+            started = time.perf_counter()
+            got = await store.get_into_many(keys, bufs, concurrency=in_flight)
+            took = time.perf_counter() - started
+            if any(h is None for h in got):
+                raise RuntimeError(f"{sum(h is None for h in got)} of {len(keys)} chunks "
+                                   "missing from the store")
+            return took
+        finally:
+            await store.close()
+
+    return asyncio.run(read())
+
+
+async def _stored(url: str) -> list[str]:
+    from storage import open_store
+
+    store = open_store(url)
+    try:
+        return [k async for k in store.list_keys()]
+    finally:
+        await store.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    from bench.demo import DemoServer
+    from bench.report import machine, table, write_json
+
+    scratch = Path(tempfile.mkdtemp(prefix="kvstash-bench-vllm-layers-"))
+    logs = args.keep_logs or scratch / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(args.seed)
+    engines: list[Engine] = []
+    server = proxy = None
+    try:
+        model_dir, vocab, model_desc = _build_model(args, scratch)
+        prompt_len = args.cached_tokens + args.suffix_tokens
+        spec = dict(model_dir=str(model_dir), dtype=args.dtype, max_model_len=prompt_len + 8,
+                    block_size=args.block_size, chunk_tokens=args.chunk_tokens)
+        server = DemoServer([f"file://{scratch / 'store'}"])
+        server.wait_ready()
+
+        def engine(name: str, **extra: Any) -> Engine:
+            e = Engine(name, {**spec, **extra}, logs / f"engine-{name}.log")
+            engines.append(e)
+            e.start()
+            return e
+
+        def prompt(prefix: np.ndarray) -> np.ndarray:
+            suffix = rng.integers(FIRST_TOKEN_ID, vocab, args.suffix_tokens)
+            return np.concatenate([prefix, suffix])
+
+        print(f"starting the writer and the prefix-cache engine ({model_desc}) ...", flush=True)
+        writer = engine("writer", prefix_caching=False, store=server.url)
+        ideal = engine("prefix-cache", prefix_caching=True, store=None)
+        writer.wait_ready()
+        ideal.wait_ready()
+
+        def round_() -> dict[str, Any]:
+            prefix = rng.integers(FIRST_TOKEN_ID, vocab, args.cached_tokens)
+            before = set(asyncio.run(_stored(server.url)))
+            writer.generate([prompt(prefix)])
+            ideal.generate([prompt(prefix)])
+            compute = ideal.generate([prompt(prefix)])["requests"][0]
+            for _ in range(600):
+                keys = sorted(set(asyncio.run(_stored(server.url))) - before)
+                if len(keys) >= args.cached_tokens // args.chunk_tokens:
+                    break
+                time.sleep(0.05)
+            return {"prefix": prefix, "keys": keys, "compute_s": compute["ttft_s"],
+                    "compute_cached": compute["cached_tokens"]}
+
+        first = round_()
+        nbytes = _chunk_nbytes(scratch / "store")
+        total = nbytes * len(first["keys"])
+        shape = args.shape
+        if not shape:  # load about as long as compute: bandwidth shared by the readers
+            per_conn = total / first["compute_s"] / min(args.max_in_flight, len(first["keys"]))
+            shape = f"1ms,{max(per_conn, 1e5):.0f}Bps"
+        proxy = Proxy(server.url, shape)
+        readers = {
+            "whole-prefix": engine("whole", prefix_caching=False, store=proxy.url,
+                                   connector={"load_mode": "async",
+                                              "max_in_flight": args.max_in_flight,
+                                              "adaptive": False}),
+            "layer-pipelined": engine("layers", prefix_caching=False, store=proxy.url,
+                                      connector={"load_mode": "layerwise",
+                                                 "max_in_flight": args.max_in_flight,
+                                                 "adaptive": False}),
+        }
+        for e in readers.values():
+            e.wait_ready()
+        print(f"store shaped to {shape} per connection; {len(first['keys'])} chunks of "
+              f"{nbytes / 2**20:.1f} MiB per prefix", flush=True)
+        rows: list[dict[str, Any]] = []
+        for r in range(args.repeat + 1):  # the first round warms the readers up
+            rnd = first if r == 0 else round_()
+            load = _load_seconds(proxy.url, rnd["keys"], nbytes, args.max_in_flight)
+            row = {"compute_s": rnd["compute_s"], "load_s": load,
+                   "ideal_s": max(load, rnd["compute_s"])}
+            for name, e in readers.items():
+                answer = e.generate([prompt(rnd["prefix"])])["requests"][0]
+                row[name] = answer["ttft_s"]
+                row[f"{name} cached"] = answer["cached_tokens"]
+            if r:
+                rows.append(row)
+                print(f"round {r}: compute {row['compute_s'] * 1e3:.0f} ms, load "
+                      f"{load * 1e3:.0f} ms, whole-prefix {row['whole-prefix'] * 1e3:.0f} ms, "
+                      f"layer-pipelined {row['layer-pipelined'] * 1e3:.0f} ms", flush=True)
+        result = _summary(args, rows, shape, model_desc, nbytes, len(first["keys"]))
+        result["machine"] = machine()
+        body = [[name, f"{result[name]['ttft_ms']:.0f}", f"{result[name]['vs_ideal']:.2f}x",
+                 result[name].get("note", "")]
+                for name in ("compute", "load", "ideal", "whole-prefix", "layer-pipelined")]
+        print(result["title"])
+        print(table(["path", "TTFT ms (median)", "vs max(load, compute)", "target"], body))
+        if args.json:
+            write_json(args.json, result)
+        hits_ok = all(r[f"{n} cached"] >= args.cached_tokens for r in rows for n in readers)
+        return 0 if hits_ok else 1
+    finally:
+        for e in engines:
+            e.stop()
+        if proxy is not None:
+            proxy.stop()
+        if server is not None:
+            server.stop()
+        if args.keep_logs is None:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _chunk_nbytes(root: Path) -> int:
+    from storage.codec import decode_header
+
+    path = next(root.rglob("*.kv"))
+    with open(path, "rb") as f:
+        return decode_header(f.read(65536)).payload_len
+
+
+def _summary(args: argparse.Namespace, rows: list[dict[str, Any]], shape: str, model: str,
+             nbytes: int, chunks: int) -> dict[str, Any]:
+    def med(key: str) -> float:
+        return statistics.median(r[key] for r in rows)
+
+    def vs_ideal(key: str) -> float:
+        return statistics.median(r[key] / r["ideal_s"] for r in rows)
+
+    out: dict[str, Any] = {
+        "command": "bench vllm-layers", "model": model, "dtype": args.dtype,
+        "cached_tokens": args.cached_tokens, "suffix_tokens": args.suffix_tokens,
+        "chunk_tokens": args.chunk_tokens, "chunks": chunks, "chunk_bytes": nbytes,
+        "max_in_flight": args.max_in_flight, "shape": shape, "repeat": args.repeat,
+        "target_vs_ideal": TARGET, "rounds": rows,
+        "title": (f"vLLM hit TTFT, {model}, {args.dtype}: {args.cached_tokens} tokens loaded "
+                  f"({chunks} chunks of {nbytes / 2**20:.1f} MiB) + {args.suffix_tokens} "
+                  f"computed; kvserver shaped to {shape} per connection; median of "
+                  f"{args.repeat} rounds"),
+    }
+    for name, key in (("compute", "compute_s"), ("load", "load_s"), ("ideal", "ideal_s"),
+                      ("whole-prefix", "whole-prefix"), ("layer-pipelined", "layer-pipelined")):
+        out[name] = {"ttft_ms": 1e3 * med(key), "vs_ideal": vs_ideal(key)}
+    x = out["layer-pipelined"]["vs_ideal"]
+    out["layer-pipelined"]["note"] = f"{'meets' if x <= TARGET else 'MISSES'} <= {TARGET}x"
+    out["whole-prefix"]["note"] = "load + compute, in series"
+    return out
