@@ -33,6 +33,7 @@ from kvserver.admission import BodyBudget, BodyCharge, read_body
 from kvserver.auth import TokenTable
 from kvserver.bodies import BufferPool, FdResponse, FileBodyResponse, ViewResponse
 from kvserver.config import CONFIG_ENV, ServerConfig
+from kvserver.events import EventLog, ZmqPublisher
 from kvserver.gate import TENANT_SCOPE_KEY, RequestGate
 from kvserver.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvserver.metrics import MetricsMiddleware, ServerMetrics, leaf_stats
@@ -190,6 +191,16 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             f"tenant, less than one --max-chunk-bytes ({config.max_chunk_bytes}) chunk: raise it "
             "to at least " + ("twice " if len(tenancy.scopes) > 1 else "") + "--max-chunk-bytes")
     budget = BodyBudget(config.max_inflight_bytes, per_tenant)
+    events = EventLog(config.events_ring)
+    if tokens is None:
+        events.watch("", store)
+    for tenant, scope in tenancy.scopes.items():
+        events.watch(tenant, scope)
+    if config.events_zmq:
+        try:
+            events.publisher = ZmqPublisher(config.events_zmq)
+        except Exception as exc:  # noqa: BLE001 - a bad endpoint: one line at start-up
+            raise ConfigError(f"--events-zmq {config.events_zmq}: {exc}") from exc
 
     async def trim_pools() -> None:
         while True:
@@ -206,6 +217,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             trimmer.cancel()
             for s in tenancy.stores():
                 await s.close()
+            events.close()
 
     app = FastAPI(
         title="kvstash kvserver",
@@ -216,6 +228,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     app.state.config = config
     app.state.tenancy = tenancy
     app.state.metrics = metrics
+    app.state.events = events
 
     if tokens is not None:
         bearer = HTTPBearer(auto_error=False, description="a token from the server's tokens file")
@@ -440,6 +453,19 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
                 yield ("\n".join(batch) + "\n").encode()
 
         return StreamingResponse(lines(), media_type="text/plain")
+
+    @app.get(
+        "/v1/events", tags=["chunks"], response_class=StreamingResponse,
+        summary="The caller's chunks as they are stored and removed (newline-delimited JSON)",
+        responses={200: {"content": {"application/x-ndjson": {"schema": {"type": "string"}}}},
+                   **_errors(400, *auth_errors)},
+    )
+    async def stream_events(request: Request, since: int | None = None) -> StreamingResponse:
+        if since is not None and since < 0:
+            raise HTTPException(400, "since must be a sequence number >= 0")
+        tenant = request.scope.get(TENANT_SCOPE_KEY, "") if tokens is not None else ""
+        return StreamingResponse(events.stream(tenant, since), media_type="application/x-ndjson",
+                                 headers={"cache-control": "no-store"})
 
     @app.get("/v1/stats", tags=["service"], summary="The caller's store counters and capacity",
              responses=_errors(*auth_errors))

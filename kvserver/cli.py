@@ -80,6 +80,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="serve https:// with this certificate chain (needs --tls-key)")
     p.add_argument("--tls-key", metavar="PEM", type=Path, help="the certificate's private key")
     p.add_argument("--access-log", action="store_true", help="log every request")
+    p.add_argument("--events-zmq", metavar="ENDPOINT",
+                   help="publish KV events (chunks stored and removed) on a ZMQ PUB socket in "
+                        "vLLM's KV-event format, e.g. tcp://127.0.0.1:5557 (default: off; "
+                        "GET /v1/events streams them either way)")
+    p.add_argument("--events-ring", type=int, default=65536, metavar="N",
+                   help="recent events a /v1/events subscriber can resume from (default 65536)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -93,6 +99,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         body_stall_timeout_s=args.body_stall_timeout,
         send_timeout_s=args.send_timeout,
         tenant_quota=getattr(args, "tenant_quota", None),
+        events_zmq=getattr(args, "events_zmq", None),
+        events_ring=getattr(args, "events_ring", 65536),
     )
 
 
@@ -163,6 +171,11 @@ def run(args: argparse.Namespace) -> int:
     if workers > 1 and any(StoreURL(u).scheme == "memory" for u in config.store_urls):
         raise ConfigError("--workers > 1 needs shared stores: each process would have its own "
                           "memory:// tier")
+    if workers > 1 and config.events_zmq:
+        raise ConfigError("--events-zmq needs --workers 1: every process would publish its own "
+                          "sequence on its own socket")
+    if config.events_ring < 1:
+        raise ConfigError("--events-ring must be at least 1")
     if config.tenant_quota is not None and config.tokens_file is None:
         raise ConfigError("--tenant-quota needs --auth-tokens (tenants come from tokens)")
     if (args.tls_cert is None) != (args.tls_key is None):

@@ -52,6 +52,10 @@ class ServerConfig:
     tenant_quota: int | None = None
     # Readiness answers 503 when one presence check takes longer than this.
     ready_timeout_s: float = 2.0
+    # KV events (kvserver.events): a ZMQ PUB endpoint in vLLM's format (None: off), and
+    # how many recent events `GET /v1/events?since=` can resume from.
+    events_zmq: str | None = None
+    events_ring: int = 65536
 
     def to_json(self) -> str:
         d = asdict(self)

@@ -131,6 +131,24 @@ class Store(ABC):
     def __init__(self) -> None:
         self.counters = dict.fromkeys(COUNTERS, 0)
         self._started = time.monotonic()
+        self._watchers: list[Callable[[str, str], None]] = []
+
+    # -- change events (kvserver publishes them for cache-aware routers) -------------------
+
+    def watch(self, callback: Callable[[str, str], None]) -> None:
+        """Call `callback(event, key)` whenever a chunk becomes visible here ("stored": a
+        put that wrote it) or stops being ("removed": a delete, an eviction, a corrupt
+        chunk quarantined, a chunk found gone). It runs on whatever thread made the
+        change and must not block. Stores that keep no chunks of their own (an http://
+        client) report nothing."""
+        self._watchers.append(callback)
+
+    def _changed(self, event: str, key: str) -> None:
+        for callback in self._watchers:
+            try:
+                callback(event, key)
+            except Exception as exc:  # noqa: BLE001 - a watcher must never fail a store call
+                log.warning("%s: change watcher failed: %s", self, exc)
 
     def __str__(self) -> str:
         return self.url

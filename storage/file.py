@@ -434,12 +434,16 @@ class FileStore(Store):
             self._index[key] = size
             self._used += size
 
-    def _forget(self, key: str) -> None:
+    def _forget(self, key: str) -> bool:
+        """Drop `key` from the index; whether it was there (then "removed" is reported)."""
         self._verified.pop(key, None)
         with self._lock:
             old = self._index.pop(key, None)
             if old is not None:
                 self._used -= old
+        if old is not None:  # it was visible here: deleted, quarantined or found gone
+            self._changed("removed", key)
+        return old is not None
 
     def _evict_for(self, incoming: int) -> None:
         if self.capacity is not None:
@@ -661,6 +665,7 @@ class FileStore(Store):
                 self.counters["evictions"] += 1
             except OSError:
                 pass
+            self._changed("removed", victim)
 
     def _leads_out(self, leaf: Path) -> bool:
         """`_leaves_root` for the fan-out directory `leaf`, remembering those found real
@@ -701,6 +706,7 @@ class FileStore(Store):
         if wrote:
             self.counters["puts"] += 1
             self.counters["bytes_written"] += len(blob)
+            self._changed("stored", key)
         else:
             self.counters["put_skipped"] += 1
         return wrote
@@ -786,7 +792,7 @@ class FileStore(Store):
 
     async def delete(self, key: str) -> bool:
         check_key(key)
-        self._forget(key)
+        reported = self._forget(key)
         try:
             await asyncio.to_thread(self._unlink_inside, _chunk_path(self.root, key))
         except FileNotFoundError:
@@ -794,6 +800,8 @@ class FileStore(Store):
         except OSError as exc:
             raise StoreUnavailable(f"{self}: delete {key} failed: {exc.strerror}") from exc
         self.counters["deletes"] += 1
+        if not reported:  # a file this process had not indexed (another writer's)
+            self._changed("removed", key)
         return True
 
     async def list_keys(self) -> AsyncIterator[str]:

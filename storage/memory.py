@@ -61,14 +61,19 @@ class MemoryStore(Store):
                 self._data.move_to_end(key)
                 self.counters["put_skipped"] += 1
                 return False
+            evicted = []
             while self._used + len(data) > self.capacity:
-                _, old = self._data.popitem(last=False)
+                victim, old = self._data.popitem(last=False)
                 self._used -= len(old)
                 self.counters["evictions"] += 1
+                evicted.append(victim)
             self._data[key] = data
             self._used += len(data)
             self.counters["puts"] += 1
             self.counters["bytes_written"] += len(data)
+        for victim in evicted:
+            self._changed("removed", victim)
+        self._changed("stored", key)
         return True
 
     async def get(self, key: str) -> bytes | None:
@@ -130,6 +135,7 @@ class MemoryStore(Store):
                 return False
             self._used -= len(data)
             self.counters["deletes"] += 1
+        self._changed("removed", key)
         return True
 
     async def list_keys(self) -> AsyncIterator[str]:
@@ -139,13 +145,16 @@ class MemoryStore(Store):
             yield k
 
     async def evict_to(self, used_bytes: int) -> int:
-        freed = 0
+        freed, evicted = 0, []
         with self._lock:
             while self._used > used_bytes and self._data:
-                _, old = self._data.popitem(last=False)
+                victim, old = self._data.popitem(last=False)
                 self._used -= len(old)
                 freed += len(old)
                 self.counters["evictions"] += 1
+                evicted.append(victim)
+        for victim in evicted:
+            self._changed("removed", victim)
         return freed
 
     def scoped(self, tenant: str) -> MemoryStore:

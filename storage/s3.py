@@ -319,6 +319,7 @@ class S3Store(Store):
 
     def _quarantine(self, key: str, why: str) -> None:
         self.counters["corrupt"] += 1
+        self._changed("removed", key)
         log.warning("%s: deleting corrupt chunk %s: %s", self, key, why)
         self._spawn(self._delete_quietly([self._name(key), marker_name(self._name(key))]))
 
@@ -556,6 +557,7 @@ class S3Store(Store):
         if wrote:
             self.counters["puts"] += 1
             self.counters["bytes_written"] += view.nbytes
+            self._changed("stored", key)
         else:
             self.counters["put_skipped"] += 1
         return wrote
@@ -573,6 +575,7 @@ class S3Store(Store):
         self._conn.touched.pop(name, None)
         if present:
             self.counters["deletes"] += 1
+            self._changed("removed", key)
         return present
 
     # -- listing and gc ------------------------------------------------------------------

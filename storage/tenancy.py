@@ -100,6 +100,9 @@ class TenantStore(Store):
         finally:
             self.shared.pending -= size
 
+    def watch(self, callback: Any) -> None:
+        self.scope.watch(callback)  # the scope's own changes, evictions for others included
+
     async def get(self, key: str) -> bytes | None:
         return await self.scope.get(key)
 

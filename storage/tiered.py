@@ -65,6 +65,16 @@ class TieredStore(Store):
             for upper in self.tiers[:hit_tier]:
                 self._spawn(upper, key, blob)
 
+    def watch(self, callback: Any) -> None:
+        """A tier list reports what its first tier stores and what its last tier drops (a
+        chunk evicted from a faster tier is still in the list below it)."""
+        seen = {id(self.tiers[0]), id(self.tiers[-1])}
+        if len(seen) == 1:
+            self.tiers[0].watch(callback)
+            return
+        self.tiers[0].watch(lambda event, key: event == "stored" and callback(event, key))
+        self.tiers[-1].watch(lambda event, key: event == "removed" and callback(event, key))
+
     async def get(self, key: str) -> bytes | None:
         return await self._get_from(0, key)
 

@@ -1,0 +1,237 @@
+"""KV events: every chunk a tenant can see appear or disappear, for cache-aware routers.
+
+A router (llm-d's KV indexer, Dynamo's KV router) routes a request to where its prefix is
+cached; vLLM engines publish `BlockStored`/`BlockRemoved` events for that. kvserver
+publishes the shared store's own, so a router that never talks to an engine still sees it:
+
+- "stored": a PUT wrote the chunk (not a create-only PUT that found it there);
+- "removed": a DELETE, an eviction (capacity, another tenant's room), a corrupt chunk
+  quarantined, a chunk found gone.
+
+Every event gets the next sequence number of this server process and goes into a ring of
+the last `ring` events. Two ways out:
+
+- `GET /v1/events?since=SEQ` (kvserver.app): newline-delimited JSON, tenant-scoped and
+  authenticated like `/v1/keys`; the events after SEQ from the ring, then live ones, with
+  a heartbeat line every `heartbeat_s`. A subscriber whose SEQ fell out of the ring gets
+  one `{"resync": ...}` line: re-list `/v1/keys`, then go on from the sequence number it
+  gives.
+- `--events-zmq tcp://HOST:PORT`: a ZMQ PUB socket in vLLM's KV-event wire format
+  (multipart `[topic, seq as 8-byte big-endian, msgpack KVEventBatch]`, as vLLM's
+  `ZmqEventPublisher` sends), topic `kvstash/<tenant>`, medium "kvstash". vLLM's
+  `block_hashes` carry the chunk key's 16-byte digest (the 32 hex characters after the
+  namespace id, as bytes); `token_ids` is empty and `block_size` 0 (a router keys on the
+  digest, which chains over the whole prefix, as vLLM's block hashes do).
+
+Neither imports vLLM or torch: the msgspec structs below encode like vLLM's own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+log = logging.getLogger("kvstash.kvserver.events")
+
+MEDIUM = "kvstash"
+STORED, REMOVED = "stored", "removed"
+
+
+@dataclass(frozen=True)
+class Event:
+    seq: int
+    ts: float
+    tenant: str
+    kind: str  # "stored" | "removed"
+    key: str
+
+    def line(self) -> bytes:
+        return (json.dumps({"seq": self.seq, "ts": round(self.ts, 6), "event": self.kind,
+                            "key": self.key}, separators=(",", ":")) + "\n").encode()
+
+
+class EventLog:
+    """The ring of recent events and the live subscribers; `emit` from any thread."""
+
+    def __init__(self, ring: int = 65536, heartbeat_s: float = 10.0):
+        self._ring: collections.deque[Event] = collections.deque(maxlen=ring)
+        self._lock = threading.Lock()
+        self._seq = 0
+        self.heartbeat_s = heartbeat_s
+        self._wakeups: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
+        self.publisher: ZmqPublisher | None = None
+
+    @property
+    def seq(self) -> int:
+        """The sequence number of the last event (0: none yet)."""
+        return self._seq
+
+    def emit(self, tenant: str, kind: str, key: str) -> None:
+        with self._lock:
+            self._seq += 1
+            event = Event(self._seq, time.time(), tenant, kind, key)
+            self._ring.append(event)
+            waiters = list(self._wakeups)
+        for loop, wake in waiters:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # that subscriber's loop is gone
+                pass
+        if self.publisher is not None:
+            self.publisher.publish(event)
+
+    def watch(self, tenant: str, store: Any) -> None:
+        """Report `store`'s changes as `tenant`'s events."""
+        store.watch(lambda kind, key: self.emit(tenant, kind, key))
+
+    def since(self, tenant: str, seq: int) -> tuple[list[Event], int | None]:
+        """(tenant's events after `seq` still in the ring, None) or ([], the sequence
+        number to resync from) when events after `seq` have left the ring."""
+        with self._lock:
+            first = self._ring[0].seq if self._ring else self._seq + 1
+            if seq + 1 < first and seq < self._seq:
+                return [], self._seq
+            return [e for e in self._ring if e.seq > seq and e.tenant == tenant], None
+
+    async def stream(self, tenant: str, since: int | None) -> AsyncIterator[bytes]:
+        """NDJSON lines: the tenant's events after `since` (default: from now on), a
+        `{"resync": SEQ}` line if they are gone, a `{"heartbeat": SEQ}` line when idle."""
+        loop = asyncio.get_running_loop()
+        wake = asyncio.Event()
+        me = (loop, wake)
+        with self._lock:
+            self._wakeups.add(me)
+            seq = self._seq if since is None else since
+        try:
+            yield (json.dumps({"since": seq, "medium": MEDIUM}) + "\n").encode()
+            while True:
+                wake.clear()
+                events, resync = self.since(tenant, seq)
+                if resync is not None:
+                    yield (json.dumps({"resync": resync}) + "\n").encode()
+                    seq = resync
+                    continue
+                if events:
+                    seq = events[-1].seq
+                    yield b"".join(e.line() for e in events)
+                    continue
+                seq = max(seq, self._seq)  # other tenants' events: nothing to send
+                try:
+                    await asyncio.wait_for(wake.wait(), self.heartbeat_s)
+                except TimeoutError:
+                    yield (json.dumps({"heartbeat": seq}) + "\n").encode()
+        finally:
+            with self._lock:
+                self._wakeups.discard(me)
+
+    def close(self) -> None:
+        if self.publisher is not None:
+            self.publisher.close()
+            self.publisher = None
+
+
+# -- vLLM's KV-event wire format --------------------------------------------------------------
+
+
+def _structs() -> tuple[type, type, type]:
+    """msgspec structs that encode like vLLM's `KVEventBatch`, `BlockStored`, `BlockRemoved`
+    (vllm/distributed/kv_events.py): the batch as an array, events as tagged maps."""
+    import msgspec
+
+    class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+        pass
+
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[bytes]
+        parent_block_hash: bytes | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[bytes]
+        medium: str | None
+
+    class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list[BlockStored | BlockRemoved]
+        data_parallel_rank: int | None = None
+
+    return KVEventBatch, BlockStored, BlockRemoved
+
+
+def key_digest(key: str) -> bytes:
+    """The 16-byte digest of a chunk key ("<ns_id>/<32 hex>"): its vLLM `block_hashes` entry."""
+    return bytes.fromhex(key.partition("/")[2])
+
+
+class ZmqPublisher:
+    """A ZMQ PUB socket sending each event as a one-event vLLM `KVEventBatch`, from one
+    sender thread (ZMQ sockets are not thread-safe; `publish` only queues)."""
+
+    def __init__(self, endpoint: str, hwm: int = 100_000):
+        import msgspec
+        import zmq
+
+        self._batch, self._stored, self._removed = _structs()
+        self._encode = msgspec.msgpack.Encoder().encode
+        self._ctx = zmq.Context.instance()
+        self._sock = self._ctx.socket(zmq.PUB)
+        self._sock.setsockopt(zmq.SNDHWM, hwm)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        if "*" in endpoint or endpoint.startswith(("ipc://", "inproc://")):
+            self._sock.bind(endpoint)
+        else:
+            host_port = endpoint.removeprefix("tcp://")
+            self._sock.bind(f"tcp://{host_port}")
+        self.endpoint = self._sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._queue: collections.deque[Event | None] = collections.deque(maxlen=hwm)
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._send_loop, name="kvstash-events-zmq",
+                                        daemon=True)
+        self._thread.start()
+
+    def publish(self, event: Event) -> None:
+        with self._ready:
+            self._queue.append(event)
+            self._ready.notify()
+
+    def encode(self, event: Event) -> list[bytes]:
+        """The multipart message for `event`: [topic, seq, msgpack KVEventBatch]."""
+        digest = [key_digest(event.key)]
+        if event.kind == STORED:
+            body = self._stored(block_hashes=digest, parent_block_hash=None, token_ids=[],
+                                block_size=0, lora_id=None, medium=MEDIUM, lora_name=None)
+        else:
+            body = self._removed(block_hashes=digest, medium=MEDIUM)
+        payload = self._encode(self._batch(ts=event.ts, events=[body]))
+        return [f"kvstash/{event.tenant}".encode(), event.seq.to_bytes(8, "big"), payload]
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue:
+                    self._ready.wait()
+                event = self._queue.popleft()
+            if event is None:
+                return
+            try:
+                self._sock.send_multipart(self.encode(event))
+            except Exception as exc:  # noqa: BLE001 - events are best effort, the store is not
+                log.warning("KV event not published on %s: %s", self.endpoint, exc)
+
+    def close(self) -> None:
+        with self._ready:
+            self._queue.append(None)
+            self._ready.notify()
+        self._thread.join(5)
+        self._sock.close(0)

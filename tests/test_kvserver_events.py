@@ -1,0 +1,242 @@
+"""kvserver's KV events: a subscriber that never talks to an engine rebuilds the store's index.
+
+Real `kvstash serve` processes on 127.0.0.1 (uvicorn), real HTTP streams and a real ZMQ
+subscriber; the events are checked against `/v1/keys` and against vLLM's own decoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from storage import open_store
+from tests.kvserver_fixtures import running_kvserver
+from tests.store_helpers import make_chunks
+
+TOKEN_A, TOKEN_B = "a" * 24 + "-events", "b" * 24 + "-events"
+
+
+class Subscriber:
+    """`GET /v1/events` read on a thread: the index it rebuilds from events alone."""
+
+    def __init__(self, url: str, token: str | None = None, since: int | None = None):
+        self.index: set[str] = set()
+        self.lines: list[dict] = []
+        self.seq = 0
+        self.started = threading.Event()
+        self._stop = False
+        headers = {"authorization": f"Bearer {token}"} if token else {}
+        params = {} if since is None else {"since": since}
+        self._thread = threading.Thread(target=self._run, args=(url, headers, params), daemon=True)
+        self._thread.start()
+        assert self.started.wait(10), "the event stream did not start"
+
+    def _run(self, url, headers, params) -> None:
+        try:
+            self._follow(url, headers, params)
+        except httpx.HTTPError:  # the server stopped at the end of the test
+            pass
+
+    def _follow(self, url, headers, params) -> None:
+        with httpx.stream("GET", f"{url}/v1/events", headers=headers, params=params,
+                          timeout=httpx.Timeout(10, read=None)) as resp:
+            self.status = resp.status_code
+            for line in resp.iter_lines():
+                msg = json.loads(line)
+                self.lines.append(msg)
+                if "since" in msg:
+                    self.started.set()
+                elif "event" in msg:
+                    self.seq = msg["seq"]
+                    (self.index.add if msg["event"] == "stored" else self.index.discard)(msg["key"])
+                if self._stop:
+                    return
+
+    def wait_for(self, seq: int, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while self.seq < seq:
+            assert time.monotonic() < deadline, f"events up to {seq} not seen (at {self.seq})"
+            time.sleep(0.02)
+
+
+def wait_until(cond, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.02)
+
+
+def keys_of(url: str, token: str | None = None) -> set[str]:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    return set(httpx.get(f"{url}/v1/keys", headers=headers, timeout=10).text.split())
+
+
+def last_seq(url: str, token: str | None = None) -> int:
+    """The server's current sequence number (the first line of a stream from now on)."""
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    with httpx.stream("GET", f"{url}/v1/events", headers=headers, timeout=10) as resp:
+        for line in resp.iter_lines():
+            return json.loads(line)["since"]
+    raise AssertionError("empty event stream")
+
+
+def client(url: str, token: str | None = None):
+    return open_store(url + (f"?token={token}" if token else ""))
+
+
+async def put_all(store, chunks) -> None:
+    for key, _, blob in chunks:
+        assert await store.put(key, blob)
+
+
+def test_a_subscriber_rebuilds_the_index_through_puts_deletes_evictions_and_corruption(tmp_path, ns):
+    root = tmp_path / "store"
+    chunks = make_chunks(ns, 12, payload_size=100_000)
+    with running_kvserver("--store", f"file://{root}?capacity=700KB") as server:
+        sub = Subscriber(server.url)
+
+        async def work() -> None:
+            store = client(server.url)
+            await put_all(store, chunks[:4])
+            assert await store.put(*chunks[0][::2]) is False  # already there: no event
+            assert await store.delete(chunks[1][0])
+            await put_all(store, chunks[4:])  # 12 x 100 KB into 700 KB: evictions
+            await store.close()
+
+        asyncio.run(work())
+        # a chunk damaged on disk is quarantined by the next read of it
+        victim = next(iter(keys_of(server.url)))
+        path = next(p for p in root.rglob("*.kv") if p.name.startswith(victim.split("/")[1]))
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+        os.utime(path, (time.time() + 5, time.time() + 5))  # a changed file: read again
+
+        async def read_victim() -> None:
+            store = client(server.url)
+            assert await store.get(victim) is None
+            await store.close()
+
+        asyncio.run(read_victim())
+        sub.wait_for(last_seq(server.url))
+        truth = keys_of(server.url)
+    assert victim not in truth and chunks[1][0] not in truth
+    assert len(truth) < 11  # capacity evicted some
+    assert sub.index == truth
+    kinds = [m["event"] for m in sub.lines if "event" in m]
+    assert kinds.count("stored") == 12  # 12 chunks; the create-only repeat put wrote nothing
+    assert [m["seq"] for m in sub.lines if "event" in m] == sorted(
+        m["seq"] for m in sub.lines if "event" in m)
+
+
+def test_a_subscriber_resumes_with_since_and_a_lost_one_is_told_to_resync(tmp_path, ns):
+    chunks = make_chunks(ns, 6, payload_size=1000)
+    with running_kvserver("--store", f"file://{tmp_path}/s", "--events-ring", "3") as server:
+        store_url = server.url
+        asyncio.run(_put_then_close(store_url, chunks[:2]))
+        seq = last_seq(store_url)
+        sub = Subscriber(store_url, since=seq - 2)  # resumes: both puts are still in the ring
+        sub.wait_for(seq)
+        assert sub.index == {k for k, _, _ in chunks[:2]}
+        asyncio.run(_put_then_close(store_url, chunks[2:]))  # 4 more: the ring holds 3
+        late = Subscriber(store_url, since=seq)
+        deadline = time.monotonic() + 10
+        while not any("resync" in m for m in late.lines):
+            assert time.monotonic() < deadline, late.lines
+            time.sleep(0.02)
+        resync = next(m["resync"] for m in late.lines if "resync" in m)
+        assert resync == seq + 4  # re-list /v1/keys, then follow from here
+        assert keys_of(store_url) == {k for k, _, _ in chunks}
+
+
+async def _put_then_close(url, chunks) -> None:
+    store = client(url)
+    await put_all(store, chunks)
+    await store.close()
+
+
+def test_a_tenant_sees_only_its_own_events(tmp_path, ns):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {TOKEN_A}\nbob {TOKEN_B}\n")
+    tokens.chmod(0o600)
+    a, b = make_chunks(ns, 3, seed=1), make_chunks(ns, 3, seed=2)
+    with running_kvserver("--store", f"file://{tmp_path}/s", "--auth-tokens", str(tokens)) as server:
+        sub_a = Subscriber(server.url, TOKEN_A)
+        sub_b = Subscriber(server.url, TOKEN_B)
+        asyncio.run(_put_then_close(server.url + f"?token={TOKEN_A}", a))
+        asyncio.run(_put_then_close(server.url + f"?token={TOKEN_B}", b[:1]))
+        # each sees its own puts; then a put of A's after B's: B's stream stays silent
+        wait_until(lambda: len(sub_a.index) == 3 and len(sub_b.index) == 1)
+        asyncio.run(_put_then_close(server.url + f"?token={TOKEN_A}", make_chunks(ns, 1, seed=3)))
+        wait_until(lambda: len(sub_a.index) == 4)
+        unauthenticated = httpx.get(f"{server.url}/v1/events", timeout=5)
+    assert {k for k, _, _ in a} < sub_a.index and sub_b.index == {b[0][0]}
+    assert all(m.get("key") != b[0][0] for m in sub_a.lines)
+    assert unauthenticated.status_code == 401
+
+
+def test_the_zmq_publisher_speaks_vllms_kv_event_format(tmp_path, ns):
+    zmq = pytest.importorskip("zmq")
+    msgspec = pytest.importorskip("msgspec")
+    from tests.test_http_store_client import free_port
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    chunks = make_chunks(ns, 3, payload_size=1000)
+    with running_kvserver("--store", f"file://{tmp_path}/s", "--events-zmq", endpoint) as server:
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"kvstash/")
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sock.connect(endpoint)
+        try:
+            time.sleep(0.5)  # a SUB socket misses what was sent before it joined
+            asyncio.run(_put_then_close(server.url, chunks))
+
+            async def delete_one() -> None:
+                store = client(server.url)
+                assert await store.delete(chunks[0][0])
+                await store.close()
+
+            asyncio.run(delete_one())
+            frames = [sock.recv_multipart() for _ in range(4)]
+        finally:
+            sock.close(0)
+    decoded = [_decode(f[2], msgspec) for f in frames]
+    index: set[bytes] = set()
+    for batch in decoded:
+        for ev in batch["events"]:
+            assert ev["medium"] == "kvstash"
+            (index.update if ev["type"] == "BlockStored" else index.difference_update)(
+                ev["block_hashes"])
+    assert index == {bytes.fromhex(k.split("/")[1]) for k, _, _ in chunks[1:]}
+    assert [int.from_bytes(f[1], "big") for f in frames] == [1, 2, 3, 4]
+    assert {f[0] for f in frames} == {b"kvstash/"}
+    with contextlib.suppress(ImportError):  # vLLM's own decoder, where vLLM is installed
+        from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
+
+        batches = [msgspec.msgpack.Decoder(type=KVEventBatch).decode(f[2]) for f in frames]
+        assert [type(b.events[0]) for b in batches] == [BlockStored] * 3 + [BlockRemoved]
+        assert batches[3].events[0].block_hashes == [bytes.fromhex(chunks[0][0].split("/")[1])]
+
+
+def _decode(payload: bytes, msgspec) -> dict:
+    ts, events, *_ = msgspec.msgpack.decode(payload)
+    return {"ts": ts, "events": events}
+
+
+def test_bad_event_settings_fail_at_start_in_one_line(tmp_path):
+    for flags, says in ((["--events-ring", "0"], "--events-ring"),
+                        (["--events-zmq", "tcp://127.0.0.1:1", "--workers", "2"], "--workers 1")):
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvserver.cli", "--port", "0",
+             "--store", f"file://{tmp_path}/s", *flags], capture_output=True, text=True, timeout=60)
+        assert proc.returncode != 0 and says in proc.stderr, proc.stderr
