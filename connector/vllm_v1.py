@@ -48,6 +48,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,13 @@ import numpy as np
 import torch
 import xxhash
 from vllm.config import VllmConfig
+from vllm.distributed.kv_events import (
+    BlockRemoved,
+    BlockStored,
+    KVCacheEvent,
+    KVConnectorKVEvents,
+    KVEventAggregator,
+)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -207,6 +215,41 @@ class KvstashPromMetrics(KVConnectorPromMetrics):
                 self.counters[name][engine_idx].inc(value)
 
 
+MEDIUM = "kvstash"  # the medium of kvstash's KV events
+
+
+class KvstashKVEvents(KVConnectorKVEvents):
+    """The KV events of one step's workers; vLLM merges those of several workers into one
+    (`add_events`, `increment_workers`) and the scheduler keeps the events every worker
+    reported (`aggregate`)."""
+
+    def __init__(self, num_workers: int = 1) -> None:
+        self._events = KVEventAggregator(num_workers)
+
+    def add_events(self, events: list[KVCacheEvent]) -> None:
+        self._events.add_events(events)
+
+    def aggregate(self) -> KvstashKVEvents:
+        common = self._events.get_common_events()
+        self._events.clear_events()
+        self._events.add_events(common)
+        self._events.reset_workers()
+        return self
+
+    def increment_workers(self, count: int = 1) -> None:
+        self._events.increment_workers(count)
+
+    def get_all_events(self) -> list[KVCacheEvent]:
+        return self._events.get_all_events()
+
+    def get_number_of_workers(self) -> int:
+        return self._events.get_number_of_workers()
+
+    def clear_events(self) -> None:
+        self._events.clear_events()
+        self._events.reset_workers()
+
+
 class _ToVllmLogger(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         log.handle(record)
@@ -229,6 +272,10 @@ class ChunkRef:
     token_ids: list[int]
     block_ids: list[int]
     first: int = 0
+    # For KV events only (else empty): vLLM's hashes of every block of the chunk, and of
+    # the block before it.
+    block_hashes: list[bytes] = field(default_factory=list)
+    parent_hash: bytes | None = None
 
 
 @dataclass
@@ -376,6 +423,13 @@ class KvstashConnector(KVConnectorBase_V1):
         # async: loads run between steps while other requests compute; layerwise: a hit
         # is scheduled at once and layer i computes as soon as layer i's bytes are placed.
         self.layerwise = mode == "layerwise"
+        # KV events (BlockStored / BlockRemoved, medium "kvstash") for cache-aware routers,
+        # only when vLLM publishes KV events (--kv-events-config).
+        events = getattr(vllm_config, "kv_events_config", None)
+        self.kv_events = bool(events is not None and events.enable_kv_cache_events)
+        self._saves_reported: list[tuple[list[ChunkRef], concurrent.futures.Future]] = []
+        self._events: list[Any] = []  # worker: built, not yet handed to vLLM
+        self._collected: KvstashKVEvents | None = None  # scheduler: from the workers
         self._signal_handlers: dict[int, tuple[Any, Any]] = {}
         _route_kvstash_warnings()
         worker = role == KVConnectorRole.WORKER
@@ -464,12 +518,16 @@ class KvstashConnector(KVConnectorBase_V1):
     def _chunk_refs(self, st: _Req, start: int, stop: int, first_block: int = 0) -> list[ChunkRef]:
         req, k = st.request, self.chunk_blocks
         tokens = req.prompt_token_ids or []
+        hashes = req.block_hashes
         return [
             ChunkRef(
-                block_hash=bytes(req.block_hashes[(c + 1) * k - 1]),
+                block_hash=bytes(hashes[(c + 1) * k - 1]),
                 token_ids=list(tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens]),
                 block_ids=st.block_ids[c * k : (c + 1) * k],
                 first=max(0, first_block - c * k),
+                block_hashes=[bytes(h) for h in hashes[c * k : (c + 1) * k]]
+                if self.kv_events else [],
+                parent_hash=bytes(hashes[c * k - 1]) if self.kv_events and c else None,
             )
             for c in range(start, stop)
         ]
@@ -589,6 +647,13 @@ class KvstashConnector(KVConnectorBase_V1):
 
         The workers' counters in it feed the policy: how fast loads delivered bytes, and
         how fast the engine computed prompt tokens."""
+        events = connector_output.kv_cache_events
+        if isinstance(events, KvstashKVEvents):
+            if self._collected is None:
+                self._collected = events
+            else:
+                self._collected.add_events(events.get_all_events())
+                self._collected.increment_workers(events.get_number_of_workers())
         stats = connector_output.kv_connector_stats
         data = getattr(stats, "data", None) or {}
         if data.get("loaded_chunks"):
@@ -760,6 +825,7 @@ class KvstashConnector(KVConnectorBase_V1):
                 b for chunk, good in zip(req.chunks, ok, strict=True) if not good
                 for b in chunk.block_ids[chunk.first :]
             }
+            self._report_gone(req, handle, ok)
             # Range reads of a failed chunk may still be landing: reuse only when all ended.
             target.release(reuse=handle.done() and not handle.stalled)
 
@@ -773,6 +839,7 @@ class KvstashConnector(KVConnectorBase_V1):
                 b for chunk, good in zip(req.chunks, ok, strict=True) if not good
                 for b in chunk.block_ids[chunk.first :]
             }
+            self._report_gone(req, handle, ok)
             target.release(reuse=not handle.stalled)
         return None, done or None
 
@@ -781,6 +848,55 @@ class KvstashConnector(KVConnectorBase_V1):
         # blocks are reported no later than the step that reports it done.
         errors, self._load_errors = self._load_errors, set()
         return errors
+
+    # -- KV events (cache-aware routers) --------------------------------------------------
+
+    def _report_gone(self, req: ReqChunks, handle: LoadHandle, ok: list[bool]) -> None:
+        """BlockRemoved for chunks a load found missing or unusable (not for a load cut by
+        its deadline or skipped while the store was bypassed: those may still be there)."""
+        if not self.kv_events or handle.stalled or handle.fetch is None:
+            return
+        for chunk, good in zip(req.chunks, ok, strict=True):
+            if not good and chunk.block_hashes:
+                self._events.append(BlockRemoved(block_hashes=list(chunk.block_hashes),
+                                                 medium=MEDIUM))
+
+    def get_kv_connector_kv_cache_events(self) -> KvstashKVEvents | None:
+        """Worker: BlockStored for every chunk the store now holds (saved, or found there),
+        BlockRemoved for chunks found gone, since the last call."""
+        if not self.kv_events:
+            return None
+        pending = []
+        for chunks, future in self._saves_reported:
+            if not future.done():
+                pending.append((chunks, future))
+                continue
+            try:
+                stored = future.result()
+            except Exception:  # noqa: BLE001 - a failed save: nothing to report
+                continue
+            for chunk, ok in zip(chunks, stored, strict=True):
+                if ok and chunk.block_hashes:
+                    self._events.append(BlockStored(
+                        block_hashes=list(chunk.block_hashes), parent_block_hash=chunk.parent_hash,
+                        token_ids=list(chunk.token_ids), block_size=self.block_size,
+                        lora_id=None, medium=MEDIUM, lora_name=None,
+                    ))
+        self._saves_reported = pending
+        if not self._events:
+            return None
+        out = KvstashKVEvents(num_workers=1)
+        out.add_events(self._events)
+        self._events = []
+        return out
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        """Scheduler: the workers' events, each once every worker reported it (a chunk is
+        usable only when every rank's part of it is stored)."""
+        collected, self._collected = self._collected, None
+        if collected is None:
+            return ()
+        return collected.aggregate().get_all_events()
 
     # -- saves ---------------------------------------------------------------------------
 
@@ -825,8 +941,12 @@ class KvstashConnector(KVConnectorBase_V1):
         buffers = iter(self._save_buffers)
         for req in meta.saves:
             bufs = [next(buffers).numpy() for _ in req.chunks]
-            self.core.save_chunks(self._keys(req.chunks, self.rank),
-                                  [c.token_ids for c in req.chunks], bufs.__getitem__)
+            keys, tokens = self._keys(req.chunks, self.rank), [c.token_ids for c in req.chunks]
+            if self.kv_events:  # the answer says which chunks the store now holds
+                self._saves_reported.append(
+                    (req.chunks, self.core.write(keys, tokens, bufs.__getitem__)))
+            else:
+                self.core.save_chunks(keys, tokens, bufs.__getitem__)
         self._save_buffers, self._saved_layers = [], set()
 
     def _time_step(self) -> None:

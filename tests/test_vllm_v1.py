@@ -462,10 +462,10 @@ def test_layerwise_loads_place_each_layer_before_its_attention_runs(ranged_store
     try:
         write_prompt(writer, src)
         ext, recving, errors = read_prompt_layerwise(reader, dst, check_layer)
-        counters = reader.worker.counters
     finally:
         writer.shutdown()
         reader.shutdown()
+    counters = reader.worker.counters  # once the load has been accounted for
     assert ext == 3 * CHUNK_TOKENS and not recving and errors == set()
     assert seen == [True] * len(reader.kv)
     assert counters["loaded_chunks"] == 3 and counters["failed_chunks"] == 0
@@ -484,12 +484,12 @@ def test_a_layerwise_load_fails_only_the_chunk_with_a_corrupt_layer(tmp_path):
         data[-1] ^= 0xFF
         files[1].write_bytes(bytes(data))
         ext, _, errors = read_prompt_layerwise(reader, dst)
-        counters = reader.worker.counters
         layer0 = next(iter(reader.kv))
         assert torch.equal(reader.kv[layer0][dst[:2]], writer.kv[layer0][src[:2]])
     finally:
         writer.shutdown()
         reader.shutdown()
+    counters = reader.worker.counters
     assert ext == 3 * CHUNK_TOKENS
     assert errors == set(dst[2:4])  # chunk 1's blocks: vLLM recomputes from there
     assert counters["failed_chunks"] == 1 and counters["verify_failures"] == 1
@@ -509,3 +509,63 @@ def test_chunks_saved_without_layer_checksums_still_load_layerwise(tmp_path):
         writer.shutdown()
         reader.shutdown()
     assert ext == 3 * CHUNK_TOKENS and errors == set() and same
+
+
+def events_engine(url: str) -> V1Engine:
+    """A V1Engine whose vLLM publishes KV events (as with --kv-events-config)."""
+    from vllm.config import KVEventsConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    engine = V1Engine.__new__(V1Engine)
+    cfg = vllm_config(url, chunk_tokens=CHUNK_TOKENS)
+    cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    engine.scheduler = KvstashConnector(cfg, KVConnectorRole.SCHEDULER, None)
+    engine.worker = KvstashConnector(cfg, KVConnectorRole.WORKER, None)
+    engine.kv = {f"layers.{i}.attn": torch.zeros(32, 2, BLOCK_SIZE, 16, dtype=torch.bfloat16)
+                 for i in range(2)}
+    engine.worker.register_kv_caches(engine.kv)
+    return engine
+
+
+def test_saved_chunks_reach_vllms_kv_event_stream_as_block_stored(tmp_path):
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.outputs import KVConnectorOutput
+
+    engine = events_engine(f"file://{tmp_path}/kv")
+    try:
+        req = write_prompt(engine, list(range(7)))
+        worker_events = engine.worker.get_kv_connector_kv_cache_events()
+        again = engine.worker.get_kv_connector_kv_cache_events()
+        engine.scheduler.update_connector_output(KVConnectorOutput(kv_cache_events=worker_events))
+        events = list(engine.scheduler.take_events())
+    finally:
+        engine.shutdown()
+    assert again is None, "each chunk is reported once"
+    assert [type(e) for e in events] == [BlockStored] * 3
+    hashes = [bytes(h) for h in req.block_hashes]
+    for c, ev in enumerate(events):
+        assert ev.medium == "kvstash" and ev.block_size == BLOCK_SIZE
+        assert ev.block_hashes == hashes[2 * c : 2 * c + 2]  # the chunk's vLLM blocks
+        assert ev.parent_block_hash == (hashes[2 * c - 1] if c else None)
+        assert ev.token_ids == PROMPT[c * CHUNK_TOKENS : (c + 1) * CHUNK_TOKENS]
+
+
+def test_chunks_found_gone_at_load_are_reported_removed(tmp_path):
+    from vllm.distributed.kv_events import BlockRemoved
+    from vllm.v1.outputs import KVConnectorOutput
+
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = events_engine(url)
+    try:
+        write_prompt(writer, list(range(7)))
+        assert corrupt_chunks(tmp_path / "kv") == 3
+        _, _, errors = read_prompt(reader, list(range(10, 17)))
+        worker_events = reader.worker.get_kv_connector_kv_cache_events()
+        reader.scheduler.update_connector_output(KVConnectorOutput(kv_cache_events=worker_events))
+        events = list(reader.scheduler.take_events())
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert errors and events and all(type(e) is BlockRemoved for e in events)
+    assert all(e.medium == "kvstash" and len(e.block_hashes) == 2 for e in events)
