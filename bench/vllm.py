@@ -96,7 +96,7 @@ def _engine_child(spec: dict[str, Any]) -> int:
 
         kwargs["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvstashConnector", kv_connector_module_path="connector.vllm_v1",
-            kv_role="kv_both", kv_load_failure_policy="recompute",
+            kv_role=spec.get("kv_role", "kv_both"), kv_load_failure_policy="recompute",
             kv_connector_extra_config={**connector_config(spec["store"], spec["chunk_tokens"]),
                                        **spec.get("connector", {})},
         )

@@ -423,6 +423,10 @@ class KvstashConnector(KVConnectorBase_V1):
         # async: loads run between steps while other requests compute; layerwise: a hit
         # is scheduled at once and layer i computes as soon as layer i's bytes are placed.
         self.layerwise = mode == "layerwise"
+        # vLLM's kv_role: a "kv_consumer" only loads, a "kv_producer" only saves.
+        role_name = getattr(self._kv_transfer_config, "kv_role", "kv_both") or "kv_both"
+        self.loads = role_name != "kv_producer"
+        self.saves = role_name != "kv_consumer"
         # KV events (BlockStored / BlockRemoved, medium "kvstash") for cache-aware routers,
         # only when vLLM publishes KV events (--kv-events-config).
         events = getattr(vllm_config, "kv_events_config", None)
@@ -575,7 +579,7 @@ class KvstashConnector(KVConnectorBase_V1):
         if st is None:
             st = self._reqs[request.request_id] = _Req(request)
         st.num_computed = num_computed_tokens
-        if st.load_planned:
+        if st.load_planned or not self.loads:
             return 0, False
         hit = self._hit_chunks(st)
         if hit is None:
@@ -598,6 +602,8 @@ class KvstashConnector(KVConnectorBase_V1):
         st.loaded_tokens = num_external_tokens
 
     def _plan_save(self, st: _Req, done_tokens: int, out: list[ReqChunks]) -> None:
+        if not self.saves:
+            return
         req = st.request
         limit = min(done_tokens, req.num_prompt_tokens,
                     len(req.block_hashes) * self.block_size) // self.chunk_tokens

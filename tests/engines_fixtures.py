@@ -91,13 +91,14 @@ def vllm_config(store: str | list[str], **extra: Any) -> VllmConfig:
     with GPU-sized blocks (`BLOCK_SIZE`; vLLM's CPU platform would otherwise pick 128)."""
     from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, VllmConfig
 
+    role = extra.pop("kv_role_override", "kv_both")
     return VllmConfig(
         device_config=DeviceConfig(device="cpu"),
         cache_config=CacheConfig(block_size=BLOCK_SIZE),
         kv_transfer_config=KVTransferConfig(
             kv_connector="KvstashConnector",
             kv_connector_module_path="connector.vllm_v1",
-            kv_role="kv_both",
+            kv_role=role,
             kv_load_failure_policy="recompute",
             kv_connector_extra_config={"store": store, "model": MODEL, **extra},
         ),

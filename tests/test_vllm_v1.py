@@ -569,3 +569,36 @@ def test_chunks_found_gone_at_load_are_reported_removed(tmp_path):
         reader.shutdown()
     assert errors and events and all(type(e) is BlockRemoved for e in events)
     assert all(e.medium == "kvstash" and len(e.block_hashes) == 2 for e in events)
+
+
+def test_a_consumer_only_loads_and_a_producer_only_saves(tmp_path):
+    url = f"file://{tmp_path}/kv"
+    consumer = V1Engine(url, chunk_tokens=CHUNK_TOKENS, kv_role_override="kv_consumer")
+    try:
+        req = make_request(PROMPT)
+        assert consumer.lookup(req) == (0, False)
+        consumer.scheduler.update_state_after_alloc(req, blocks(range(7)), 0)
+        meta, _, _ = consumer.step([req], {req.request_id: list(range(7))},
+                                   {req.request_id: len(PROMPT)})
+    finally:
+        consumer.shutdown()
+    assert meta.saves == []
+    producer = V1Engine(url, chunk_tokens=CHUNK_TOKENS, kv_role_override="kv_producer")
+    try:
+        req = make_request(PROMPT)
+        assert producer.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)  # no lookup
+        producer.scheduler.update_state_after_alloc(req, blocks(range(7)), 0)
+        meta, _, _ = producer.step([req], {req.request_id: list(range(7))},
+                                   {req.request_id: len(PROMPT)})
+        assert producer.worker.flush()
+        # what it saved, a later consumer loads
+        again = make_request(PROMPT)
+        assert producer.scheduler.get_num_new_matched_tokens(again, 0) == (0, False)
+    finally:
+        producer.shutdown()
+    assert [len(r.chunks) for r in meta.saves] == [3]
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, kv_role_override="kv_consumer")
+    try:
+        assert reader.lookup(make_request(PROMPT)) == (3 * CHUNK_TOKENS, True)
+    finally:
+        reader.shutdown()
