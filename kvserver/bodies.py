@@ -121,8 +121,17 @@ class ViewResponse(Response):
             await send({"type": "http.response.start", "status": self.status_code,
                         "headers": self.raw_headers})
             n = self.view.nbytes
+            # `send` returns once a piece is handed to the transport, which (uvloop) may hold
+            # the memory itself until the socket takes it: at most the write high-water mark
+            # (64 KiB) more than the piece just written. So the last two pieces of a view
+            # that goes back to a pool are copies; when `send` returns for the last one,
+            # nothing pending can point into the pooled memory any more.
+            owned = n if self.release is _nothing else max(n - 2 * PIECE, 0)
             for start in range(0, n, PIECE):
-                await send({"type": "http.response.body", "body": self.view[start : start + PIECE],
+                piece = self.view[start : min(start + PIECE, n)]
+                if start + piece.nbytes > owned:
+                    piece = bytes(piece)
+                await send({"type": "http.response.body", "body": piece,
                             "more_body": start + PIECE < n})
             if n == 0:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
