@@ -755,8 +755,6 @@ class KvstashConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstashMetadata)
-        if meta.prefill_tokens and not (self.layerwise and meta.loads):  # not load waits
-            self._step_timer = _StepTimer(meta.prefill_tokens, self._device())
         for req in meta.loads:
             keys = self._keys(req.chunks, self.rank)
             tokens = [c.token_ids for c in req.chunks]
@@ -768,6 +766,16 @@ class KvstashConnector(KVConnectorBase_V1):
                 target = _ChunkTarget(self, req.chunks)
                 handle = self.core.load_async(keys, tokens, target, deadline_s=req.deadline_s)
                 self._loading[req.req_id] = (req, handle, target)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """vLLM binds each step's metadata before the forward (and calls `start_load_kv`
+        before it only for synchronous loads, after it otherwise): the step's timer starts
+        here and stops at `wait_for_save`, after the forward."""
+        super().bind_connector_metadata(connector_metadata)
+        meta = connector_metadata
+        if (self._kv and isinstance(meta, KvstashMetadata) and meta.prefill_tokens
+                and not (self.layerwise and meta.loads)):  # a layerwise step waits on loads
+            self._step_timer = _StepTimer(meta.prefill_tokens, self._device())
 
     def _device(self) -> torch.device:
         return next(iter(self._kv.values())).device
