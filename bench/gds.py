@@ -195,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     root = tempfile.mkdtemp(prefix="kvstash-bench-gds-") if own_dir else args.dir
     os.makedirs(root, exist_ok=True)
     caps = probe(root)
-    cfg = IOConfig(io_threads=args.threads, max_inflight=max(8, args.count))
+    cfg = IOConfig(io_threads=args.threads, max_in_flight=max(8, args.count))
     ios: list[ChunkIO] = []
     threads = cfg.threads
     plain_pool = ThreadPoolExecutor(threads, "bench-plain")  # the reference rows' threads

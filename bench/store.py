@@ -196,7 +196,7 @@ async def measure_store(url: str, size: int, count: int, concurrency: int, round
             await check("get_into", got)
             times["get_into"].append(t)
             t0 = time.perf_counter()
-            got = await store.get_into_many(keys, buffers, concurrency=concurrency)
+            got = await store.get_into_many(keys, buffers, max_in_flight=concurrency)
             times["get_into_many"].append(time.perf_counter() - t0)
             await check("get_into_many", got)
         for k in keys:

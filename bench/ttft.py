@@ -154,7 +154,7 @@ def timed_store_read(conn: Any, keys: list[str], buffers: list[Any]) -> float:
     (host memory touched before): the rate a load into the model's cache is measured against."""
     started = time.perf_counter()
     got = conn.run(conn.store.get_into_many(keys, buffers[: len(keys)],
-                                            concurrency=conn.max_in_flight), timeout=120)
+                                            max_in_flight=conn.max_in_flight), timeout=120)
     elapsed = time.perf_counter() - started
     if any(header is None for header in got):
         raise RuntimeError("the store lost a chunk the hit just loaded")

@@ -408,7 +408,8 @@ class Bench:
         engine("prefix-cache", prefix_caching=True, store=None)
         for s in self.stores:
             engine(f"{s.scheme}-save", prefix_caching=False, store=s.url)
-            engine(f"{s.scheme}-load", prefix_caching=False, store=s.url)
+            engine(f"{s.scheme}-load", prefix_caching=False, store=s.url,
+                   connector={"load_mode": args.load_mode})
         self.watch: StoreWatch | None = None
 
     def start(self) -> None:
@@ -659,6 +660,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kvstash chunk size in tokens, a multiple of the block size (default 256)")
     p.add_argument("--block-size", type=int, default=0,
                    help="vLLM block size (default 0: vLLM's, 128 on CPU)")
+    p.add_argument("--load-mode", default="async", choices=["async", "layerwise"],
+                   help="the loading engines' load_mode (default async: between steps)")
     p.add_argument("--stores", default=",".join(STORES),
                    help=f"stores to measure, comma-separated (default {','.join(STORES)})")
     p.add_argument("--s3-endpoint", metavar="URL",
@@ -732,7 +735,7 @@ def run(args: argparse.Namespace) -> int:
                 bench.stop()
         title = (f"vLLM ({info['vllm']}) with {model_desc}, {args.dtype}; prompt "
                  f"{args.cached_tokens}+1 tokens, chunks of {args.chunk_tokens}, blocks of "
-                 f"{block}; median of {args.repeat} rounds\nstores: "
+                 f"{block}; loads {args.load_mode}; median of {args.repeat} rounds\nstores: "
                  + "; ".join(f"{s.label} {s.about}" for s in stores))
         print(format_table(single, title))
         if concurrent:
@@ -747,6 +750,7 @@ def run(args: argparse.Namespace) -> int:
             "vllm": info["vllm"], "block_size": block,
             "max_num_batched_tokens": info["max_num_batched_tokens"],
             "chunk_tokens": args.chunk_tokens, "cached_tokens": args.cached_tokens,
+            "load_mode": args.load_mode,
             "prompt_tokens": args.cached_tokens + 1, "repeat": args.repeat,
             "warmup": args.warmup, "concurrency": args.concurrency, "batches": args.batches,
             "stores": {s.label: s.about for s in stores}, "notes": notes,

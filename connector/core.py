@@ -747,7 +747,7 @@ class KVConnector:
                 if direct:
                     await self.store.read_chunks_into(keys, dests, on_done=landed)
                 else:
-                    await self.store.get_into_many(keys, dests, concurrency=self.max_in_flight,
+                    await self.store.get_into_many(keys, dests, max_in_flight=self.max_in_flight,
                                                    on_done=landed)
         except TimeoutError:
             handle.stalled = any(not f.done() for f in done)

@@ -3,7 +3,7 @@
 Threading contract: `submit_read`, `submit_chunk` and `submit_write` never block and may be
 called from any thread, an event loop's included; each returns a
 `concurrent.futures.Future`. `read`, `read_chunk` and `write` are the awaitable versions.
-At most `max_inflight` requests run at once; more wait in a FIFO queue. A caller blocked
+At most `max_in_flight` requests run at once; more wait in a FIFO queue. A caller blocked
 in `result()` on a request no request thread has started yet runs it on its own thread
 (if a slot is free), saving two thread hand-offs (gds.requests). A read's future
 resolves once the bytes are in the destination (for CUDA destinations: once the copies or
@@ -88,7 +88,7 @@ class IOConfig:
     # Threads doing preadv/pwrite pieces; 0 = the core count, at least 2 and at most 8
     # (2 threads take a page-cached 16 MiB read from ~16 to ~30 GB/s on this 2-core VM).
     io_threads: int = 0
-    max_inflight: int = 8
+    max_in_flight: int = 8
     piece_bytes: int = 4 * MiB
     direct: str = "auto"  # "auto" | "always" | "never", see gds.hostio
     verify: str = "checksum"  # "checksum" | "header"
@@ -102,8 +102,8 @@ class IOConfig:
             raise ValueError(f"verify={self.verify!r}: expected checksum or header")
         if self.piece_bytes < ALIGN or self.piece_bytes % ALIGN:
             raise ValueError(f"piece_bytes={self.piece_bytes}: must be a multiple of {ALIGN}")
-        if self.max_inflight < 1 or self.io_threads < 0:
-            raise ValueError("max_inflight must be >= 1 and io_threads >= 0")
+        if self.max_in_flight < 1 or self.io_threads < 0:
+            raise ValueError("max_in_flight must be >= 1 and io_threads >= 0")
         return self
 
     @property
@@ -123,8 +123,8 @@ class ChunkIO:
         self.cuda_backend = choose_cuda_backend(self.caps, self.config.cuda_backend)
         threads = self.config.threads
         self._pool = ThreadPoolExecutor(threads, "kvstash-gds-io")
-        self._requests = ThreadPoolExecutor(self.config.max_inflight, "kvstash-gds-req")
-        self._inflight = threading.Semaphore(self.config.max_inflight)  # see gds.requests
+        self._requests = ThreadPoolExecutor(self.config.max_in_flight, "kvstash-gds-req")
+        self._inflight = threading.Semaphore(self.config.max_in_flight)  # see gds.requests
         self.support = DirectIOSupport(self.config.direct != "never")
         self.host = HostBackend(self._pool, self.config.piece_bytes, self.config.direct, threads)
         self._device_lock = threading.Lock()
@@ -326,7 +326,7 @@ class ChunkIO:
                             token_ids: Any = None, trust: VerifiedFiles | None = None,
                             ) -> ChunkHeader:
         """`submit_chunk(...).result()` without the hand-offs: runs on the calling thread
-        (pieces still fan out to the I/O pool) and is not counted against `max_inflight`.
+        (pieces still fan out to the I/O pool) and is not counted against `max_in_flight`.
         For synchronous callers; raises ReadError like the future would."""
         return self._read_chunk_sync(os.fspath(path), dest, key, token_ids,
                                      self._ready_event(dest), trust)

@@ -60,7 +60,7 @@ def read_store_chunks(io: ChunkIO, store: FileStore, keys: Sequence[str], dests:
 async def aread_store_chunks(io: ChunkIO, store: FileStore, keys: Sequence[str],
                              dests: Sequence[Any], token_ids: Sequence[Any] | None = None,
                              ) -> list[ChunkHeader | None]:
-    """The awaitable `read_store_chunks`: all keys in flight at once (up to max_inflight)."""
+    """The awaitable `read_store_chunks`: all keys in flight at once (up to max_in_flight)."""
     futures = [asyncio.wrap_future(f) for f in submit_store_chunks(io, store, keys, dests, token_ids)]
     results = await asyncio.gather(*futures, return_exceptions=True)
     out: list[ChunkHeader | None] = []

@@ -6,7 +6,7 @@ hand-offs per request, which on a 2-vCPU VM cost about as long as copying a page
 16 MiB payload (`kvstash bench gds`, the `submit_chunk(...).result()` row). So a
 `Request` that no request thread has started yet when someone calls `result()` or
 `exception()` on it is run right there, on the waiting thread, if a slot of the
-`max_inflight` bound is free; the request thread that later dequeues it finds it done.
+`max_in_flight` bound is free; the request thread that later dequeues it finds it done.
 
 The bound holds for both kinds of runner: each takes a slot of the same semaphore first
 (request threads wait for one, waiting callers only take a free one). Callers that await

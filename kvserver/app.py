@@ -184,13 +184,13 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     bodies = BufferPool(max_bytes=config.max_chunk_bytes)  # GET bodies, see kvserver.bodies
     put_bodies = BufferPool(max_bytes=config.max_chunk_bytes)  # and PUT bodies
     # With several tenants, one tenant's bodies hold at most half the budget.
-    per_tenant = config.max_inflight_bytes // 2 if len(tenancy.scopes) > 1 else config.max_inflight_bytes
+    per_tenant = config.max_in_flight_bytes // 2 if len(tenancy.scopes) > 1 else config.max_in_flight_bytes
     if per_tenant < config.max_chunk_bytes:
         raise ConfigError(
-            f"--max-inflight-bytes ({config.max_inflight_bytes}) leaves {per_tenant} bytes per "
+            f"--max-in-flight-bytes ({config.max_in_flight_bytes}) leaves {per_tenant} bytes per "
             f"tenant, less than one --max-chunk-bytes ({config.max_chunk_bytes}) chunk: raise it "
             "to at least " + ("twice " if len(tenancy.scopes) > 1 else "") + "--max-chunk-bytes")
-    budget = BodyBudget(config.max_inflight_bytes, per_tenant)
+    budget = BodyBudget(config.max_in_flight_bytes, per_tenant)
     events = EventLog(config.events_ring)
     if tokens is None:
         events.watch("", store)

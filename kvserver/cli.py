@@ -24,7 +24,7 @@ from kvserver.config import (
     DEFAULT_BODY_STALL_TIMEOUT_S,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_CHUNK_BYTES,
-    DEFAULT_MAX_INFLIGHT_BYTES,
+    DEFAULT_MAX_IN_FLIGHT_BYTES,
     DEFAULT_MAX_LOOKUP_KEYS,
     DEFAULT_PORT,
     DEFAULT_SEND_TIMEOUT_S,
@@ -60,7 +60,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    metavar="SIZE", help="largest accepted chunk body (default 1GiB)")
     p.add_argument("--max-lookup-keys", type=int, default=DEFAULT_MAX_LOOKUP_KEYS,
                    metavar="N", help=f"most keys in one lookup (default {DEFAULT_MAX_LOOKUP_KEYS})")
-    p.add_argument("--max-inflight-bytes", type=parse_size, default=DEFAULT_MAX_INFLIGHT_BYTES,
+    p.add_argument("--max-in-flight-bytes", "--max-inflight-bytes", dest="max_in_flight_bytes",
+                   type=parse_size, default=DEFAULT_MAX_IN_FLIGHT_BYTES,
                    metavar="SIZE", help="request body bytes held at once per process, counted "
                                         "as they arrive; beyond it 503 (default 4GiB)")
     p.add_argument("--body-timeout", type=parse_seconds, default=DEFAULT_BODY_TIMEOUT_S,
@@ -95,7 +96,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_chunk_bytes=args.max_chunk_bytes,
         max_lookup_keys=args.max_lookup_keys,
         body_timeout_s=args.body_timeout,
-        max_inflight_bytes=args.max_inflight_bytes,
+        max_in_flight_bytes=args.max_in_flight_bytes,
         body_stall_timeout_s=args.body_stall_timeout,
         send_timeout_s=args.send_timeout,
         tenant_quota=getattr(args, "tenant_quota", None),

@@ -25,7 +25,7 @@ DEFAULT_SEND_TIMEOUT_S = 60.0
 DEFAULT_STORE_CAPACITY = "8GiB"
 # Request body bytes held at once (per process, counted as they arrive): a body that does
 # not fit gets 503 + Retry-After instead of growing the server's memory without bound.
-DEFAULT_MAX_INFLIGHT_BYTES = 4 * 1024**3
+DEFAULT_MAX_IN_FLIGHT_BYTES = 4 * 1024**3
 # Worker processes (`--workers N`) receive the parent's ServerConfig through this variable.
 CONFIG_ENV = "KVSTASH_SERVE_CONFIG"
 
@@ -45,7 +45,7 @@ class ServerConfig:
     max_chunk_bytes: int = DEFAULT_MAX_CHUNK_BYTES
     max_lookup_keys: int = DEFAULT_MAX_LOOKUP_KEYS
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
-    max_inflight_bytes: int = DEFAULT_MAX_INFLIGHT_BYTES
+    max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES
     body_stall_timeout_s: float = DEFAULT_BODY_STALL_TIMEOUT_S
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
     # Most bytes one tenant may hold (None: only the backend's shared capacity).

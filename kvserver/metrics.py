@@ -52,7 +52,7 @@ class ServerMetrics:
                             registry=r)
         self.body_bytes_held = Gauge(
             "kvstash_body_bytes_held", "request body bytes received and held right now "
-            "(charged against --max-inflight-bytes)", registry=r)
+            "(charged against --max-in-flight-bytes)", registry=r)
         self.pool_lent = Gauge("kvstash_body_buffers_lent",
                                "pooled body buffers lent to requests right now", registry=r)
         self.pool_free_bytes = Gauge(

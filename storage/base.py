@@ -165,7 +165,8 @@ class Store(ABC):
 
     @abstractmethod
     async def get(self, key: str) -> bytes | None:
-        """The verified blob, or None (absent, corrupt, unreachable)."""
+        """The verified blob (bytes, or a bytearray the store filled in place), or None
+        (absent, corrupt, unreachable)."""
 
     async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
         """Write the chunk's payload into `out` (a writable buffer at least payload-sized).
@@ -181,10 +182,10 @@ class Store(ABC):
         keys: Sequence[str],
         outs: Sequence[Any],
         *,
-        concurrency: int = 4,
+        max_in_flight: int = 4,
         on_done: Callable[[int, ChunkHeader | None], bool | None] | None = None,
     ) -> list[ChunkHeader | None]:
-        """`get_into(keys[i], outs[i])` for every i, at most `concurrency` reads at a time,
+        """`get_into(keys[i], outs[i])` for every i, at most `max_in_flight` reads at a time,
         started in index order.
 
         `on_done(i, header)` runs as each read lands (on the event loop, or on a backend's
@@ -193,7 +194,7 @@ class Store(ABC):
         whole batch with one hand-off to their I/O threads instead of one per key.
         """
         check_batch(keys, outs)
-        gate = asyncio.Semaphore(max(concurrency, 1))
+        gate = asyncio.Semaphore(max(max_in_flight, 1))
         stopped = False
 
         async def one(i: int) -> ChunkHeader | None:

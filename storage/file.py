@@ -743,10 +743,10 @@ class FileStore(Store):
         keys: Sequence[str],
         outs: Sequence[Any],
         *,
-        concurrency: int = 4,
+        max_in_flight: int = 4,
         on_done: Callable[[int, ChunkHeader | None], bool | None] | None = None,
     ) -> list[ChunkHeader | None]:
-        """One hand-off per worker thread, not per key: each of `concurrency` threads takes
+        """One hand-off per worker thread, not per key: each of `max_in_flight` threads takes
         the next unread index until none is left. (Waking a thread and then the loop costs
         0.2-0.4 ms on a VM, as much as reading a page-cached 4 MiB chunk.) `on_done` runs
         on the worker thread."""
@@ -769,7 +769,7 @@ class FileStore(Store):
                 if on_done is not None and on_done(i, header) is False:
                     stop.set()
 
-        workers = min(max(concurrency, 1), len(keys))
+        workers = min(max(max_in_flight, 1), len(keys))
         try:
             await asyncio.gather(*(asyncio.to_thread(worker) for _ in range(workers)))
         finally:
@@ -831,7 +831,7 @@ class FileStore(Store):
         elif self._chunk_io is None:
             from gds import ChunkIO, IOConfig
 
-            self._chunk_io = ChunkIO(IOConfig(max_inflight=max_in_flight), probe_dir=self.root)
+            self._chunk_io = ChunkIO(IOConfig(max_in_flight=max_in_flight), probe_dir=self.root)
             self._owns_chunk_io = True
         return self._chunk_io
 

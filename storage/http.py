@@ -793,7 +793,7 @@ class HttpStore(Store):
             conn.reusable = True
             if hasher is not None and hasher.intdigest() != header.payload_checksum:
                 raise ChunkError(f"payload checksum mismatch for {key}")
-            return bytes(blob)
+            return blob  # a bytearray filled in place: no copy after the network
 
         try:
             blob = await self._call(op)

@@ -5,7 +5,7 @@ rate spreads over S3's partitions); tenants under `<prefix>/tenants/<tenant>/`; 
 markers for gc under `<scope>/.atime/` (see storage/s3_gc.py).
 
 Hot path. One long-lived aiobotocore client per event loop (created on first use in
-that loop), a connection pool of `pool` sockets and at most `inflight` requests at once.
+that loop), a connection pool of `pool` sockets and at most `max_in_flight` requests at once.
 A GET is never preceded by a HEAD: 404/403 is the miss. The first GET asks for the first
 1.25 x `range_size` bytes (default 16 MiB, so a 16 MiB payload plus its 4 KiB header is
 one request); its Content-Range gives the object size, and the rest is fetched as
@@ -431,10 +431,10 @@ class S3Store(Store):
         return list(await asyncio.gather(*(self._present(k) for k in keys)))
 
     async def prefix_len(self, keys: Sequence[str]) -> int:
-        """HEADs in windows of `inflight` keys, stopping at the window holding the first gap."""
+        """HEADs in windows of `max_in_flight` keys, stopping at the window holding the first gap."""
         for k in keys:
             check_key(k)
-        n, step = 0, max(1, self.opts.inflight)
+        n, step = 0, max(1, self.opts.max_in_flight)
         for i in range(0, len(keys), step):
             for present in await asyncio.gather(*(self._present(k) for k in keys[i : i + step])):
                 if not present:

@@ -2,7 +2,7 @@
 
 Every scope (tenant) of one `s3://` store shares one `S3Connection`: its options, its
 per-loop clients (each with its own aiohttp connection pool of `pool` sockets and an
-in-flight gate of `inflight` requests), its circuit breaker and what it learned about
+in-flight gate of `max_in_flight` requests), its circuit breaker and what it learned about
 the server (whether it enforces If-None-Match).
 """
 
@@ -39,7 +39,7 @@ class S3Options:
     anonymous: bool = False
     addressing: str = "auto"
     pool: int = 64
-    inflight: int = 64
+    max_in_flight: int = 64
     retries: int = 4
     retry_mode: str = "standard"
     connect_timeout: float = 2.0
@@ -83,7 +83,7 @@ class S3Options:
             addressing=choice("addressing", ("auto", "path", "virtual"),
                               "path" if endpoint else "auto"),
             pool=pool,
-            inflight=u.take("inflight", int, pool),
+            max_in_flight=_in_flight(u, pool),
             retries=u.take("retries", int, 4),
             retry_mode=choice("retry_mode", ("standard", "adaptive", "legacy"), "standard"),
             connect_timeout=u.take("connect_timeout", parse_seconds, 2.0),
@@ -102,8 +102,8 @@ class S3Options:
         u.finish()
         if (opts.access_key is None) != (opts.secret_key is None):
             raise ConfigError(f"{u.redacted()}: give both access_key and secret_key, or neither")
-        if opts.pool < 1 or opts.inflight < 1 or opts.retries < 1:
-            raise ConfigError(f"{u.redacted()}: pool, inflight and retries must be >= 1")
+        if opts.pool < 1 or opts.max_in_flight < 1 or opts.retries < 1:
+            raise ConfigError(f"{u.redacted()}: pool, max_in_flight and retries must be >= 1")
         if opts.range_size < MiB or opts.part_size < 5 * MiB:
             raise ConfigError(f"{u.redacted()}: range_size must be >= 1MiB, part_size >= 5MiB")
         if endpoint and not endpoint.startswith(("http://", "https://")):
@@ -179,7 +179,7 @@ class S3Connection:
         except (BotoCoreError, ValueError) as exc:
             await stack.aclose()
             raise ConfigError(f"{self.label}: cannot create an S3 client: {exc}") from exc
-        return _LoopClient(client, asyncio.Semaphore(self.opts.inflight), stack)
+        return _LoopClient(client, asyncio.Semaphore(self.opts.max_in_flight), stack)
 
     async def close(self) -> None:
         """Close the client of the running loop; clients of finished loops are dropped."""
@@ -189,3 +189,13 @@ class S3Connection:
                 await task.result().exit.aclose()
             if owner is loop or owner.is_closed():
                 del self._clients[owner]
+
+
+def _in_flight(u: Any, default: int) -> int:
+    """`max_in_flight` (the one spelling of in-flight limits), or the former `inflight`."""
+    old = u.take("inflight", int, None)
+    new = u.take("max_in_flight", int, None)
+    if old is not None and new is not None and old != new:
+        raise ConfigError(f"{u.redacted()}: inflight={old} contradicts max_in_flight={new}; "
+                          "set only max_in_flight")
+    return new if new is not None else old if old is not None else default

@@ -154,3 +154,14 @@ def test_stat_of_tiers_summarises_each_tier(tmp_path, capsys):
                  "--store", f"file://{tmp_path}/b"]) == 0
     out = capsys.readouterr().out
     assert out.count("tier ") == 3 and f"store:     file://{tmp_path}/b (file)" in out
+
+
+def test_in_flight_limits_have_one_spelling_and_the_former_flag_still_reads():
+    import argparse
+
+    from kvserver.cli import add_arguments
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert p.parse_args(["--max-in-flight-bytes", "2MiB"]).max_in_flight_bytes == 2 << 20
+    assert p.parse_args(["--max-inflight-bytes", "3MiB"]).max_in_flight_bytes == 3 << 20

@@ -135,7 +135,7 @@ def test_a_tier_list_that_misses_everywhere_is_a_shorter_hit(tmp_path):
 
 
 def test_a_corrupt_chunk_ends_the_hit_is_quarantined_and_later_reads_are_not_started(tmp_path):
-    io = ChunkIO(IOConfig(max_inflight=1), probe_dir=tmp_path)
+    io = ChunkIO(IOConfig(max_in_flight=1), probe_dir=tmp_path)
     conn = saved(file_connector(tmp_path, direct_io=io, max_in_flight=1))
     keys = keys_of(conn)
     flip_payload_byte(conn.store, keys[3])

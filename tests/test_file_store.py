@@ -291,7 +291,7 @@ async def test_cancelled_batch_read_writes_no_further_buffer(tmp_path, ns):
         release.wait(5)
 
     task = asyncio.create_task(store.get_into_many(
-        [k for k, _, _ in chunks], bufs, concurrency=1, on_done=on_done))
+        [k for k, _, _ in chunks], bufs, max_in_flight=1, on_done=on_done))
     await asyncio.to_thread(first_landed.wait, 5)
     task.cancel()
     await asyncio.sleep(0.05)

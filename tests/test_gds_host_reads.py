@@ -206,7 +206,7 @@ async def test_reads_are_awaitable_from_an_event_loop(tmp_path, ns, io):
 
 
 def test_no_more_than_max_inflight_requests_run_at_once(tmp_path, ns, monkeypatch):
-    """Opening a file is gated, so requests pile up inside it: never more than max_inflight."""
+    """Opening a file is gated, so requests pile up inside it: never more than max_in_flight."""
     chunks = [write_chunk(tmp_path, ns, i, payload(KiB)) for i in range(6)]
     gate, lock = threading.Event(), threading.Lock()
     active = peak = 0
@@ -223,7 +223,7 @@ def test_no_more_than_max_inflight_requests_run_at_once(tmp_path, ns, monkeypatc
         return real_open(cls, path, support)
 
     monkeypatch.setattr(OpenFile, "for_read", classmethod(gated_open))
-    with cpu_io(max_inflight=2) as chunk_io:
+    with cpu_io(max_in_flight=2) as chunk_io:
         futures = [chunk_io.submit_chunk(p, np.empty(KiB, np.uint8), key=k) for p, k, _ in chunks]
         assert not any(f.done() for f in futures)  # submitting never blocked on the I/O
         gate.set()
@@ -290,7 +290,7 @@ def test_concurrent_submitters_share_one_chunk_io_safely(tmp_path, ns):
         except Exception as exc:  # collected and re-raised on the test thread
             errors.append(exc)
 
-    with cpu_io(max_inflight=3) as chunk_io:
+    with cpu_io(max_in_flight=3) as chunk_io:
         threads = [threading.Thread(target=reader, args=(chunk_io,)) for _ in range(4)]
         for t in threads:
             t.start()

@@ -1,5 +1,5 @@
 """gds.requests.Request: a request is run exactly once, by a request thread or by the
-thread blocked on its result, always within the max_inflight bound."""
+thread blocked on its result, always within the max_in_flight bound."""
 
 from __future__ import annotations
 

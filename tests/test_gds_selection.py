@@ -65,7 +65,7 @@ def test_a_forced_backend_must_be_usable_and_says_why_not():
 
 def test_bad_settings_fail_at_construction():
     for bad in ({"direct": "sometimes"}, {"verify": "maybe"}, {"piece_bytes": 1000},
-                {"max_inflight": 0}):
+                {"max_in_flight": 0}):
         with pytest.raises(ValueError):
             ChunkIO(IOConfig(**bad), caps=NONE)
     with pytest.raises(ValueError):

@@ -176,7 +176,7 @@ def test_dripping_uploads_of_one_tenant_do_not_lock_out_another(tmp_path: Path, 
     one that really sends almost half of the budget and stalls: every PUT of tenant B still
     gets 201, while A's next upload that would pass its half is refused."""
     flags = ["--store", "memory://", "--auth-tokens", str(tokens_file(tmp_path)),
-             "--max-chunk-bytes", "1MiB", "--max-inflight-bytes", "2MiB",
+             "--max-chunk-bytes", "1MiB", "--max-in-flight-bytes", "2MiB",
              "--body-stall-timeout", "30s"]
     chunks = make_chunks(ns, 6, payload_size=900_000)
     with running_kvserver(*flags) as server:
@@ -219,7 +219,7 @@ def _metric(client: httpx.Client, name: str) -> str:
 
 def test_an_upload_budget_below_one_chunk_per_tenant_is_a_start_error(tmp_path: Path):
     flags = ["--store", "memory://", "--auth-tokens", str(tokens_file(tmp_path)),
-             "--max-chunk-bytes", "1MiB", "--max-inflight-bytes", "1MiB"]
+             "--max-chunk-bytes", "1MiB", "--max-in-flight-bytes", "1MiB"]
     with pytest.raises(RuntimeError, match="exit code 2") as info:
         with running_kvserver(*flags):
             pass

@@ -231,7 +231,7 @@ def test_uploads_past_the_bytes_held_get_503_until_one_finishes(ns):
     """The budget counts bytes received, not declared: a PUT is refused only when its size
     does not fit beside bytes other bodies really hold."""
     (k1, _, b1), (k2, _, b2), (k3, _, b3) = make_chunks(ns, 3, payload_size=40_000)
-    flags = ["--store", "memory://", "--max-chunk-bytes", "64KiB", "--max-inflight-bytes", "64KiB"]
+    flags = ["--store", "memory://", "--max-chunk-bytes", "64KiB", "--max-in-flight-bytes", "64KiB"]
     with running_kvserver(*flags) as server:
         host, port = server.url.removeprefix("http://").split(":")
         slow = socket.create_connection((host, int(port)), timeout=10)

@@ -69,7 +69,7 @@ async def test_large_chunks_come_back_through_parallel_ranges(s3_server_url, ns)
 
 async def test_ranged_reads_never_deadlock_the_inflight_limit(s3_server_url, ns):
     """One request in flight: a first GET gives its slot back before awaiting its ranges."""
-    store = open_store(with_prefix(s3_server_url, range_size="1MiB", inflight="1", timeout="20s"))
+    store = open_store(with_prefix(s3_server_url, range_size="1MiB", max_in_flight="1", timeout="20s"))
     chunks = make_chunks(ns, 3, payload_size=3 * MiB)
     for key, _, blob in chunks:
         await store.put(key, blob)
@@ -214,3 +214,13 @@ async def test_secrets_never_reach_logs_or_errors(caplog, moto_s3_url, ns):
     for secret in (SECRET_KEY, "TOPSECRETTOKEN"):
         assert secret not in shown
     assert isinstance(store, S3Store)
+
+
+def test_in_flight_limit_is_max_in_flight_and_the_former_inflight_still_reads():
+    from storage import ConfigError
+
+    base = "s3://bucket/kv?endpoint=http://127.0.0.1:9&region=us-east-1"
+    assert open_store(f"{base}&max_in_flight=5").opts.max_in_flight == 5
+    assert open_store(f"{base}&inflight=3").opts.max_in_flight == 3
+    with pytest.raises(ConfigError, match="contradicts max_in_flight"):
+        open_store(f"{base}&max_in_flight=5&inflight=2")

@@ -99,7 +99,7 @@ async def test_get_into_many_fills_each_buffer_and_reports_each_read(store, ns):
     keys[2], keys[4] = keys[4], keys[2]  # the missing key sits in the middle
     bufs = [bytearray(3000) for _ in keys]
     seen = []
-    got = await store.get_into_many(keys, bufs, concurrency=2, on_done=lambda i, h: seen.append(i))
+    got = await store.get_into_many(keys, bufs, max_in_flight=2, on_done=lambda i, h: seen.append(i))
     assert [h is not None for h in got] == [True, True, False, True, True]
     assert sorted(seen) == [0, 1, 2, 3, 4]
     blobs = {k: b for k, _, b in chunks}
@@ -116,7 +116,7 @@ async def test_get_into_many_starts_no_read_after_on_done_says_stop(store, ns):
         await store.put(key, blob)  # chunk 2 is missing
     bufs = [bytearray(2000) for _ in chunks]
     got = await store.get_into_many(
-        [k for k, _, _ in chunks], bufs, concurrency=1, on_done=lambda i, h: h is not None)
+        [k for k, _, _ in chunks], bufs, max_in_flight=1, on_done=lambda i, h: h is not None)
     assert [h is not None for h in got] == [True, True, False, False, False, False]
     assert bytes(bufs[3]) == bytes(2000)  # never read into
 
