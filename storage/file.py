@@ -608,16 +608,7 @@ class FileStore(Store):
         fd, path = opened
         try:
             st = os.fstat(fd)
-            # An unchanged, already verified file needs neither its header read nor parsed.
-            header = self.known_header(key, st)
-            if header is None:
-                head = read_at(fd, HEADER_SIZE)
-                try:
-                    header = decode_header(head, key)
-                except TruncatedHeader as short:
-                    header = decode_header(read_at(fd, short.header_len), key)
-            if st.st_size != header.total_len:
-                raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
+            header = self._header_of(key, fd, st)
             if out.nbytes < header.payload_len:
                 return None
             dst = out[: header.payload_len]
@@ -636,6 +627,20 @@ class FileStore(Store):
         finally:
             os.close(fd)
         self._touch(key, path, st)
+        return header
+
+    def _header_of(self, key: str, fd: int, st: os.stat_result) -> ChunkHeader:
+        """The header of `key`'s open file: known (an unchanged, already verified file needs
+        its header neither read nor parsed) or read and decoded. ChunkError unless the
+        file is exactly as long as the header says."""
+        header = self.known_header(key, st)
+        if header is None:
+            try:
+                header = decode_header(read_at(fd, HEADER_SIZE), key)
+            except TruncatedHeader as short:
+                header = decode_header(read_at(fd, short.header_len), key)
+        if st.st_size != header.total_len:
+            raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
         return header
 
     def _exists_sync(self, keys: Sequence[str], stop_at_gap: bool) -> list[bool]:
@@ -896,14 +901,7 @@ class FileStore(Store):
         fd, path = opened
         try:
             st = os.fstat(fd)
-            header = self.known_header(key, st)
-            if header is None:
-                try:
-                    header = decode_header(read_at(fd, HEADER_SIZE), key)
-                except TruncatedHeader as short:
-                    header = decode_header(read_at(fd, short.header_len), key)
-            if st.st_size != header.total_len:
-                raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
+            header = self._header_of(key, fd, st)
         except ChunkError as exc:
             self._quarantine(key, path, str(exc))
             return None
