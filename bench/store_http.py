@@ -233,6 +233,10 @@ async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
         {"name": "raw loopback socket stream into a preallocated buffer",
          "put_gbps": None, "get_gbps": raw},
     ]
+    if not StoreURL(url).take("unix_socket"):
+        rows.append({"name": "httpx sequential GET, .content (a new bytes per chunk)",
+                     "put_gbps": None,
+                     "get_gbps": await httpx_get_gbps(url, size, count, rounds)})
     if StoreURL(url).take("unix_socket"):
         with tempfile.TemporaryDirectory(prefix="kvstash-raw-") as where:
             raw_unix = await asyncio.to_thread(raw_stream_gbps, size + HEADER_SIZE, count,
@@ -253,6 +257,38 @@ async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
     return rows
 
 
+async def httpx_get_gbps(url: str, size: int, count: int, rounds: int) -> float:
+    """What a user writes without kvstash: one plain HTTP GET after another with httpx,
+    each chunk a new bytes object, of `count` chunks of `size` payload bytes (stored first
+    through the kvstash client). Median GB/s over `rounds`."""
+
+    from hashing import Namespace, chunk_keys
+    from storage import encode_chunk, open_store
+
+    u = StoreURL(url)
+    token = u.take("token")
+    base = url.split("?")[0].rstrip("/")
+    ns = Namespace(model="bench/httpx", dtype="uint8", layout="raw", chunk_tokens=4,
+                   salt=uuid.uuid4().hex)
+    tokens = list(range(4 * count))
+    keys = chunk_keys(tokens, ns)
+    store = open_store(url)
+    try:
+        payload = os.urandom(size)
+        for i, key in enumerate(keys):
+            await store.put(key, encode_chunk(key, tokens[4 * i : 4 * i + 4], payload))
+    finally:
+        await store.close()
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+
+    def timed() -> float:
+        with httpx.Client(headers=headers, timeout=60) as client:
+            client.get(f"{base}/v1/chunks/{keys[0]}").read()  # connect outside the timing
+            started = time.perf_counter()
+            nbytes = sum(len(client.get(f"{base}/v1/chunks/{k}").content) for k in keys)
+            return nbytes / (time.perf_counter() - started) / 1e9
+
+    return statistics.median([await asyncio.to_thread(timed) for _ in range(rounds)])
 async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:
     from hashing import Namespace, chunk_keys
     from storage import encode_chunk, open_store
