@@ -179,6 +179,12 @@ class _StagedPrefix:
         chunk = self.raw[i].view(self.dtype).view(self.layout.shape)
         self.kv[:, :, 0, :, i * n : (i + 1) * n, :].copy_(chunk, non_blocking=True)
 
+    def place_segment(self, i: int, s: int) -> None:
+        """Layer s of chunk i (layerwise loads: one verified layer range at a time)."""
+        n = self.layout.chunk_tokens
+        layer = self.raw[i].view(self.dtype).view(self.layout.shape)[s]
+        self.kv[s, :, 0, :, i * n : (i + 1) * n, :].copy_(layer, non_blocking=True)
+
     def cache(self, tokens: int, config: Any) -> DynamicCache:
         """A `DynamicCache` over the first `tokens` positions, holding views of the K/V buffer.
 
@@ -186,12 +192,36 @@ class _StagedPrefix:
         the constructor would copy the whole prefix once more (its first `update` is a
         `torch.cat` onto an empty tensor), into fresh memory. The model's first forward
         replaces these views with its own `torch.cat`, as it does for any cache."""
+        return self._fill(DynamicCache, tokens, config)
+
+    def _fill(self, cls: type, tokens: int, config: Any, **extra: Any) -> Any:
         kv = self.kv[:, :, :, :, :tokens]
-        cache = DynamicCache(ddp_cache_data=[(layer[0][:, :, :0], layer[1][:, :, :0])
-                                             for layer in kv], config=config)
+        cache = cls(ddp_cache_data=[(layer[0][:, :, :0], layer[1][:, :, :0]) for layer in kv],
+                    config=config, **extra)
         for layer, loaded in zip(cache.layers, kv, strict=True):
             layer.keys, layer.values = loaded[0], loaded[1]
         return cache
+
+
+class _LayerwiseCache(DynamicCache):
+    """The loaded prefix while it is still loading (`CachedPrefill(layerwise=True)`): the
+    model's update of layer i (its attention) first waits until layer i of every chunk is
+    verified and placed, so layer i computes while later layers are still being read."""
+
+    def __init__(self, *args: Any, load: Any = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._load = load
+
+    def update(self, key_states: Any, value_states: Any, layer_idx: int, *args: Any,
+               **kwargs: Any) -> Any:
+        load = self._load
+        if load is not None:
+            if not load.wait_segment(layer_idx, max(load.deadline - time.monotonic(), 0.0)):
+                load.stalled = True
+                load.cancel()  # the rest fails; CachedPrefill recomputes
+            if layer_idx == len(self.layers) - 1:
+                self._load = None
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
 def _chunk_payload(layout: ChunkLayout, keys: list[torch.Tensor], values: list[torch.Tensor]):
@@ -228,12 +258,16 @@ class CachedPrefill:
     connector's write-behind queue. Anything the cache does wrong is a miss, never an error.
     """
 
-    def __init__(self, model: Any, connector: KVConnector):
+    def __init__(self, model: Any, connector: KVConnector, *, layerwise: bool = False):
         self.model = model
         self.connector = connector
+        # layerwise: the forward starts at once and each layer waits only for its own
+        # ranges (ranged reads and per-layer checksums; see KVConnector.load_segments_async).
+        self.layerwise = layerwise
         self.layout = kv_layout(model, connector.chunk_tokens)
         connector.bind_layout(self.layout)
         self._buffers: _PrefixBuffers | None = None
+        self._layer_load: Any = None
         self.last_hit_tokens = 0
         self.last_cached_tokens = 0
         # Wall seconds of the last call: "cache" (lookup, load, placement), "compute" (the
@@ -249,8 +283,19 @@ class CachedPrefill:
         if plan.chunks == 0:
             return 0, None
         if self._buffers is None or self._buffers.device != ids.device:
-            self._buffers = _PrefixBuffers(self.layout, ids.device, conn.reads_direct)
+            # layerwise: ranges land in host memory, then each layer is placed on the device
+            self._buffers = _PrefixBuffers(self.layout, ids.device,
+                                           conn.reads_direct and not self.layerwise)
         staged = self._buffers.take(plan.chunks)
+        if self.layerwise:
+            keys, tokens = conn.keys(tokens, plan.chunks * conn.chunk_tokens)
+            n = conn.chunk_tokens
+            load = conn.load_segments_async(
+                keys, [tokens[i * n : (i + 1) * n] for i in range(len(keys))], staged,
+                plan.deadline_s)
+            hit = len(keys) * n
+            self._layer_load = load
+            return hit, staged._fill(_LayerwiseCache, hit, self.model.config, load=load)
         hit = conn.load(tokens, plan.chunks * conn.chunk_tokens, staged, plan.deadline_s)
         if hit < plan.chunks * conn.chunk_tokens:
             # Reads past the end of the hit may still be landing in the staging memory (a
@@ -279,6 +324,14 @@ class CachedPrefill:
         t1 = time.perf_counter()
         out = self.model(ids[:, hit:], past_key_values=cache, use_cache=True,
                          **_suffix_kwargs(kwargs, hit))
+        load, self._layer_load = self._layer_load, None
+        if load is not None and not all(load.result(max(load.deadline - time.monotonic(), 0) + 1)):
+            # A layer of some chunk failed while the forward ran: that output used a wrong
+            # prefix. Recompute the whole prompt (the staging may still be written: dropped).
+            log.warning("layerwise load fell short; computing the whole prompt")
+            self._buffers.raw = None
+            hit, cache = 0, None
+            out = self.model(ids, use_cache=True, **kwargs)
         t2 = time.perf_counter()
         if cache is not None:
             self._buffers.release(out.past_key_values)

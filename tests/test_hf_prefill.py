@@ -406,3 +406,34 @@ def test_a_cache_still_holding_the_loaded_kv_keeps_it_from_reuse():
     buffers.release(held)
     assert buffers.kv is None  # the next load gets fresh memory
     assert buffers.take(2).kv.data_ptr() != held.layers[0].keys.data_ptr()
+
+
+@pytest.mark.parametrize("store_kind", ["file", "memory"])
+def test_a_layerwise_hit_computes_each_layer_once_its_prefix_layer_is_placed(store_kind, store_dir):
+    """`layerwise=True`: the forward starts at once; each layer's attention waits only for
+    that layer's ranges. Same contract as a whole-prefix load."""
+    model = tiny_model()
+    ids = prompt(200)
+    store = f"file://{store_dir}" if store_kind == "file" else MemoryStore()
+    prefill = CachedPrefill(model, KVConnector(store, test_namespace(model)), layerwise=True)
+    warm(prefill, ids)
+    hit = prefill(ids)
+    assert prefill.last_hit_tokens == 192
+    assert_exact(hit, model, ids, 192)
+    stats = prefill.connector.stats()
+    assert stats["loaded_chunks"] == 6 and stats["failed_chunks"] == 0
+    prefill.connector.close()
+
+
+def test_a_layerwise_hit_with_a_corrupt_layer_is_recomputed_whole(store_dir):
+    model = tiny_model()
+    ids = prompt(200)
+    prefill = CachedPrefill(model, KVConnector(f"file://{store_dir}", test_namespace(model)),
+                            layerwise=True)
+    warm(prefill, ids)
+    flip_payload_byte(chunk_file(store_dir, prefill.connector.ns, ids[0].numpy(), 3))
+    out = prefill(ids)
+    assert prefill.last_hit_tokens == 0  # the forward ran on a broken layer: thrown away
+    assert_exact(out, model, ids, 0)
+    assert prefill.connector.stats()["verify_failures"] >= 1
+    prefill.connector.close()
