@@ -37,6 +37,9 @@ def api_schema(tmp_path_factory):
 def test_api_answers_as_documented(api_schema, mode):
     operations = [result.ok() for result in api_schema.get_all_operations()]
     assert len(operations) >= 10
+    # GET /v1/events is a live stream without an end for a validator to read; its lines,
+    # auth and resume are tested against real subscribers in tests/test_kvserver_events.py.
+    operations = [op for op in operations if op.path != "/v1/events"]
     for operation in operations:
 
         @given(case=operation.as_strategy(generation_mode=mode))
