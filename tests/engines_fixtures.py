@@ -126,6 +126,9 @@ def corrupt_chunks(root: Path) -> int:
     return n
 
 
+FORWARD_LAYER_S = 0.002  # what each layer of the stand-in forward takes
+
+
 class V1Engine:
     """One vLLM engine's two connector halves (scheduler and one worker, TP=1) over CPU
     tensors standing in for the paged GPU KV cache: 2 layers of [blocks, heads, block, K|V]."""
@@ -185,11 +188,18 @@ class V1Engine:
             free_encoder_mm_hashes=[],
         )
         meta = self.scheduler.build_connector_meta(out)
+        # vLLM's order (kv_connector_model_runner_mixin): bind; start_load_kv before the
+        # forward only when the step has synchronous (layerwise) loads, else after it.
         self.worker.bind_connector_metadata(meta)
-        self.worker.start_load_kv(None)
+        sync = self.worker.layerwise and bool(meta.loads)
+        if sync:
+            self.worker.start_load_kv(None)
         for name, kv in self.kv.items():  # the attention layers of the forward
             self.worker.wait_for_layer_load(name)
+            time.sleep(FORWARD_LAYER_S)
             self.worker.save_kv_layer(name, kv, None)
+        if not sync:
+            self.worker.start_load_kv(None)
         self.worker.wait_for_save()
         _, recving = self.worker.get_finished(set())
         errors = self.worker.get_block_ids_with_load_errors()
