@@ -249,3 +249,53 @@ def test_a_chunk_no_prompt_can_fill_is_refused_at_start(model):
                        r"\(16 blocks of 128\) exceeds max_model_len-1=2047") as err:
         KvstashConnector(cfg, KVConnectorRole.SCHEDULER, None)
     assert "\n" not in str(err.value)
+
+
+def test_the_connectors_saves_reach_vllms_kv_event_stream(model, tmp_path):
+    """A router subscribed to vLLM's KV events (--kv-events-config, ZMQ) sees the chunks
+    the connector stored, as BlockStored with medium "kvstash", decoded by vLLM's own
+    decoder, beside vLLM's own GPU/CPU block events."""
+    import threading
+
+    import msgspec
+    import zmq
+    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+
+    from tests.test_http_store_client import free_port
+
+    port = free_port()
+    decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+    batches: list = []
+    done = threading.Event()
+
+    def subscribe() -> None:
+        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.RCVTIMEO, 200)
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        try:
+            while not done.is_set():
+                try:
+                    _, _, payload = sock.recv_multipart()
+                except zmq.Again:
+                    continue
+                batches.append(decoder.decode(payload))
+        finally:
+            sock.close(0)
+
+    listener = threading.Thread(target=subscribe, daemon=True)
+    listener.start()
+    try:
+        # a save's event leaves with the engine's next step: a second request makes one
+        run_engine(model, f"file://{tmp_path}/kv", [FULL, PARTIAL],
+                   chunk_tokens=CHUNK, exit_flush_s=10,
+                   kv_events={"enable_kv_cache_events": True, "publisher": "zmq",
+                              "endpoint": f"tcp://*:{port}"})
+    finally:
+        done.set()
+        listener.join(5)
+    ours = [e for b in batches for e in b.events
+            if isinstance(e, BlockStored) and e.medium == "kvstash"]
+    stored = {tuple(e.token_ids) for e in ours}
+    assert {tuple(FULL[c * CHUNK : (c + 1) * CHUNK]) for c in range(3)} <= stored
+    assert all(len(e.token_ids) == CHUNK and e.block_hashes for e in ours)

@@ -89,13 +89,13 @@ class EngineRun:
 
 def run_engine(model: Path, store: str | list[str], prompts: list[list[int]], *,
                max_tokens: int = 8, logprobs: int = 5, timeout: float = 300,
-               **extra: Any) -> EngineRun:
+               kv_events: dict[str, Any] | None = None, **extra: Any) -> EngineRun:
     """One engine process: start, generate each prompt in order, shut down, report."""
     with tempfile.TemporaryDirectory(prefix="kvstash-engine-") as tmp:
         result = Path(tmp) / "result.json"
         spec = {"model": str(model), "kv_transfer_config": kv_transfer_config(store, **extra),
                 "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs,
-                "result": str(result)}
+                "result": str(result), "kv_events": kv_events}
         proc = subprocess.run(
             [sys.executable, "-m", "tests.vllm_engine_fixtures", json.dumps(spec)],
             cwd=ROOT, env=engine_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -120,6 +120,7 @@ def _main(spec: dict[str, Any]) -> None:
         model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16",
         max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0,
         kv_transfer_config=spec["kv_transfer_config"], disable_log_stats=False,
+        **({"kv_events_config": spec["kv_events"]} if spec.get("kv_events") else {}),
     )
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0,
                             logprobs=spec["logprobs"], detokenize=False, ignore_eos=True)
