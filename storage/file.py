@@ -601,7 +601,8 @@ class FileStore(Store):
                 return False  # the full read that follows decides (and quarantines)
         return header is not None and header.total_len == st.st_size
 
-    def _get_into_sync(self, key: str, out: memoryview) -> ChunkHeader | None:
+    def _get_into_sync(self, key: str, out: memoryview | None) -> ChunkHeader | None:
+        """The verified header, and the payload read into `out` (None: the header only)."""
         opened = self._open_for_read(key)
         if opened is None:
             return None
@@ -609,14 +610,15 @@ class FileStore(Store):
         try:
             st = os.fstat(fd)
             header = self._header_of(key, fd, st)
-            if out.nbytes < header.payload_len:
+            if out is not None and out.nbytes < header.payload_len:
                 return None
-            dst = out[: header.payload_len]
-            if read_into_at(fd, dst, header.header_len) != header.payload_len:
-                raise ChunkError("short read")
-            if self._needs_payload_check(key, st):
-                header.verify_payload(dst)
-                self.note_verified(key, st, header)
+            if out is not None:
+                dst = out[: header.payload_len]
+                if read_into_at(fd, dst, header.header_len) != header.payload_len:
+                    raise ChunkError("short read")
+                if self._needs_payload_check(key, st):
+                    header.verify_payload(dst)
+                    self.note_verified(key, st, header)
         except ChunkError as exc:
             self._quarantine(key, path, str(exc))
             return None
@@ -890,28 +892,8 @@ class FileStore(Store):
         """The verified header of `key`'s file (which must be as long as it says); a corrupt
         header is quarantined. A hit refreshes the chunk's LRU place."""
         check_key(key)
-        header = await asyncio.to_thread(self._read_header_sync, key)
+        header = await asyncio.to_thread(self._get_into_sync, key, None)
         self._count_get(None if header is None else header.total_len)
-        return header
-
-    def _read_header_sync(self, key: str) -> ChunkHeader | None:
-        opened = self._open_for_read(key)
-        if opened is None:
-            return None
-        fd, path = opened
-        try:
-            st = os.fstat(fd)
-            header = self._header_of(key, fd, st)
-        except ChunkError as exc:
-            self._quarantine(key, path, str(exc))
-            return None
-        except OSError as exc:
-            if exc.errno not in _MISS_ERRNOS:
-                self.counters["errors"] += 1
-            return None
-        finally:
-            os.close(fd)
-        self._touch(key, path, st)
         return header
 
     async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
