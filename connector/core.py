@@ -123,14 +123,6 @@ class LoadHandle:
         self.stalled = False
         self.fetch: concurrent.futures.Future[None] | None = None
 
-    @classmethod
-    def failed(cls, n: int) -> LoadHandle:
-        """A load that did not start: every chunk failed."""
-        handle = cls(n, time.monotonic())
-        for f in handle.chunks:
-            f.set_result(False)
-        return handle
-
     def done(self) -> bool:
         return self.fetch is None or self.fetch.done()
 
@@ -172,13 +164,6 @@ class SegmentLoad(LoadHandle):
         if n == 0:
             for e in self._ready:
                 e.set()
-
-    @classmethod
-    def failed_segments(cls, n: int, n_segments: int) -> SegmentLoad:
-        load = cls(n, n_segments, time.monotonic())
-        for i in range(n):
-            load.fail(i)
-        return load
 
     def wait_segment(self, s: int, timeout: float | None = None) -> bool:
         """Wait until segment s of every chunk is placed or its chunk failed; False on timeout."""
@@ -564,24 +549,9 @@ class KVConnector:
         and placed at once. A chunk that fails stops being read; the deadline fails what is
         left."""
         layout = self._require_layout()
-        n_chunks, n_segments = len(keys), max(len(layout.segments), 1)
-        if n_chunks == 0 or self._bypassed():
-            return SegmentLoad.failed_segments(n_chunks, n_segments)
-        wait_s = (self.policy.deadline_s(n_chunks * self.chunk_tokens)
-                  if deadline_s is None else deadline_s)
-        handle = SegmentLoad(n_chunks, n_segments, time.monotonic())
-        handle.deadline = handle.started + wait_s
-        try:
-            dests = [host_view(target.staging(i)) for i in range(n_chunks)]
-        except Exception as exc:  # noqa: BLE001 - the engine could not give us memory: recompute
-            log.warning("load skipped: no staging memory: %s", exc)
-            return SegmentLoad.failed_segments(n_chunks, n_segments)
-        self._count(loads=1)
-        handle.fetch = asyncio.run_coroutine_threadsafe(
-            self._fetch_segments(list(keys), list(tokens), dests, handle, layout, target),
-            self._loop,
-        )
-        return handle
+        handle = SegmentLoad(len(keys), max(len(layout.segments), 1), time.monotonic())
+        return self._start(handle, target, deadline_s, True, lambda dests: self._fetch_segments(
+            list(keys), list(tokens), dests, handle, layout, target))
 
     async def _fetch_segments(self, keys: list[str], tokens: list[Any], dests: list[memoryview],
                               handle: SegmentLoad, layout: ChunkLayout | EngineLayout,
@@ -675,25 +645,32 @@ class KVConnector:
     def _start_load(self, keys: list[str], tokens: list[Any], target: LoadTarget,
                     deadline_s: float | None, place_on_io: bool) -> LoadHandle:
         layout = self._require_layout()
-        n_chunks = len(keys)
+        handle = LoadHandle(len(keys), time.monotonic())
+        return self._start(handle, target, deadline_s, self.chunk_io is None, lambda dests: (
+            self._fetch(keys, tokens, dests, handle, layout, target if place_on_io else None)))
+
+    def _start(self, handle: LoadHandle, target: LoadTarget, deadline_s: float | None,
+               host: bool, fetch: Callable[[list[Any]], Coroutine[Any, Any, None]]) -> LoadHandle:
+        """Start `handle`'s load: its deadline (default: the policy's), every chunk's staging
+        (`host`: as host memory), then `fetch(staging)` on the loop. A load that cannot
+        start (nothing to load, the store bypassed, no staging memory) fails every chunk."""
+        n_chunks = len(handle.chunks)
         if n_chunks == 0 or self._bypassed():
-            return LoadHandle.failed(n_chunks)
+            handle.cancel()
+            return handle
         wait_s = (self.policy.deadline_s(n_chunks * self.chunk_tokens)
                   if deadline_s is None else deadline_s)
-        handle = LoadHandle(n_chunks, time.monotonic())
         handle.deadline = handle.started + wait_s
         try:
             dests = [target.staging(i) for i in range(n_chunks)]
-            if self.chunk_io is None:
+            if host:
                 dests = [host_view(d) for d in dests]
         except Exception as exc:  # noqa: BLE001 - the engine could not give us memory: recompute
             log.warning("load skipped: no staging memory: %s", exc)
-            return LoadHandle.failed(n_chunks)
+            handle.cancel()
+            return handle
         self._count(loads=1)
-        handle.fetch = asyncio.run_coroutine_threadsafe(
-            self._fetch(keys, tokens, dests, handle, layout, target if place_on_io else None),
-            self._loop,
-        )
+        handle.fetch = asyncio.run_coroutine_threadsafe(fetch(dests), self._loop)
         return handle
 
     def _account(self, handle: LoadHandle, placed: int, planned: int) -> None:

@@ -834,12 +834,7 @@ class KvstashConnector(KVConnectorBase_V1):
                 if not handle.wait_segment(s, max(handle.deadline - time.monotonic(), 0.0)):
                     handle.stalled = True
                     handle.cancel()
-            ok = [f.done() and f.result() for f in handle.chunks]
-            self._load_errors |= {
-                b for chunk, good in zip(req.chunks, ok, strict=True) if not good
-                for b in chunk.block_ids[chunk.first :]
-            }
-            self._report_gone(req, handle, ok)
+            self._answered(req, handle, [f.done() and f.result() for f in handle.chunks])
             # Range reads of a failed chunk may still be landing: reuse only when all ended.
             target.release(reuse=handle.done() and not handle.stalled)
 
@@ -848,12 +843,7 @@ class KvstashConnector(KVConnectorBase_V1):
         done = {req_id for req_id, (_, handle, _) in self._loading.items() if handle.done()}
         for req_id in done:
             req, handle, target = self._loading.pop(req_id)
-            ok = handle.result()
-            self._load_errors |= {
-                b for chunk, good in zip(req.chunks, ok, strict=True) if not good
-                for b in chunk.block_ids[chunk.first :]
-            }
-            self._report_gone(req, handle, ok)
+            self._answered(req, handle, handle.result())
             target.release(reuse=not handle.stalled)
         return None, done or None
 
@@ -864,6 +854,15 @@ class KvstashConnector(KVConnectorBase_V1):
         return errors
 
     # -- KV events (cache-aware routers) --------------------------------------------------
+
+    def _answered(self, req: ReqChunks, handle: LoadHandle, ok: list[bool]) -> None:
+        """A load's answer: the blocks of chunks not placed go to
+        `get_block_ids_with_load_errors` (vLLM recomputes them)."""
+        self._load_errors |= {
+            b for chunk, good in zip(req.chunks, ok, strict=True) if not good
+            for b in chunk.block_ids[chunk.first :]
+        }
+        self._report_gone(req, handle, ok)
 
     def _report_gone(self, req: ReqChunks, handle: LoadHandle, ok: list[bool]) -> None:
         """BlockRemoved for chunks a load found missing or unusable (not for a load cut by
