@@ -21,8 +21,9 @@ verified loads, counters and write-behind saves. This module only translates vLL
 requests, blocks and KV cache tensors into the core's chunks and load targets.
 
 Scheduler side (engine core process): `get_num_new_matched_tokens` starts one batched
-existence check per request (`lookup_async`) and answers None ("ask again next step")
-until it resolves (within `lookup_timeout_s`; a failure or timeout is no hit). The core's
+existence check per request (`lookup_async`), waits up to `lookup_wait_ms` for it, and
+answers None ("ask again next step") until it resolves (within `lookup_timeout_s`; a
+failure or timeout is no hit). The core's
 policy then decides how many of the stored chunks are worth loading, from the load and
 prefill speeds the workers measure and report through vLLM's KV-connector stats. Hits
 load asynchronously between steps (the request waits in WAITING_FOR_REMOTE_KVS, other
@@ -386,7 +387,8 @@ class KvstashConnector(KVConnectorBase_V1):
     """kvstash for vLLM's KV connector API. `kv_connector_extra_config`: `store` (URL or
     list of URLs), `model` (when vLLM has no model config), `chunk_tokens` (tokens per
     stored chunk, rounded up to whole vLLM blocks, default 256), `salt`,
-    `lookup_timeout_s` (default 2), `max_in_flight` (chunk reads per load, default 8),
+    `lookup_timeout_s` (default 2), `lookup_wait_ms` (default 5: how long the scheduler
+    waits for a lookup before asking again next step), `max_in_flight` (chunk reads per load, default 8),
     `save_queue_bytes` (write-behind bound, 1 GiB),
     `direct_io` (default true: a file:// store is read through gds.ChunkIO into the KV
     cache's device), `adaptive` (default true: load a stored prefix only while the store
@@ -408,6 +410,7 @@ class KvstashConnector(KVConnectorBase_V1):
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens, self.chunk_blocks = chunk_geometry(vllm_config)
         self.lookup_timeout_s = float(extra.get("lookup_timeout_s", 2.0))
+        self.lookup_wait_s = float(extra.get("lookup_wait_ms", 5.0)) / 1000
         self.max_in_flight = int(extra.get("max_in_flight", 8))
         par = vllm_config.parallel_config
         self.rank, self.world_size = par.rank, par.world_size
@@ -551,7 +554,9 @@ class KvstashConnector(KVConnectorBase_V1):
             refs = self._chunk_refs(st, 0, n)
             st.lookup = self.core.lookup_async([self._keys(refs, r) for r in range(self.world_size)])
             st.lookup_started = time.monotonic()
-            return None
+            # A store that answers within `lookup_wait_ms` (a local disk, a kvserver nearby)
+            # gets its answer in this step: the request is not put off by one engine step.
+            concurrent.futures.wait([st.lookup], timeout=self.lookup_wait_s)
         if st.lookup.done():
             try:
                 stored = st.lookup.result()

@@ -605,3 +605,46 @@ def test_a_consumer_only_loads_and_a_producer_only_saves(tmp_path):
         assert reader.lookup(make_request(PROMPT)) == (3 * CHUNK_TOKENS, True)
     finally:
         reader.shutdown()
+
+
+def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path):
+    """The scheduler waits up to `lookup_wait_ms` for a request's lookup: a store that
+    answers by then costs the request no engine step; with 0 it is asked again next step."""
+    url = f"file://{tmp_path}"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(writer, list(range(6)))
+    finally:
+        writer.shutdown()
+    patient = V1Engine(url, chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=60_000)
+    try:
+        first = patient.scheduler.get_num_new_matched_tokens(make_request(PROMPT), 0)
+        assert first == (3 * CHUNK_TOKENS, True)
+    finally:
+        patient.shutdown()
+    asks_again = V1Engine(url, chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=0)
+    try:
+        req = make_request(PROMPT)
+        assert asks_again.scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
+        assert asks_again.lookup(req) == (3 * CHUNK_TOKENS, True)
+    finally:
+        asks_again.shutdown()
+
+
+def test_a_store_that_never_answers_does_not_hold_the_scheduler():
+    """A kvserver that accepts the connection and never answers: the first ask returns
+    "ask again" after `lookup_wait_ms`, and the lookup ends as a miss at its timeout."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel accepts; nobody reads or answers
+        engine = V1Engine(f"http://127.0.0.1:{silent.getsockname()[1]}",
+                          chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=1, lookup_timeout_s=0.5)
+        try:
+            req = make_request(PROMPT)
+            assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
+            assert engine.lookup(req) == (0, False)
+            assert engine.scheduler.core.counters()["lookup_timeouts"] == 1
+        finally:
+            engine.shutdown()
