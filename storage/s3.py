@@ -431,12 +431,16 @@ class S3Store(Store):
         return list(await asyncio.gather(*(self._present(k) for k in keys)))
 
     async def prefix_len(self, keys: Sequence[str]) -> int:
-        """HEADs in windows of `max_in_flight` keys, stopping at the window holding the first gap."""
+        """One HEAD for the first key (a prompt never seen costs one request, as S3 bills
+        them), then HEADs in windows of `max_in_flight` keys, stopping at the window
+        holding the first gap."""
         for k in keys:
             check_key(k)
-        n, step = 0, max(1, self.opts.max_in_flight)
-        for i in range(0, len(keys), step):
-            for present in await asyncio.gather(*(self._present(k) for k in keys[i : i + step])):
+        step = max(1, self.opts.max_in_flight)
+        windows = [keys[:1], *(keys[i : i + step] for i in range(1, len(keys), step))]
+        n = 0
+        for window in windows:
+            for present in await asyncio.gather(*(self._present(k) for k in window)):
                 if not present:
                     return n
                 n += 1

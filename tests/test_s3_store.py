@@ -224,3 +224,24 @@ def test_in_flight_limit_is_max_in_flight_and_the_former_inflight_still_reads():
     assert open_store(f"{base}&inflight=3").opts.max_in_flight == 3
     with pytest.raises(ConfigError, match="contradicts max_in_flight"):
         open_store(f"{base}&max_in_flight=5&inflight=2")
+
+
+async def test_a_lookup_asks_about_the_first_chunk_alone(store, ns):
+    """A prompt never seen costs one HEAD; a stored prefix is then asked in windows."""
+    chunks = make_chunks(ns, 6)
+    for key, _, blob in chunks[:4]:
+        assert await store.put(key, blob)
+    keys = [key for key, _, _ in chunks]
+    asked: list[str] = []
+    head = store._head
+
+    async def counted(name: str) -> bool:
+        asked.append(name)
+        return await head(name)
+
+    store._head = counted
+    assert await store.prefix_len(keys[4:]) == 0
+    assert len(asked) == 1
+    asked.clear()
+    assert await store.prefix_len(keys) == 4
+    assert len(asked) == 6  # the first alone, then the window of the other five
