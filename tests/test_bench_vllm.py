@@ -75,13 +75,14 @@ def _positive(x) -> bool:
 def test_every_row_has_finite_positive_timings(bench_run):
     result, _, _ = bench_run
     rows = result["single"] + result["concurrent"]
-    assert {r["kind"] for r in result["single"]} == {"baseline", "prime", "ideal", "miss", "hit"}
+    assert {r["kind"] for r in result["single"]} == {"baseline", "noop", "prime", "ideal", "miss",
+                                                     "hit"}
     assert len(result["concurrent"]) == len(result["single"])
     for r in rows:
         for name in ("ttft_s", "ttft_min_s", "ttft_max_s", "wall_s", "requests_per_s",
                      "prompt_tokens_per_s"):
             assert _positive(r[name]), (r["name"], name, r[name])
-        for name in ("ttft_vs_no_cache", "ttft_vs_prefix_cache"):
+        for name in ("ttft_vs_no_cache", "ttft_vs_prefix_cache", "ttft_vs_noop_connector"):
             if name in r:
                 assert _positive(r[name]), (r["name"], name, r[name])
     for r in result["workload"]["rows"]:
@@ -115,5 +116,7 @@ def test_table_plot_and_json_name_the_targets(bench_run):
     result, stdout, out = bench_run
     assert result["targets"] == {"hit_vs_prefix_cache": 1.3, "miss_cost": 0.02}
     assert result["prompt_tokens"] == CACHED_TOKENS + 1
-    assert "x ideal" in stdout and "cost" in stdout
+    assert "x ideal" in stdout and "vs no-op connector" in stdout
+    miss = next(r for r in result["single"] if r["kind"] == "miss")
+    assert miss["same_first_token_as_noop_connector"]  # the connector changes no output
     assert (out / "result.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
