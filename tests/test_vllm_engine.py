@@ -214,7 +214,8 @@ def test_openai_server_hits_and_flushes_queued_saves_on_sigterm(model, saved, st
         with openai_server(model, [stores.file, slow.url], tmp_path / "server.log",
                            chunk_tokens=CHUNK) as (url, proc):
             hit = complete(url, FULL)
-            assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * CHUNK
+            assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * CHUNK, \
+                (tmp_path / "server.log").read_text()[-6000:]
             choice = hit["choices"][0]
             ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
             assert ids == saved.generations[A_FULL_CACHED].token_ids
