@@ -861,26 +861,33 @@ class FileStore(Store):
         io = self.enable_direct_reads()
         results: list[ChunkHeader | None] = [None] * len(keys)
         futures: list[concurrent.futures.Future[Any]] = []
+        # Set once `landed` has returned for that key. Waiting for the reads themselves is
+        # not enough: a read's other done-callbacks (an awaiter's) run at once from any
+        # thread that adds them after it finished, while the reading thread may still be
+        # inside `landed` (placing the chunk): the batch would end before its answers.
+        settled = [concurrent.futures.Future() for _ in keys]
 
         def landed(i: int, fut: concurrent.futures.Future[Any]) -> None:
-            if fut.cancelled():
-                return
             try:
-                results[i], why = settle(self, keys[i], fut)
-            except Exception as exc:  # noqa: BLE001 - not a ReadError (a CUDA error): a miss
-                log.warning("%s: direct read of %s failed: %s", self, keys[i], exc)
-                results[i], why = None, "io"
-            if on_done is not None and on_done(i, results[i], why) is False:
-                for later in futures[i + 1 :]:
-                    later.cancel()
+                if fut.cancelled():
+                    return
+                try:
+                    results[i], why = settle(self, keys[i], fut)
+                except Exception as exc:  # noqa: BLE001 - not a ReadError (a CUDA error): a miss
+                    log.warning("%s: direct read of %s failed: %s", self, keys[i], exc)
+                    results[i], why = None, "io"
+                if on_done is not None and on_done(i, results[i], why) is False:
+                    for later in futures[i + 1 :]:
+                        later.cancel()
+            finally:
+                settled[i].set_result(None)
 
         try:
             for key, dest in zip(keys, dests, strict=True):
                 futures.append(io.submit_chunk(self.chunk_path(key), dest, key, trust=self))
             for i, fut in enumerate(futures):  # once the list is whole: `landed` reads it
                 fut.add_done_callback(functools.partial(landed, i))
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in futures),
-                                 return_exceptions=True)
+            await asyncio.gather(*(asyncio.wrap_future(f) for f in settled))
         finally:
             for f in futures:
                 f.cancel()  # only those not yet started: no read starts after we give up

@@ -229,3 +229,53 @@ def test_staging_that_cannot_hold_the_payload_is_a_miss_not_an_overflow(tmp_path
     assert conn.load(TOKENS, N * 16, Small(N)) == 0
     assert conn.stats()["load_misses"] >= 1  # those already in flight miss too
     conn.close()
+
+
+def test_a_batch_of_direct_reads_ends_only_after_every_answer_has_been_handled(
+        tmp_path, monkeypatch):
+    """`read_chunks_into` returns once `on_done` has returned for every key (the connector
+    places each chunk there and then reads its answer). A read that finished before the
+    batch started waiting for it must not end the batch while its `on_done` still runs on
+    the reading thread: here the reads end between the two, and `on_done` is slow."""
+    import asyncio
+    import threading
+
+    conn = saved(file_connector(tmp_path))
+    store, keys = conn.store, keys_of(conn)[:4]  # all read at once (8 in flight)
+    dests = [np.empty(LAYOUT.payload_nbytes, dtype=np.uint8) for _ in keys]
+    real_wrap = asyncio.wrap_future
+    late = [True]
+
+    def late_wrap(fut, **kwargs):
+        if late.pop() if late else False:
+            time.sleep(0.05)  # the reads finish meanwhile; their on_done calls start
+        return real_wrap(fut, **kwargs)
+
+    real_read = ChunkIO._read_chunk_sync
+
+    def slow_read(self, *args, **kwargs):
+        time.sleep(0.01)  # still reading when the batch registers its on_done callbacks
+        return real_read(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkIO, "_read_chunk_sync", slow_read)
+    handled: list[int] = []
+    lock = threading.Lock()
+
+    def on_done(i, header, why):
+        time.sleep(0.2)
+        with lock:
+            handled.append(i)
+
+    async def batch():
+        monkeypatch.setattr(asyncio, "wrap_future", late_wrap)
+        try:
+            return await store.read_chunks_into(keys, dests, on_done=on_done)
+        finally:
+            monkeypatch.setattr(asyncio, "wrap_future", real_wrap)
+
+    headers = conn.run(batch(), timeout=30)
+    with lock:
+        answered = sorted(handled)
+    assert answered == list(range(len(keys)))
+    assert all(h is not None for h in headers)
+    conn.close()
