@@ -173,14 +173,17 @@ class SegmentLoad(LoadHandle):
         return self._alive[i]
 
     def placed(self, i: int, s: int) -> None:
+        # The chunk's answer is set before its segment is: whoever wakes from
+        # `wait_segment` of the last segment reads every chunk's answer at once.
         with self._lock:
             if not self._alive[i] or self._placed[i][s]:
                 return
             self._placed[i][s] = True
-            self._answered(s)
             whole = all(self._placed[i])
         if whole:
             _resolve(self.chunks[i], True)
+        with self._lock:
+            self._answered(s)
 
     def fail(self, i: int) -> None:
         """Chunk i will not be placed whole: its segments not yet placed stop being waited for."""
@@ -188,10 +191,11 @@ class SegmentLoad(LoadHandle):
             if not self._alive[i] or all(self._placed[i]):
                 return
             self._alive[i] = False
+        _resolve(self.chunks[i], False)
+        with self._lock:
             for s, done in enumerate(self._placed[i]):
                 if not done:
                     self._answered(s)
-        _resolve(self.chunks[i], False)
 
     def _answered(self, s: int) -> None:
         self._left[s] -= 1

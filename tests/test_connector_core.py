@@ -282,3 +282,29 @@ def test_write_answers_per_chunk_whether_the_store_holds_it():
     assert small.write(keys[:3], chunk_tokens_of()[:3], payload_of).result(10) == [True, False, False]
     conn.close()
     small.close()
+
+
+@pytest.mark.parametrize("outcome", ["placed", "failed"])
+def test_a_layer_wait_that_returns_finds_every_chunks_answer_set(monkeypatch, outcome):
+    """Whoever wakes from `wait_segment` of the last layer reads each chunk's answer at once
+    (the vLLM worker reports failed blocks right then), so a chunk's answer is set before
+    its last segment is: made visible here by slowing down the answer."""
+    import threading
+
+    import connector.core as core
+
+    real = core._resolve
+
+    def slow_resolve(f, ok):
+        time.sleep(0.05)
+        real(f, ok)
+
+    monkeypatch.setattr(core, "_resolve", slow_resolve)
+    handle = core.SegmentLoad(1, 2, time.monotonic())
+    handle.placed(0, 0)
+    finish = (lambda: handle.placed(0, 1)) if outcome == "placed" else (lambda: handle.fail(0))
+    worker = threading.Thread(target=finish)
+    worker.start()
+    assert handle.wait_segment(1, timeout=5)
+    assert handle.chunks[0].done() and handle.chunks[0].result() is (outcome == "placed")
+    worker.join()
