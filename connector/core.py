@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import logging
 import threading
 import time
@@ -550,12 +551,15 @@ class KVConnector:
         on an I/O thread) as it lands. The engine computes layer s after
         `handle.wait_segment(s)`. A chunk saved without segment checksums (an older chunk),
         or a store without ranged reads (`SupportsRangeReads`), is read and verified whole
-        and placed at once. A chunk that fails stops being read; the deadline fails what is
-        left."""
+        and placed at once. So is every chunk of a store read directly (`reads_direct`: a
+        local file:// directory), where one read per chunk costs less than a header read
+        and a read per layer. A chunk that fails stops being read; the deadline fails what
+        is left."""
         layout = self._require_layout()
         handle = SegmentLoad(len(keys), max(len(layout.segments), 1), time.monotonic())
-        return self._start(handle, target, deadline_s, True, lambda dests: self._fetch_segments(
-            list(keys), list(tokens), dests, handle, layout, target))
+        return self._start(handle, target, deadline_s, self.chunk_io is None,
+                           lambda dests: self._fetch_segments(
+                               list(keys), list(tokens), dests, handle, layout, target))
 
     async def _fetch_segments(self, keys: list[str], tokens: list[Any], dests: list[memoryview],
                               handle: SegmentLoad, layout: ChunkLayout | EngineLayout,
@@ -565,13 +569,21 @@ class KVConnector:
         offsets = [sum(sizes[:s]) for s in range(len(sizes))]
         expected = list(zip(offsets, sizes, strict=True))
         gate = asyncio.Semaphore(self.max_in_flight)
-        ranged = isinstance(store, SupportsRangeReads) and bool(layout.segments)
+        direct = self.chunk_io is not None
+        ranged = not direct and isinstance(store, SupportsRangeReads) and bool(layout.segments)
         tasks: list[asyncio.Task] = []
 
         def place_all(i: int) -> None:
             for s in range(len(sizes)):
                 target.place_segment(i, s)
                 handle.placed(i, s)
+
+        def landed(i: int, header: ChunkHeader | None, why: str | None = None) -> bool:
+            ok = self._usable(keys[i], tokens[i], None, layout, header, why,
+                              functools.partial(place_all, i))
+            if not ok:
+                handle.fail(i)
+            return ok
 
         async def whole(i: int) -> None:
             async with gate:
@@ -618,6 +630,9 @@ class KVConnector:
 
         try:
             async with asyncio.timeout_at(self._loop.time() + handle.deadline - time.monotonic()):
+                if direct:
+                    await store.read_chunks_into(keys, dests, on_done=landed)
+                    return
                 if not ranged:
                     await asyncio.gather(*(whole(i) for i in range(len(keys))))
                     return
@@ -707,19 +722,8 @@ class KVConnector:
         done = handle.chunks
 
         def landed(i: int, header: ChunkHeader | None, why: str | None = None) -> bool:
-            ok = False
-            try:
-                if header is None:
-                    self._count(**{_MISS_COUNTER.get(why or "", "load_misses"): 1})
-                else:
-                    ok = self._accept(keys[i], tokens[i], None if direct else dests[i],
-                                      layout, header)
-                if ok and placer is not None:
-                    placer.place(i)
-            except Exception as exc:  # noqa: BLE001 - any failure is a miss
-                ok = False
-                self._count(load_errors=1)
-                log.warning("chunk %s from %s: %s", keys[i], self.store, exc)
+            ok = self._usable(keys[i], tokens[i], None if direct else dests[i], layout, header,
+                              why, None if placer is None else functools.partial(placer.place, i))
             _resolve(done[i], ok)
             return ok
 
@@ -743,6 +747,26 @@ class KVConnector:
             if placer is not None:
                 ok = [f.result() for f in done]
                 self._account(handle, sum(ok), len(ok))
+
+    def _usable(self, key: str, tokens: Any, buf: memoryview | None,
+                layout: ChunkLayout | EngineLayout, header: ChunkHeader | None,
+                why: str | None, place: Callable[[], None] | None) -> bool:
+        """Whether a chunk that landed (`header` None: it did not, for reason `why`) is the
+        one these tokens need, placed by `place` if so. Runs on the I/O thread that read it;
+        any failure, placement included, is counted and logged: a miss."""
+        try:
+            if header is None:
+                self._count(**{_MISS_COUNTER.get(why or "", "load_misses"): 1})
+                return False
+            if not self._accept(key, tokens, buf, layout, header):
+                return False
+            if place is not None:
+                place()
+            return True
+        except Exception as exc:  # noqa: BLE001 - any failure is a miss
+            self._count(load_errors=1)
+            log.warning("chunk %s from %s: %s", key, self.store, exc)
+            return False
 
     def _accept(self, key: str, tokens: Any, buf: memoryview | None,
                 layout: ChunkLayout | EngineLayout, header: ChunkHeader | None) -> bool:

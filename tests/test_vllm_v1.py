@@ -474,18 +474,24 @@ def test_layerwise_loads_place_each_layer_before_its_attention_runs(ranged_store
     assert counters["loaded_chunks"] == 3 and counters["failed_chunks"] == 0
 
 
-def test_a_layerwise_load_fails_only_the_chunk_with_a_corrupt_layer(tmp_path):
+def corrupt_last_layer_of_chunk_1(tmp_path) -> None:
+    files = sorted((tmp_path / "kv").rglob("*.kv"), key=lambda p: p.stat().st_mtime)
+    assert len(files) == 3
+    data = bytearray(files[1].read_bytes())  # chunk 1 in saving order: its last layer
+    data[-1] ^= 0xFF
+    files[1].write_bytes(bytes(data))
+
+
+def test_a_ranged_layerwise_load_fails_only_the_chunk_with_a_corrupt_layer(tmp_path):
+    """Read by layer ranges (file:// without direct reads): layer 0 of every chunk is
+    placed before the corrupt last layer of chunk 1 is read, and only chunk 1 fails."""
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise")
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise", direct_io=False)
     src, dst = list(range(7)), list(range(10, 17))
     try:
         write_prompt(writer, src)
-        files = sorted((tmp_path / "kv").rglob("*.kv"), key=lambda p: p.stat().st_mtime)
-        assert len(files) == 3
-        data = bytearray(files[1].read_bytes())  # chunk 1 in saving order: its last layer
-        data[-1] ^= 0xFF
-        files[1].write_bytes(bytes(data))
+        corrupt_last_layer_of_chunk_1(tmp_path)
         ext, _, errors = read_prompt_layerwise(reader, dst)
         layer0 = next(iter(reader.kv))
         assert torch.equal(reader.kv[layer0][dst[:2]], writer.kv[layer0][src[:2]])
@@ -496,6 +502,30 @@ def test_a_layerwise_load_fails_only_the_chunk_with_a_corrupt_layer(tmp_path):
     assert ext == 3 * CHUNK_TOKENS
     assert errors == set(dst[2:4])  # chunk 1's blocks: vLLM recomputes from there
     assert counters["failed_chunks"] == 1 and counters["verify_failures"] == 1
+
+
+def test_a_direct_layerwise_load_reads_whole_chunks_and_fails_from_the_corrupt_one(tmp_path):
+    """Read directly (file://, the default): one read per chunk, checked whole; the corrupt
+    chunk 1 fails with every block of it reported, chunk 0 stays placed exactly, and a
+    chunk after it may fail too (vLLM recomputes from the first failed block anyway)."""
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise")
+    src, dst = list(range(7)), list(range(10, 17))
+    try:
+        write_prompt(writer, src)
+        corrupt_last_layer_of_chunk_1(tmp_path)
+        ext, _, errors = read_prompt_layerwise(reader, dst)
+        chunk0 = all(torch.equal(reader.kv[n][dst[:2]], writer.kv[n][src[:2]]) for n in reader.kv)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    counters = reader.worker.counters
+    assert reader.worker.core.reads_direct
+    assert ext == 3 * CHUNK_TOKENS and chunk0
+    assert set(dst[2:4]) <= errors <= set(dst[2:6])
+    assert counters["verify_failures"] == 1 and counters["loaded_chunks"] == 3 - len(errors) // 2
+    assert reader.worker.core.chunk_io.stats()["counters"].get("reads", 0) == 0  # no ranges
 
 
 def test_chunks_saved_without_layer_checksums_still_load_layerwise(tmp_path):
