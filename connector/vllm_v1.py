@@ -33,7 +33,8 @@ to the workers.
 
 Worker side (one per GPU): `start_load_kv` hands the step's loads to the core
 (`load_async`), which reads, verifies and places chunks into the paged KV cache; they are
-reported through `get_finished`. A chunk that is missing, corrupt, unreadable or late
+reported through `get_finished` (which, in a step with nothing to compute, first waits up
+to `load_wait_ms` for them, so a fast store's hit computes in the next step). A chunk that is missing, corrupt, unreadable or late
 adds its blocks to `get_block_ids_with_load_errors`, which vLLM recomputes under
 `kv_load_failure_policy=recompute`. `save_kv_layer` copies each layer's new blocks into
 host buffers as the forward goes; `wait_for_save` hands them to the core's bounded
@@ -291,6 +292,7 @@ class KvstashMetadata(KVConnectorMetadata):
     loads: list[ReqChunks] = field(default_factory=list)
     saves: list[ReqChunks] = field(default_factory=list)
     prefill_tokens: int = 0  # prompt tokens this step computes (the workers time it)
+    idle: bool = False  # the step computes nothing: its workers may wait for its loads
 
 
 @dataclass
@@ -410,7 +412,9 @@ class KvstashConnector(KVConnectorBase_V1):
     list of URLs), `model` (when vLLM has no model config), `chunk_tokens` (tokens per
     stored chunk, rounded up to whole vLLM blocks, default 256), `salt`,
     `lookup_timeout_s` (default 2), `lookup_wait_ms` (default 5: how long the scheduler
-    waits for a lookup before asking again next step), `max_in_flight` (chunk reads per load, default 8),
+    waits for a lookup before asking again next step), `load_wait_ms` (default 10: how
+    long a worker, in a step with nothing to compute, waits for the loads in flight before
+    reporting the step), `max_in_flight` (chunk reads per load, default 8),
     `save_queue_bytes` (write-behind bound, 1 GiB),
     `direct_io` (default true: a file:// store is read through gds.ChunkIO into the KV
     cache's device), `adaptive` (default true: load a stored prefix only while the store
@@ -433,6 +437,7 @@ class KvstashConnector(KVConnectorBase_V1):
         self.chunk_tokens, self.chunk_blocks = chunk_geometry(vllm_config)
         self.lookup_timeout_s = float(extra.get("lookup_timeout_s", 2.0))
         self.lookup_wait_s = float(extra.get("lookup_wait_ms", 5.0)) / 1000
+        self.load_wait_s = float(extra.get("load_wait_ms", 10.0)) / 1000
         self.max_in_flight = int(extra.get("max_in_flight", 8))
         par = vllm_config.parallel_config
         self.rank, self.world_size = par.rank, par.world_size
@@ -668,7 +673,8 @@ class KvstashConnector(KVConnectorBase_V1):
             n = scheduled.get(req_id, 0)
             prefill += prompt_part(st, cached.num_computed_tokens[i], n)
             self._plan_save(st, cached.num_computed_tokens[i] + n, saves)
-        meta = KvstashMetadata(loads=self._loads, saves=saves, prefill_tokens=prefill)
+        meta = KvstashMetadata(loads=self._loads, saves=saves, prefill_tokens=prefill,
+                               idle=scheduler_output.total_num_scheduled_tokens == 0)
         self._loads = []
         return meta
 
@@ -866,12 +872,26 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         self._finish_layer_loads()
+        self._wait_when_idle()
         done = {req_id for req_id, (_, handle, _) in self._loading.items() if handle.done()}
         for req_id in done:
             req, handle, target = self._loading.pop(req_id)
             self._answered(req, handle, handle.result())
             target.release(reuse=not handle.stalled)
         return None, done or None
+
+    def _wait_when_idle(self) -> None:
+        """In a step that computes nothing (every running request waits for its load),
+        wait up to `load_wait_ms` for the loads in flight: one that ends by then is
+        reported in this step, and its request computes in the next, instead of being
+        polled through further steps that each cost a round trip through the scheduler.
+        A step with work never waits."""
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if not (isinstance(meta, KvstashMetadata) and meta.idle and self.load_wait_s > 0):
+            return
+        fetches = [h.fetch for _, h, _ in self._loading.values() if h.fetch is not None]
+        if fetches:
+            concurrent.futures.wait(fetches, timeout=self.load_wait_s)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         # vLLM asks right after get_finished in the same step, so a request's failed

@@ -637,9 +637,10 @@ def test_a_consumer_only_loads_and_a_producer_only_saves(tmp_path):
         reader.shutdown()
 
 
-def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path):
+def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path, monkeypatch):
     """The scheduler waits up to `lookup_wait_ms` for a request's lookup: a store that
-    answers by then costs the request no engine step; with 0 it is asked again next step."""
+    answers by then costs the request no engine step; one that answers later (a lookup
+    slowed to 0.2 s here, with 0 ms of waiting) is asked again next step."""
     url = f"file://{tmp_path}"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
@@ -652,6 +653,17 @@ def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path
         assert first == (3 * CHUNK_TOKENS, True)
     finally:
         patient.shutdown()
+    import time
+
+    from storage.file import FileStore
+
+    real = FileStore._exists_sync
+
+    def slow_exists(self, *args, **kwargs):
+        time.sleep(0.2)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileStore, "_exists_sync", slow_exists)
     asks_again = V1Engine(url, chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=0)
     try:
         req = make_request(PROMPT)
@@ -678,3 +690,68 @@ def test_a_store_that_never_answers_does_not_hold_the_scheduler():
             assert engine.scheduler.core.counters()["lookup_timeouts"] == 1
         finally:
             engine.shutdown()
+
+
+def slow_chunk_reads(monkeypatch, seconds: float) -> None:
+    """Every direct chunk read of a file:// store takes `seconds` longer."""
+    import time
+
+    from gds import ChunkIO
+
+    real = ChunkIO._read_chunk_sync
+
+    def slow(self, *args, **kwargs):
+        time.sleep(seconds)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkIO, "_read_chunk_sync", slow)
+
+
+def start_read(engine: V1Engine):
+    req = make_request(PROMPT)
+    ext, _ = engine.lookup(req)
+    engine.scheduler.update_state_after_alloc(req, blocks(range(10, 17)), ext)
+    return req
+
+
+def test_a_step_with_nothing_to_compute_waits_for_its_loads_and_reports_them(tmp_path, monkeypatch):
+    """An idle step (every request waits for its load) waits up to `load_wait_ms` for the
+    loads in flight, so a hit is reported in the step its load started."""
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_wait_ms=30_000)
+    try:
+        write_prompt(writer, list(range(7)))
+        slow_chunk_reads(monkeypatch, 0.1)
+        req = start_read(reader)
+        meta, recving, errors = reader.step()
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert meta.idle and meta.loads
+    assert recving == {req.request_id} and errors == set()
+
+
+def test_a_step_with_work_never_waits_for_loads(tmp_path, monkeypatch):
+    """A step that computes other requests reports what has finished and goes on: the load
+    (half a second per chunk here) is reported in a later step."""
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_wait_ms=30_000)
+    try:
+        write_prompt(writer, list(range(7)))
+        slow_chunk_reads(monkeypatch, 0.5)
+        req = start_read(reader)
+        meta, recving, _ = reader.step(scheduled={"another-request": 8})
+        later: set[str] = set()
+
+        def reported() -> bool:
+            later.update(reader.step()[1])
+            return req.request_id in later
+
+        wait_until(reported)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert not meta.idle and not recving
+    assert later == {req.request_id}
