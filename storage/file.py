@@ -861,11 +861,14 @@ class FileStore(Store):
         io = self.enable_direct_reads()
         results: list[ChunkHeader | None] = [None] * len(keys)
         futures: list[concurrent.futures.Future[Any]] = []
-        # Set once `landed` has returned for that key. Waiting for the reads themselves is
+        # Set once `landed` has returned for every key. Waiting for the reads themselves is
         # not enough: a read's other done-callbacks (an awaiter's) run at once from any
         # thread that adds them after it finished, while the reading thread may still be
         # inside `landed` (placing the chunk): the batch would end before its answers.
-        settled = [concurrent.futures.Future() for _ in keys]
+        # One future for the batch also wakes this loop once, not once per chunk.
+        settled: concurrent.futures.Future[None] = concurrent.futures.Future()
+        left = [len(keys)]
+        lock = threading.Lock()
 
         def landed(i: int, fut: concurrent.futures.Future[Any]) -> None:
             try:
@@ -880,14 +883,19 @@ class FileStore(Store):
                     for later in futures[i + 1 :]:
                         later.cancel()
             finally:
-                settled[i].set_result(None)
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    settled.set_result(None)
 
         try:
             for key, dest in zip(keys, dests, strict=True):
                 futures.append(io.submit_chunk(self.chunk_path(key), dest, key, trust=self))
             for i, fut in enumerate(futures):  # once the list is whole: `landed` reads it
                 fut.add_done_callback(functools.partial(landed, i))
-            await asyncio.gather(*(asyncio.wrap_future(f) for f in settled))
+            if keys:
+                await asyncio.wrap_future(settled)
         finally:
             for f in futures:
                 f.cancel()  # only those not yet started: no read starts after we give up
