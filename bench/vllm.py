@@ -101,6 +101,8 @@ def _engine_child(spec: dict[str, Any]) -> int:
     )
     if spec.get("block_size"):
         kwargs["block_size"] = spec["block_size"]
+    if spec.get("kv_cache_bytes"):
+        kwargs["kv_cache_memory_bytes"] = spec["kv_cache_bytes"]
     if spec.get("noop_connector"):
         from vllm.config import KVTransferConfig
 
@@ -187,7 +189,10 @@ class Engine:
     def start(self) -> None:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default asks for most RAM
+        if self.spec.get("kv_cache_bytes"):  # vLLM-CPU's GiB setting would override it
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        else:
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes most RAM
         env.setdefault("PYTHONHASHSEED", "0")  # vLLM block hashes equal across processes
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
@@ -447,6 +452,19 @@ def _paired(a: Sequence[float], b: Sequence[float]) -> float:
     return statistics.median(x / y for x, y in zip(a, b, strict=True))
 
 
+KV_CACHE_MIN_BYTES = 256 << 20
+
+
+def _kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
+    """K and V bytes of one token over all layers, from the model's config.json."""
+    config = json.loads((model_dir / "config.json").read_text())
+    heads = config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // heads
+    kv_heads = config.get("num_key_value_heads") or heads
+    size = 4 if dtype == "float32" else 2
+    return 2 * config["num_hidden_layers"] * kv_heads * head_dim * size
+
+
 def _rotated(items: Sequence[Any], r: int) -> list[Any]:
     k = r % len(items) if items else 0
     return [*items[k:], *items[:k]]
@@ -461,8 +479,12 @@ class Bench:
         self.vocab = vocab
         self.stores = list(stores)
         self.rng = np.random.default_rng(args.seed)
+        # Each engine's KV cache holds what the rounds need, twice over: ten engines with
+        # vLLM-CPU's 1 GiB each do not fit in 24 GiB beside their models.
+        need = 2 * (max(args.concurrency, 1) + 1) * max_model_len * _kv_bytes_per_token(model_dir, args.dtype)
         spec = dict(model_dir=str(model_dir), dtype=args.dtype, max_model_len=max_model_len,
-                    block_size=args.block_size, chunk_tokens=args.chunk_tokens)
+                    block_size=args.block_size, chunk_tokens=args.chunk_tokens,
+                    kv_cache_bytes=max(need, KV_CACHE_MIN_BYTES))
         self.engines: dict[str, Engine] = {}
 
         def engine(name: str, **extra: Any) -> Engine:
