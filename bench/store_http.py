@@ -100,9 +100,11 @@ def _timed_threads(fn, n: int) -> float:
 
 
 def raw_stream_gbps(size: int, count: int, concurrency: int, rounds: int,
-                    unix_dir: str | None = None) -> float:
+                    unix_dir: str | None = None, fresh: bool = False) -> float:
     """Median GB/s of `count` transfers of `size` bytes over `concurrency` loopback TCP
-    sockets, or Unix sockets in `unix_dir`."""
+    sockets, or Unix sockets in `unix_dir`; each into one preallocated buffer per socket,
+    or (`fresh`) into a new bytearray per transfer, dropped after it, as a `get` returns
+    a new blob."""
     data = os.urandom(size)
     if unix_dir is None:
         listener = socket.create_server(("127.0.0.1", 0))
@@ -138,6 +140,8 @@ def raw_stream_gbps(size: int, count: int, concurrency: int, rounds: int,
     def receive(i: int) -> None:
         sock, view = clients[i], buffers[i]
         for _ in range(shares[i]):
+            if fresh:
+                view = memoryview(bytearray(size))
             sock.sendall(b"g")
             got = 0
             while got < size:
@@ -232,6 +236,10 @@ async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
          "put_gbps": local["put_gbps"], "get_gbps": local["get_into_gbps"]},
         {"name": "raw loopback socket stream into a preallocated buffer",
          "put_gbps": None, "get_gbps": raw},
+        {"name": "raw loopback socket stream, a new buffer per chunk (as get returns)",
+         "put_gbps": None,
+         "get_gbps": await asyncio.to_thread(raw_stream_gbps, size + HEADER_SIZE, count,
+                                             concurrency, rounds, None, True)},
     ]
     if not StoreURL(url).take("unix_socket"):
         rows.append({"name": "httpx sequential GET, .content (a new bytes per chunk)",

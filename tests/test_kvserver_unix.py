@@ -266,6 +266,13 @@ def test_the_bench_raw_stream_runs_over_a_unix_socket(sock_dir):
     assert raw_stream_gbps(1 << 20, 8, 2, 1, str(sock_dir)) > 0
 
 
+def test_the_bench_raw_stream_into_a_new_buffer_per_chunk_runs_over_tcp():
+    """The baseline for the simple `get` (a new blob per chunk)."""
+    from bench.store_http import raw_stream_gbps
+
+    assert raw_stream_gbps(1 << 20, 8, 2, 1, None, fresh=True) > 0
+
+
 class LyingUnixServer(ScriptedServer):
     """A Unix socket that answers every request with `head` and one body byte carrying the
     descriptors `fds()` makes (a kvserver never sends these)."""
