@@ -356,6 +356,22 @@ class _StepTimer:
         return self.ended - self.started
 
 
+def _runs(block_ids: list[int]) -> Iterable[tuple[int, int, int]]:
+    """(position in `block_ids`, first block id, count) of each run of consecutive ids."""
+    j = 0
+    while j < len(block_ids):
+        n = 1
+        while j + n < len(block_ids) and block_ids[j + n] == block_ids[j] + n:
+            n += 1
+        yield j, block_ids[j], n
+        j += n
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    # numpy has no bfloat16: bytes, the last dimension (contiguous in both) widened.
+    return t.view(torch.uint8).numpy()
+
+
 def place_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], src: torch.Tensor) -> None:
     """`kv[block_ids]` (along `block_dim`) = `src`, from any thread. On a GPU one
     `index_copy_`; on CPU a memory copy per run of consecutive blocks, through numpy: torch
@@ -366,16 +382,24 @@ def place_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], src: to
         idx = torch.tensor(block_ids, device=kv.device)
         kv.index_copy_(block_dim, idx, src.to(kv.device))
         return
-    # As bytes (numpy has no bfloat16): the last dimension, contiguous in both, widens.
-    dst, raw = kv.view(torch.uint8).numpy(), src.view(torch.uint8).numpy()
+    dst, raw = _as_bytes(kv), _as_bytes(src)
     lead = (slice(None),) * block_dim
-    j = 0
-    while j < len(block_ids):
-        n = 1
-        while j + n < len(block_ids) and block_ids[j + n] == block_ids[j] + n:
-            n += 1
-        dst[(*lead, slice(block_ids[j], block_ids[j] + n))] = raw[(*lead, slice(j, j + n))]
-        j += n
+    for j, b, n in _runs(block_ids):
+        dst[(*lead, slice(b, b + n))] = raw[(*lead, slice(j, j + n))]
+
+
+def gather_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], dst: torch.Tensor) -> None:
+    """`dst` = `kv[block_ids]` (along `block_dim`). On a GPU one `index_select` copied
+    without blocking into (pinned) `dst`; on CPU a memory copy per run of consecutive
+    blocks, with no temporary tensor."""
+    if kv.device.type != "cpu":
+        idx = torch.tensor(block_ids, device=kv.device)
+        dst.copy_(kv.index_select(block_dim, idx), non_blocking=True)
+        return
+    src, out = _as_bytes(kv), _as_bytes(dst)
+    lead = (slice(None),) * block_dim
+    for j, b, n in _runs(block_ids):
+        out[(*lead, slice(j, j + n))] = src[(*lead, slice(b, b + n))]
 
 
 class _ChunkTarget:
@@ -969,11 +993,10 @@ class KvstashConnector(KVConnectorBase_V1):
                 for req in saves for _ in req.chunks
             ]
         chunks = [c for req in saves for c in req.chunks]
+        only = self._layer_index[layer_name]
         for buf, chunk in zip(self._save_buffers, chunks, strict=True):
-            for layer, _, view in self._views(buf, len(chunk.block_ids)):
-                if layer.name == layer_name:
-                    idx = torch.tensor(chunk.block_ids, device=kv_layer.device)
-                    view.copy_(kv_layer.index_select(layer.block_dim, idx), non_blocking=True)
+            for layer, _, view in self._views(buf, len(chunk.block_ids), only):
+                gather_blocks(kv_layer, layer.block_dim, chunk.block_ids, view)
         self._saved_layers.add(layer_name)
 
     def save_kv_layer(

@@ -755,3 +755,25 @@ def test_a_step_with_work_never_waits_for_loads(tmp_path, monkeypatch):
         reader.shutdown()
     assert not meta.idle and not recving
     assert later == {req.request_id}
+
+
+@pytest.mark.parametrize("block_dim", [0, 1])
+def test_blocks_are_gathered_and_placed_exactly_in_any_order_and_layout(block_dim):
+    """The CPU copies (per run of consecutive blocks) do what index_select and index_copy_
+    do, for runs, gaps and descending ids, with the block dimension first (vLLM >= 0.9)
+    or second (K|V first)."""
+    from connector.vllm_v1 import gather_blocks, place_blocks
+
+    shape = [2, 2, 3, 4, 8]
+    shape[block_dim] = 12
+    kv = torch.randn(shape).to(torch.bfloat16)
+    ids = [3, 4, 5, 9, 1, 0, 7]
+    out_shape = list(shape)
+    out_shape[block_dim] = len(ids)
+    gathered = torch.empty(out_shape, dtype=torch.bfloat16)
+    gather_blocks(kv, block_dim, ids, gathered)
+    assert torch.equal(gathered, kv.index_select(block_dim, torch.tensor(ids)))
+    placed = torch.zeros_like(kv)
+    place_blocks(placed, block_dim, ids, gathered)
+    want = torch.zeros_like(kv).index_copy_(block_dim, torch.tensor(ids), gathered)
+    assert torch.equal(placed, want)
