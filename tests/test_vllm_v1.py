@@ -707,6 +707,17 @@ def slow_chunk_reads(monkeypatch, seconds: float) -> None:
     monkeypatch.setattr(ChunkIO, "_read_chunk_sync", slow)
 
 
+def saved_then_slow_reader(tmp_path, monkeypatch, seconds: float) -> tuple[V1Engine, V1Engine]:
+    """A writer that saved PROMPT's chunks to a file:// store, and a reader (waiting up to
+    30 s in idle steps) whose chunk reads from now on take `seconds` longer."""
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_wait_ms=30_000)
+    write_prompt(writer, list(range(7)))
+    slow_chunk_reads(monkeypatch, seconds)
+    return writer, reader
+
+
 def start_read(engine: V1Engine):
     req = make_request(PROMPT)
     ext, _ = engine.lookup(req)
@@ -717,12 +728,8 @@ def start_read(engine: V1Engine):
 def test_a_step_with_nothing_to_compute_waits_for_its_loads_and_reports_them(tmp_path, monkeypatch):
     """An idle step (every request waits for its load) waits up to `load_wait_ms` for the
     loads in flight, so a hit is reported in the step its load started."""
-    url = f"file://{tmp_path}/kv"
-    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_wait_ms=30_000)
+    writer, reader = saved_then_slow_reader(tmp_path, monkeypatch, 0.1)
     try:
-        write_prompt(writer, list(range(7)))
-        slow_chunk_reads(monkeypatch, 0.1)
         req = start_read(reader)
         meta, recving, errors = reader.step()
     finally:
@@ -735,12 +742,8 @@ def test_a_step_with_nothing_to_compute_waits_for_its_loads_and_reports_them(tmp
 def test_a_step_with_work_never_waits_for_loads(tmp_path, monkeypatch):
     """A step that computes other requests reports what has finished and goes on: the load
     (half a second per chunk here) is reported in a later step."""
-    url = f"file://{tmp_path}/kv"
-    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_wait_ms=30_000)
+    writer, reader = saved_then_slow_reader(tmp_path, monkeypatch, 0.5)
     try:
-        write_prompt(writer, list(range(7)))
-        slow_chunk_reads(monkeypatch, 0.5)
         req = start_read(reader)
         meta, recving, _ = reader.step(scheduled={"another-request": 8})
         later: set[str] = set()
