@@ -575,7 +575,7 @@ class Bench:
                         row.counters_before = self.counters[row.engine]
                         continue
                     row.add(answer)
-                    if row.kind == "hit":
+                    if row.kind == "hit" and batch == 1:
                         store = next(s for s in self.stores if s.scheme == row.store)
                         seconds, row.store_read_bytes = self.watch.timed_read(store, chunks)
                         row.store_read_s.append(seconds)
@@ -632,7 +632,8 @@ def summarize(rows: dict[str, Row], batch: int, tokens: int) -> list[dict[str, A
             r["same_first_token_as_prefix_cache"] = row.first_tokens == ideal.first_tokens
             r["ttft_vs_prefix_cache_with_connector"] = _paired(
                 row.ttft_s, rows["noop-prefix-cache"].ttft_s)
-            r.update(_load_rates(row))
+            if batch == 1:  # concurrent loads overlap: their times do not add up to a rate
+                r.update(_load_rates(row))
         out.append(r)
     return out
 

@@ -106,16 +106,17 @@ def test_hits_load_exactly_the_cached_prefix_and_misses_load_nothing(bench_run):
 
 def test_a_hit_reports_its_loads_beside_the_stores_own_batched_read(bench_run):
     """The hit engine's loads (its kvstash counters: every cached chunk once per counted
-    round) and the store's own read of as many chunks, in the JSON and the table."""
+    round) and the store's own read of as many chunks, in the JSON and the table; for
+    single requests only (concurrent loads overlap, so their times make no rate)."""
     result, stdout, _ = bench_run
-    for rows, rounds in ((result["single"], 1), (result["concurrent"], 2)):
-        hit = next(r for r in rows if r["kind"] == "hit")
-        assert hit["loads"] >= 1 and hit["load_bytes"] > 0
-        assert hit["load_bytes"] % (CACHED_TOKENS // CHUNK_TOKENS * rounds) == 0
-        for name in ("load_s", "load_gbps", "store_read_gbps", "load_vs_store_read"):
-            assert _positive(hit[name]), (name, hit[name])
-        assert len(hit["samples_store_read_s"]) == hit["rounds"]
-    assert "load alone, file://" in stdout and "store's own batched read" in stdout
+    hit = next(r for r in result["single"] if r["kind"] == "hit")
+    assert hit["loads"] == hit["rounds"] and hit["load_bytes"] > 0
+    assert hit["load_bytes"] % (CACHED_TOKENS // CHUNK_TOKENS) == 0
+    for name in ("load_s", "load_gbps", "store_read_gbps", "load_vs_store_read"):
+        assert _positive(hit[name]), (name, hit[name])
+    assert len(hit["samples_store_read_s"]) == hit["rounds"]
+    assert "loads" not in next(r for r in result["concurrent"] if r["kind"] == "hit")
+    assert stdout.count("load alone, file://") == 1 and "store's own batched read" in stdout
 
 
 def test_workload_reuse_is_cached_by_both_caches(bench_run):
