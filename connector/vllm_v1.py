@@ -34,8 +34,9 @@ to the workers.
 Worker side (one per GPU): `start_load_kv` hands the step's loads to the core
 (`load_async`), which reads, verifies and places chunks into the paged KV cache; they are
 reported through `get_finished` (which, in a step with nothing to compute, first waits up
-to `load_wait_ms` for them, so a fast store's hit computes in the next step). A chunk that is missing, corrupt, unreadable or late
-adds its blocks to `get_block_ids_with_load_errors`, which vLLM recomputes under
+to `load_wait_ms` for them, so a fast store's hit computes in the next step). A chunk
+that is missing, corrupt, unreadable or late adds its blocks to
+`get_block_ids_with_load_errors`, which vLLM recomputes under
 `kv_load_failure_policy=recompute`. `save_kv_layer` copies each layer's new blocks into
 host buffers as the forward goes; `wait_for_save` hands them to the core's bounded
 write-behind queue, so neither the forward nor the scheduler ever waits on storage.
