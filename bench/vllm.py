@@ -435,7 +435,7 @@ class Row:
     counters_before: dict[str, float] = field(default_factory=dict)
     counters_after: dict[str, float] = field(default_factory=dict)
     store_read_s: list[float] = field(default_factory=list)
-    store_read_bytes: int = 0
+    store_read_bytes: int = 0  # over all those reads
 
     def add(self, answer: dict[str, Any]) -> None:
         self.counters_after = answer.get("kvstash") or {}
@@ -562,23 +562,23 @@ class Bench:
         phase2 = ["baseline", "prefix-cache", "noop-prefix-cache",
                   *(f"{s.scheme}-load" for s in self.stores)]
         chunks = batch * self.args.cached_tokens // self.args.chunk_tokens
-        for row in rows.values():
-            row.counters_before = self.counters.get(row.engine, {})
         for r in range(warmup + count):
             pairs = [self._prompt_pair() for _ in range(batch)]
             ps, qs = [p for p, _ in pairs], [q for _, q in pairs]
             for phase, prompts in ((phase1, ps), (phase2, qs)):
                 for key in _rotated(phase, r):
                     row = rows[key]
+                    if r == warmup:  # the engine's counters before the first counted round
+                        row.counters_before = self.counters.get(row.engine, {})
                     answer = self._send(row.engine, prompts)
                     if r < warmup:
-                        row.counters_before = self.counters[row.engine]
                         continue
                     row.add(answer)
                     if row.kind == "hit" and batch == 1:
                         store = next(s for s in self.stores if s.scheme == row.store)
-                        seconds, row.store_read_bytes = self.watch.timed_read(store, chunks)
+                        seconds, nbytes = self.watch.timed_read(store, chunks)
                         row.store_read_s.append(seconds)
+                        row.store_read_bytes += nbytes
         return rows
 
     def workload(self, prompts: Sequence[np.ndarray], store: BenchStore) -> list[Row]:
@@ -646,7 +646,7 @@ def _load_rates(row: Row) -> dict[str, Any]:
         return row.counters_after.get(name, 0.0) - row.counters_before.get(name, 0.0)
 
     load_s, load_bytes = delta("load_seconds"), delta("hit_bytes")
-    read_s, read_bytes = sum(row.store_read_s), row.store_read_bytes * len(row.store_read_s)
+    read_s, read_bytes = sum(row.store_read_s), row.store_read_bytes
     load_gbps = load_bytes / load_s / 1e9 if load_s > 0 else 0.0
     read_gbps = read_bytes / read_s / 1e9 if read_s > 0 else 0.0
     return {
