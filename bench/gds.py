@@ -114,9 +114,9 @@ def _connector_paths(args: argparse.Namespace, root: str, refs: list, host: list
     keys = chunk_keys(tokens, ns)
     store_root = os.path.join(root, f"store-{ns.salt}")
     conns = []
-    for direct in (True, False):
+    for direct, resident in ((True, False), (False, False), (False, True)):
         conns.append(KVConnector(FileStore(store_root), ns, layout=layout, direct_io=direct,
-                                 max_in_flight=len(refs)))
+                                 max_in_flight=len(refs), resident_reads=resident))
     for i, (k, r) in enumerate(zip(keys, refs, strict=True)):
         blob = encode_chunk(k, tokens[i * chunk_tokens : (i + 1) * chunk_tokens], r, layout.meta())
         conns[0].run(conns[0].store.put(k, blob))
@@ -135,6 +135,9 @@ def _connector_paths(args: argparse.Namespace, root: str, refs: list, host: list
                  check_host, baseline, conns[0].chunk_io),
         ReadPath(f"connector load, store reads, {len(refs)} in flight",
                  loader(conns[1], _Staged(host)), check_host, baseline),
+        # Page-cached chunks on the calling thread; cold ones as the row above.
+        ReadPath("connector load, page-cache reads on the caller's thread",
+                 loader(conns[2], _Staged(host)), check_host, baseline),
     ]
     if cuda is not None:
         dev, pinned, check_dev, cuda_base = cuda

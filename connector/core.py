@@ -38,11 +38,16 @@ from connector.engine_io import StoreLoop
 from connector.layout import ChunkLayout, EngineLayout
 from connector.policy import LoadPlan, LoadPolicy
 from connector.writebehind import SaveJob, WriteBehindQueue
-from gds.buffers import host_view
+from gds.buffers import host_view, is_cuda
 from hashing import Namespace, chunk_keys, token_array
 from storage.base import Store
 from storage.breaker import CircuitBreaker
-from storage.capabilities import SupportsDirectReads, SupportsRangeReads
+from storage.capabilities import (
+    NOT_RESIDENT,
+    SupportsDirectReads,
+    SupportsRangeReads,
+    SupportsResidentReads,
+)
 from storage.codec import ChunkError, ChunkHeader
 from storage.options import parse_bool
 
@@ -60,6 +65,7 @@ COUNTERS = {
     "bypassed": "Lookups and loads skipped while the circuit breaker had the store bypassed.",
     "loads": "Loads started.",
     "loaded_chunks": "Chunks read, verified and placed into the engine's KV cache.",
+    "resident_chunks": "Chunks read from the page cache on the engine's thread (no I/O thread).",
     "hit_tokens": "Prompt tokens loaded from the store instead of computed.",
     "hit_bytes": "Payload bytes loaded from the store.",
     "load_seconds": "Wall time of loads, from start to the last chunk placed.",
@@ -80,6 +86,10 @@ COUNTERS = {
     "save_dropped_bytes": "Bytes of chunks dropped because the write-behind queue was full.",
     "save_errors": "Write-behind jobs that failed (their chunks become future misses).",
 }
+
+
+# At most this much of one load is read on the engine's thread (`_read_resident`).
+RESIDENT_LOAD_BYTES = 256 * 1024**2
 
 
 class LoadTarget(Protocol):
@@ -225,6 +235,10 @@ class KVConnector:
     whatever `LoadTarget.staging` returns, CUDA tensors included. True enables it (the
     store builds its ChunkIO); a `gds.ChunkIO` is shared with the store; False reads
     through `get_into_many` like every other backend (bytes land in host staging).
+
+    `resident_reads`: chunks of a local file:// directory that are all in the page cache
+    (`SupportsResidentReads`) are read on the thread that starts the load, into host
+    staging, without a hand-off to an I/O thread; the rest as above.
     """
 
     def __init__(
@@ -242,6 +256,7 @@ class KVConnector:
         breaker_max_cooldown: float = 30.0,
         direct_io: bool | str | ChunkIO = True,
         segment_checksums: bool = True,
+        resident_reads: bool = True,
     ):
         self.io = StoreLoop(store) if isinstance(store, Store) else StoreLoop.shared(store)
         self._owns_store = not isinstance(store, Store)
@@ -253,6 +268,7 @@ class KVConnector:
         self.lookup_timeout_s = lookup_timeout_s
         self.policy = policy or LoadPolicy()
         self.segment_checksums = segment_checksums
+        self.resident_reads = resident_reads
         self._breaker = CircuitBreaker(breaker_failures, breaker_cooldown, breaker_max_cooldown)
         self._breaker_lock = threading.Lock()  # asked on engine threads, told on the loop
         self._counters = Counters()
@@ -557,13 +573,32 @@ class KVConnector:
         is left."""
         layout = self._require_layout()
         handle = SegmentLoad(len(keys), max(len(layout.segments), 1), time.monotonic())
-        return self._start(handle, target, deadline_s, self.chunk_io is None,
-                           lambda dests: self._fetch_segments(
-                               list(keys), list(tokens), dests, handle, layout, target))
+        keys, tokens = list(keys), list(tokens)
+        n_segments = len(layout.segments) or 1
+
+        def place_all(i: int) -> None:
+            for s in range(n_segments):
+                target.place_segment(i, s)
+                handle.placed(i, s)
+
+        def fetch(dests: list[Any]) -> Coroutine[Any, Any, None] | None:
+            first = self._read_resident(keys, tokens, dests, layout, place_all,
+                                        lambda i, ok: None if ok else handle.fail(i))
+            if first == len(keys):  # all read and placed whole here
+                ok = [f.result() for f in handle.chunks]
+                self._account(handle, sum(ok), len(ok))
+                return None
+            return self._fetch_segments(keys, tokens, dests, handle, layout, target, place_all,
+                                        first)
+
+        return self._start(handle, target, deadline_s, self.chunk_io is None, fetch)
 
     async def _fetch_segments(self, keys: list[str], tokens: list[Any], dests: list[memoryview],
                               handle: SegmentLoad, layout: ChunkLayout | EngineLayout,
-                              target: SegmentTarget) -> None:
+                              target: SegmentTarget, place_all: Callable[[int], None],
+                              first: int) -> None:
+        """`load_segments_async`'s reads of chunks `first` on (those before have their
+        answer)."""
         store = self.store
         sizes = list(layout.segments) or [layout.payload_nbytes]
         offsets = [sum(sizes[:s]) for s in range(len(sizes))]
@@ -572,11 +607,7 @@ class KVConnector:
         direct = self.chunk_io is not None
         ranged = not direct and isinstance(store, SupportsRangeReads) and bool(layout.segments)
         tasks: list[asyncio.Task] = []
-
-        def place_all(i: int) -> None:
-            for s in range(len(sizes)):
-                target.place_segment(i, s)
-                handle.placed(i, s)
+        todo = range(first, len(keys))
 
         def landed(i: int, header: ChunkHeader | None, why: str | None = None) -> bool:
             ok = self._usable(keys[i], tokens[i], None, layout, header, why,
@@ -631,12 +662,13 @@ class KVConnector:
         try:
             async with asyncio.timeout_at(self._loop.time() + handle.deadline - time.monotonic()):
                 if direct:
-                    await store.read_chunks_into(keys, dests, on_done=landed)
+                    await store.read_chunks_into(keys[first:], dests[first:], on_done=(
+                        lambda j, header, why: landed(first + j, header, why)))
                     return
                 if not ranged:
-                    await asyncio.gather(*(whole(i) for i in range(len(keys))))
+                    await asyncio.gather(*(whole(i) for i in todo))
                     return
-                headers = await asyncio.gather(*(head(i) for i in range(len(keys))))
+                headers = [None] * first + list(await asyncio.gather(*(head(i) for i in todo)))
                 for i, h in enumerate(headers):
                     if h is not None and [(o, n) for o, n, _ in h.segments] != expected:
                         tasks.append(asyncio.ensure_future(whole(i)))  # no segment checksums
@@ -665,14 +697,74 @@ class KVConnector:
                     deadline_s: float | None, place_on_io: bool) -> LoadHandle:
         layout = self._require_layout()
         handle = LoadHandle(len(keys), time.monotonic())
-        return self._start(handle, target, deadline_s, self.chunk_io is None, lambda dests: (
-            self._fetch(keys, tokens, dests, handle, layout, target if place_on_io else None)))
+        placer = target if place_on_io else None
+
+        def fetch(dests: list[Any]) -> Coroutine[Any, Any, None] | None:
+            first = self._read_resident(keys, tokens, dests, layout,
+                                        None if placer is None else placer.place,
+                                        lambda i, ok: _resolve(handle.chunks[i], ok))
+            if first == len(keys):  # all read here: no hop through the loop
+                if placer is not None:
+                    ok = [f.result() for f in handle.chunks]
+                    self._account(handle, sum(ok), len(ok))
+                return None
+            return self._fetch(keys, tokens, dests, handle, layout, placer, first)
+
+        return self._start(handle, target, deadline_s, self.chunk_io is None, fetch)
+
+    def resident(self, keys: Sequence[str]) -> bool:
+        """Whether every chunk of `keys` would be read from the page cache on the thread that
+        loads it (`resident_reads`, a local file:// directory, every byte cached now): an
+        adapter may then load them within the engine step instead of between steps. A
+        check on this thread, about 10 us a chunk."""
+        if not (keys and self.resident_reads and isinstance(self.store, SupportsResidentReads)):
+            return False
+        try:
+            return all(self.store.is_resident(k) for k in keys)
+        except Exception:  # noqa: BLE001 - a malformed key, say: not resident
+            return False
+
+    def _read_resident(self, keys: list[str], tokens: list[Any], dests: list[Any],
+                       layout: ChunkLayout | EngineLayout, place: Callable[[int], None] | None,
+                       settle: Callable[[int, bool], None]) -> int:
+        """Read, verify and `place` on this thread the leading chunks whose bytes are all
+        in this host's page cache (`SupportsResidentReads`: a local file:// directory), up
+        to RESIDENT_LOAD_BYTES, and `settle(i, placed)` each: a copy from the page cache
+        costs less than handing the chunk to an I/O thread and its answer back, most of
+        all where the engine's threads share one core. Returns how many leading chunks
+        have their answer (all of them once one failed); the rest are read as before."""
+        if not (self.resident_reads and isinstance(self.store, SupportsResidentReads)):
+            return 0
+        budget = RESIDENT_LOAD_BYTES
+        for i, key in enumerate(keys):
+            if budget < layout.payload_nbytes or is_cuda(dests[i]):
+                return i
+            try:
+                got = self.store.read_resident_into(key, host_view(dests[i]))
+            except Exception as exc:  # noqa: BLE001 - the normal path reads it (or fails)
+                log.debug("resident read of %s failed: %s", key, exc)
+                return i
+            if got is NOT_RESIDENT:
+                return i
+            budget -= layout.payload_nbytes
+            header, why = got  # the store checked the payload, as direct reads do
+            ok = self._usable(key, tokens[i], None, layout, header, why,
+                              None if place is None else functools.partial(place, i))
+            settle(i, ok)
+            self._count(resident_chunks=1)
+            if not ok:
+                for later in range(i + 1, len(keys)):
+                    settle(later, False)
+                return len(keys)
+        return len(keys)
 
     def _start(self, handle: LoadHandle, target: LoadTarget, deadline_s: float | None,
-               host: bool, fetch: Callable[[list[Any]], Coroutine[Any, Any, None]]) -> LoadHandle:
+               host: bool, fetch: Callable[[list[Any]], Coroutine[Any, Any, None] | None]
+               ) -> LoadHandle:
         """Start `handle`'s load: its deadline (default: the policy's), every chunk's staging
-        (`host`: as host memory), then `fetch(staging)` on the loop. A load that cannot
-        start (nothing to load, the store bypassed, no staging memory) fails every chunk."""
+        (`host`: as host memory), then `fetch(staging)`, a coroutine run on the loop (None:
+        `fetch` did the whole load itself). A load that cannot start (nothing to load, the
+        store bypassed, no staging memory) fails every chunk."""
         n_chunks = len(handle.chunks)
         if n_chunks == 0 or self._bypassed():
             handle.cancel()
@@ -689,7 +781,12 @@ class KVConnector:
             handle.cancel()
             return handle
         self._count(loads=1)
-        handle.fetch = asyncio.run_coroutine_threadsafe(fetch(dests), self._loop)
+        work = fetch(dests)
+        if work is None:
+            handle.fetch = concurrent.futures.Future()
+            handle.fetch.set_result(None)
+        else:
+            handle.fetch = asyncio.run_coroutine_threadsafe(work, self._loop)
         return handle
 
     def _account(self, handle: LoadHandle, placed: int, planned: int) -> None:
@@ -711,17 +808,20 @@ class KVConnector:
         handle: LoadHandle,
         layout: ChunkLayout | EngineLayout,
         placer: LoadTarget | None,
+        first: int = 0,
     ) -> None:
-        """Read every chunk with one batched store call: `read_chunks_into` when reading
-        directly (the reader checked each payload), else `get_into_many` into host
-        staging (checked here). Each chunk is verified as it lands, on the store's I/O
-        thread, placed there too when `placer` is given, and its future resolved there,
-        so nobody waits on a hop through the loop; past the first chunk that cannot be
-        used no further read is started. The deadline resolves what is left as failed."""
+        """Read every chunk from `first` on (those before have their answer) with one
+        batched store call: `read_chunks_into` when reading directly (the reader checked
+        each payload), else `get_into_many` into host staging (checked here). Each chunk
+        is verified as it lands, on the store's I/O thread, placed there too when `placer`
+        is given, and its future resolved there, so nobody waits on a hop through the
+        loop; past the first chunk that cannot be used no further read is started. The
+        deadline resolves what is left as failed."""
         direct = self.chunk_io is not None
         done = handle.chunks
 
-        def landed(i: int, header: ChunkHeader | None, why: str | None = None) -> bool:
+        def landed(j: int, header: ChunkHeader | None, why: str | None = None) -> bool:
+            i = first + j
             ok = self._usable(keys[i], tokens[i], None if direct else dests[i], layout, header,
                               why, None if placer is None else functools.partial(placer.place, i))
             _resolve(done[i], ok)
@@ -730,9 +830,10 @@ class KVConnector:
         try:
             async with asyncio.timeout_at(self._loop.time() + handle.deadline - time.monotonic()):
                 if direct:
-                    await self.store.read_chunks_into(keys, dests, on_done=landed)
+                    await self.store.read_chunks_into(keys[first:], dests[first:], on_done=landed)
                 else:
-                    await self.store.get_into_many(keys, dests, max_in_flight=self.max_in_flight,
+                    await self.store.get_into_many(keys[first:], dests[first:],
+                                                   max_in_flight=self.max_in_flight,
                                                    on_done=landed)
         except TimeoutError:
             handle.stalled = any(not f.done() for f in done)

@@ -99,6 +99,7 @@ FORMAT = "vllm-v1"
 
 
 DEFAULT_CHUNK_TOKENS = 256
+LOAD_MODES = ("auto", "async", "layerwise")
 
 
 def chunk_geometry(vllm_config: VllmConfig) -> tuple[int, int]:
@@ -286,6 +287,7 @@ class ReqChunks:
     req_id: str
     chunks: list[ChunkRef]
     deadline_s: float | None = None  # loads: the policy's bound on waiting for them
+    sync: bool = False  # loads: within the step, each layer waited for before it computes
 
 
 @dataclass
@@ -305,6 +307,7 @@ class _Req:
     lookup_started: float = 0.0
     hit_chunks: int | None = None  # chunks worth loading (the policy's part of the stored ones)
     deadline_s: float | None = None
+    sync_load: bool = False  # load within the step (layerwise), not between steps
     num_computed: int = 0
     load_planned: bool = False
     block_ids: list[int] = field(default_factory=list)
@@ -436,13 +439,18 @@ class KvstashConnector(KVConnectorBase_V1):
     """kvstash for vLLM's KV connector API. `kv_connector_extra_config`: `store` (URL or
     list of URLs), `model` (when vLLM has no model config), `chunk_tokens` (tokens per
     stored chunk, rounded up to whole vLLM blocks, default 256), `salt`,
+    `load_mode` (default "auto": a hit whose chunks are all in this host's page cache is
+    loaded within its step, layer by layer, any other between steps; "async": always
+    between steps, while other requests compute; "layerwise": always within the step),
     `lookup_timeout_s` (default 2), `lookup_wait_ms` (default 5: how long the scheduler
     waits for a lookup before asking again next step), `load_wait_ms` (default 10: how
     long a worker, in a step with nothing to compute, waits for the loads in flight before
     reporting the step), `max_in_flight` (chunk reads per load, default 8),
     `save_queue_bytes` (write-behind bound, 1 GiB),
     `direct_io` (default true: a file:// store is read through gds.ChunkIO into the KV
-    cache's device), `adaptive` (default true: load a stored prefix only while the store
+    cache's device), `resident_reads` (default true: chunks of a local file:// directory
+    that are all in the page cache are read on the engine's thread, with no hand-off to
+    an I/O thread), `adaptive` (default true: load a stored prefix only while the store
     delivers it faster than the engine recomputes it), `breaker_failures`,
     `breaker_cooldown`, `breaker_max_cooldown` (the circuit breaker, as for every store),
     `exit_flush_s` (default 4: how long a stopping worker writes queued saves)."""
@@ -471,13 +479,15 @@ class KvstashConnector(KVConnectorBase_V1):
             for r in range(self.world_size)
         ]
         self.exit_flush_s = float(extra.get("exit_flush_s", 4.0))
-        mode = extra.get("load_mode", "async")
-        if mode not in ("async", "layerwise"):
-            raise ValueError(f"kv_connector_extra_config: load_mode={mode!r} must be "
-                             f"'async' or 'layerwise'")
+        mode = extra.get("load_mode", "auto")
+        if mode not in LOAD_MODES:
+            raise ValueError(f"kv_connector_extra_config: load_mode={mode!r} must be one of "
+                             + ", ".join(repr(m) for m in LOAD_MODES))
         # async: loads run between steps while other requests compute; layerwise: a hit
-        # is scheduled at once and layer i computes as soon as layer i's bytes are placed.
-        self.layerwise = mode == "layerwise"
+        # is scheduled at once and layer i computes as soon as layer i's bytes are placed;
+        # auto: layerwise where every chunk to load is in this host's page cache (read on
+        # the engine's thread, no wait), async otherwise.
+        self.load_mode = mode
         # vLLM's kv_role: a "kv_consumer" only loads, a "kv_producer" only saves.
         role_name = getattr(self._kv_transfer_config, "kv_role", "kv_both") or "kv_both"
         self.loads = role_name != "kv_producer"
@@ -502,6 +512,7 @@ class KvstashConnector(KVConnectorBase_V1):
             breaker_cooldown=float(extra.get("breaker_cooldown", 1.0)),
             breaker_max_cooldown=float(extra.get("breaker_max_cooldown", 30.0)),
             direct_io=extra.get("direct_io", True) if worker else False,
+            resident_reads=_flag(extra.get("resident_reads", True)),
         )
         self._reported: dict[str, float] = {}  # counters already handed to vLLM's stats
         # scheduler side
@@ -627,6 +638,10 @@ class KvstashConnector(KVConnectorBase_V1):
         plan = self.core.plan((stored - local) * self.chunk_tokens, self._chunk_nbytes_seen or 1)
         st.hit_chunks = local + plan.chunks
         st.deadline_s = plan.deadline_s
+        st.sync_load = self.load_mode == "layerwise" or (
+            self.load_mode == "auto" and plan.chunks > 0 and self.core.resident(
+                [k for r in range(self.world_size)
+                 for k in self._keys(self._chunk_refs(st, local, st.hit_chunks), r)]))
         return st.hit_chunks
 
     def get_num_new_matched_tokens(
@@ -642,7 +657,7 @@ class KvstashConnector(KVConnectorBase_V1):
         if hit is None:
             return None, False
         extra = hit * self.chunk_tokens - num_computed_tokens
-        return (extra, not self.layerwise) if extra > 0 else (0, False)
+        return (extra, not st.sync_load) if extra > 0 else (0, False)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
@@ -654,7 +669,7 @@ class KvstashConnector(KVConnectorBase_V1):
         first_block = st.num_computed // self.block_size
         end_chunk = (st.num_computed + num_external_tokens) // self.chunk_tokens
         chunks = self._chunk_refs(st, first_block // self.chunk_blocks, end_chunk, first_block)
-        self._loads.append(ReqChunks(request.request_id, chunks, st.deadline_s))
+        self._loads.append(ReqChunks(request.request_id, chunks, st.deadline_s, st.sync_load))
         st.load_planned = True
         st.loaded_tokens = num_external_tokens
 
@@ -816,7 +831,7 @@ class KvstashConnector(KVConnectorBase_V1):
         for req in meta.loads:
             keys = self._keys(req.chunks, self.rank)
             tokens = [c.token_ids for c in req.chunks]
-            if self.layerwise:  # each layer is placed as its bytes land and are verified
+            if req.sync:  # each layer is placed as its bytes land and are verified
                 target = _ChunkTarget(self, req.chunks)
                 handle = self.core.load_segments_async(keys, tokens, target, req.deadline_s)
                 self._layer_loads.append((req, handle, target))
@@ -832,7 +847,7 @@ class KvstashConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         meta = connector_metadata
         if (self._kv and isinstance(meta, KvstashMetadata) and meta.prefill_tokens
-                and not (self.layerwise and meta.loads)):  # a layerwise step waits on loads
+                and not any(r.sync for r in meta.loads)):  # a step with sync loads waits
             self._step_timer = _StepTimer(meta.prefill_tokens, self._device())
 
     def _device(self) -> torch.device:

@@ -15,6 +15,8 @@ import os
 import threading
 from dataclasses import dataclass
 
+from storage.pagecache import filesystem_of
+
 _BUFFERED_ONLY = frozenset({"tmpfs", "ramfs", "overlay", "devtmpfs", "squashfs", "proc", "sysfs"})
 HAS_O_DIRECT = hasattr(os, "O_DIRECT")
 
@@ -26,21 +28,6 @@ class Filesystem:
     mount: str
     direct: bool | None  # None until the first file on it was opened with O_DIRECT
     cachestat: bool | None = None  # None until cachestat(2) was tried here
-
-
-def mount_of(dev: int) -> tuple[str, str]:
-    """(fstype, mount point) for a device number, from /proc/self/mountinfo."""
-    want = f"{os.major(dev)}:{os.minor(dev)}"
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                left, _, right = line.partition(" - ")
-                fields = left.split()
-                if len(fields) > 4 and fields[2] == want:
-                    return right.split()[0], fields[4]
-    except OSError:
-        pass
-    return "unknown", "?"
 
 
 class DirectIOSupport:
@@ -55,7 +42,7 @@ class DirectIOSupport:
         with self._lock:
             fs = self._fs.get(dev)
         if fs is None:
-            fstype, mount = mount_of(dev)
+            fstype, mount = filesystem_of(dev)
             direct = False if (not self.enabled or fstype in _BUFFERED_ONLY) else None
             fs = Filesystem(dev, fstype, mount, direct)
             with self._lock:

@@ -17,15 +17,14 @@ is read buffered; unaligned heads and tails around an aligned body are read buff
 
 from __future__ import annotations
 
-import ctypes
 import errno
 import os
-import sys
 import threading
 
 from gds.buffers import ALIGN, address
 from gds.errors import IO, MISSING, NO_SPACE, SHORT, ReadError, WriteError
 from gds.fsprobe import DirectIOSupport
+from storage.pagecache import all_cached
 
 DIRECT_MODES = ("auto", "always", "never")
 _MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
@@ -135,33 +134,14 @@ def _read_direct(f: OpenFile, view: memoryview, offset: int) -> tuple[int, int]:
     return head + direct, direct
 
 
-class _CacheRange(ctypes.Structure):
-    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
-
-
-class _CacheStat(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_uint64) for name in
-                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
-
-
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-_SYS_CACHESTAT = 451  # Linux >= 6.5, one number on every architecture
-_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else ALIGN
-
-
 def _all_cached(f: OpenFile, offset: int, length: int) -> bool | None:
     """Whether every page of the range is in the page cache (`cachestat(2)`); None: unknown."""
     fs = f.support.filesystem(f.dev)
-    if _libc is None or fs.cachestat is False:
+    if fs.cachestat is False:
         return None
-    stat = _CacheStat()
-    rng = _CacheRange(offset, length)
-    if _libc.syscall(_SYS_CACHESTAT, f.fd, ctypes.byref(rng), ctypes.byref(stat), 0) != 0:
-        fs.cachestat = False  # ENOSYS (older kernel) or a filesystem without a page cache
-        return None
-    fs.cachestat = True
-    pages = (offset + length + _PAGE - 1) // _PAGE - offset // _PAGE
-    return stat.nr_cache >= pages
+    cached = all_cached(f.fd, offset, length)
+    fs.cachestat = cached is not None  # None: an older kernel, or no page cache there
+    return cached
 
 
 def read_range(f: OpenFile, view: memoryview, offset: int, mode: str = "auto") -> int:

@@ -14,17 +14,29 @@ protocol (or, in the store contract tests, skipped with the reason).
   bounce buffers, O_DIRECT into host memory), each header checked against its key.
   file://, and tier lists whose first tier is file:// (what that tier lacks is read from
   the tiers below into host memory, and copied to the destination's device).
+- `SupportsResidentReads`: a chunk whose bytes are all in this host's page cache is read on
+  the calling thread, where handing it to an I/O thread would cost more than the copy.
+  file:// on a local filesystem.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Final, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     from gds import ChunkIO
     from storage.base import BlobFile
     from storage.codec import ChunkHeader
+
+
+class _NotResident:
+    def __repr__(self) -> str:
+        return "NOT_RESIDENT"
+
+
+# `read_resident_into`'s answer for a chunk it did not read: not all in the page cache.
+NOT_RESIDENT: Final = _NotResident()
 
 
 @runtime_checkable
@@ -75,3 +87,18 @@ class SupportsRangeReads(Protocol):
     async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
         """Payload bytes [offset, offset + len(out)) of `key`'s chunk into `out`; False on a
         miss or error. The caller verifies what it read (`ChunkHeader.verify_segment`)."""
+
+
+@runtime_checkable
+class SupportsResidentReads(Protocol):
+    def is_resident(self, key: str) -> bool:
+        """Whether every byte of `key`'s chunk is in this host's page cache now, where the
+        store could read it on the calling thread (a cheap check: no data is read)."""
+
+    def read_resident_into(self, key: str, out: Any
+                           ) -> tuple[ChunkHeader | None, str | None] | _NotResident:
+        """Blocking, on the calling thread, and only where it cannot wait on a device or a
+        network: if every byte of `key`'s chunk is in this host's page cache, its payload
+        into `out` (writable host memory) and (its verified header, None), or on a miss
+        (None, why) with `why` "missing", "corrupt" or "io"; else NOT_RESIDENT, having
+        read nothing: the caller reads the chunk the normal way."""

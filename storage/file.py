@@ -62,6 +62,7 @@ from storage.base import (
     check_key,
     check_tenant,
 )
+from storage.capabilities import NOT_RESIDENT
 from storage.codec import (
     HEADER_SIZE,
     ChunkError,
@@ -72,6 +73,7 @@ from storage.codec import (
 )
 from storage.errors import ConfigError, StoreFull, StoreUnavailable
 from storage.options import StoreURL, format_size, parse_bool, parse_mode, parse_seconds, parse_size
+from storage.pagecache import all_cached, is_local
 
 log = logging.getLogger("kvstash.storage.file")
 
@@ -337,6 +339,9 @@ class FileStore(Store):
         self._chunk_io: Any = None  # see enable_direct_reads
         self._owns_chunk_io = False
         self._open_root()
+        # Whether reads of cached chunks may run on an engine's thread (read_resident_into):
+        # on a network filesystem even `open` may wait on a server.
+        self._local = is_local(os.stat(self.root).st_dev)
         self._rebuild_index()
 
     @classmethod
@@ -630,6 +635,67 @@ class FileStore(Store):
             os.close(fd)
         self._touch(key, path, st)
         return header
+
+    def is_resident(self, key: str) -> bool:
+        """See SupportsResidentReads: whether `read_resident_into` would read `key` now."""
+        if not self._local:
+            return False
+        check_key(key)
+        try:
+            fd = os.open(_chunk_path(self.root, key), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return False
+        try:
+            return all_cached(fd, 0, os.fstat(fd).st_size) is True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def read_resident_into(self, key: str, out: Any) -> tuple[ChunkHeader | None, str | None] | Any:
+        """See SupportsResidentReads: `key`'s payload into `out` on the calling thread, only
+        where the store's directory is on a local filesystem and every byte of the chunk's
+        file is in the page cache (else NOT_RESIDENT, nothing read). As for the direct
+        reads of connectors (gds.ChunkIO), every payload not verified before (unchanged
+        since) is checked, whatever `verify=`. Accounted as a `get_into` would be: a hit
+        refreshes its LRU place, a corrupt file is quarantined, an absent one forgotten."""
+        if not self._local:
+            return NOT_RESIDENT
+        check_key(key)
+        opened = self._open_for_read(key)
+        if opened is None:
+            self._count_get(None)
+            return None, "missing"
+        fd, path = opened
+        try:
+            st = os.fstat(fd)
+            if all_cached(fd, 0, st.st_size) is not True:
+                return NOT_RESIDENT
+            header = self._header_of(key, fd, st)
+            view = memoryview(out).cast("B")
+            if view.nbytes < header.payload_len:
+                raise ChunkError(f"payload of {header.payload_len} bytes, room for {view.nbytes}")
+            dst = view[: header.payload_len]
+            if read_into_at(fd, dst, header.header_len) != header.payload_len:
+                raise ChunkError("short read")
+            if self.known_header(key, st) is None:
+                header.verify_payload(dst)
+                self.note_verified(key, st, header)
+        except ChunkError as exc:
+            self._quarantine(key, path, str(exc))
+            self._count_get(None)
+            return None, "corrupt"
+        except OSError as exc:
+            missing = exc.errno in _MISS_ERRNOS
+            if not missing:
+                self.counters["errors"] += 1
+            self._count_get(None)
+            return None, "missing" if missing else "io"
+        finally:
+            os.close(fd)
+        self._touch(key, path, st)
+        self._count_get(header.total_len)
+        return header, None
 
     def _header_of(self, key: str, fd: int, st: os.stat_result) -> ChunkHeader:
         """The header of `key`'s open file: known (an unchanged, already verified file needs

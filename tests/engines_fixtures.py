@@ -131,7 +131,10 @@ FORWARD_LAYER_S = 0.002  # what each layer of the stand-in forward takes
 
 class V1Engine:
     """One vLLM engine's two connector halves (scheduler and one worker, TP=1) over CPU
-    tensors standing in for the paged GPU KV cache: 2 layers of [blocks, heads, block, K|V]."""
+    tensors standing in for the paged GPU KV cache: 2 layers of [blocks, heads, block, K|V].
+
+    Loads are async (between steps) unless `load_mode` says otherwise: the default "auto"
+    would load chunks just written (all in the page cache) within the step instead."""
 
     def __init__(self, store: str | list[str], num_blocks: int = 32, **extra: Any):
         import torch
@@ -139,6 +142,7 @@ class V1Engine:
 
         from connector.vllm_v1 import KvstashConnector
 
+        extra.setdefault("load_mode", "async")
         cfg = vllm_config(store, **extra)
         self.scheduler = KvstashConnector(cfg, KVConnectorRole.SCHEDULER, None)
         self.worker = KvstashConnector(cfg, KVConnectorRole.WORKER, None)
@@ -190,7 +194,7 @@ class V1Engine:
         # vLLM's order (kv_connector_model_runner_mixin): bind; start_load_kv before the
         # forward only when the step has synchronous (layerwise) loads, else after it.
         self.worker.bind_connector_metadata(meta)
-        sync = self.worker.layerwise and bool(meta.loads)
+        sync = any(r.sync for r in meta.loads)
         if sync:
             self.worker.start_load_kv(None)
         for name, kv in self.kv.items():  # the attention layers of the forward

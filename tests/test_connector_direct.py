@@ -22,6 +22,9 @@ N = len(TOKENS) // LAYOUT.chunk_tokens
 
 
 def file_connector(root, **kwargs) -> KVConnector:
+    # These tests are about ChunkIO's reads: chunks just saved are in the page cache, where
+    # the core would read them on the calling thread instead (test_resident_reads.py).
+    kwargs.setdefault("resident_reads", False)
     return KVConnector(f"file://{root}", namespace(), layout=LAYOUT, **kwargs)
 
 

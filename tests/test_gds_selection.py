@@ -17,8 +17,8 @@ import torch
 from gds import Capabilities, ChunkIO, IOConfig, choose_cuda_backend, probe
 from gds.backends import BounceSlots
 from gds.errors import IO, ReadError
-from gds.fsprobe import mount_of
 from gds.hostio import OpenFile
+from storage.pagecache import filesystem_of as mount_of
 from tests.gds_fixtures import cpu_io, payload, shm_directory, write_chunk
 
 NONE = Capabilities()

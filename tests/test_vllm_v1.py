@@ -90,10 +90,11 @@ def test_saved_blocks_load_into_another_engine(store_url):
         write_prompt(writer, list(range(7)))
         ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
         io = reader.worker.core.chunk_io
-        if store_url.startswith("file://"):  # read through gds.ChunkIO, not the store
-            assert io.stats()["counters"]["chunk_reads"] == 3
+        if store_url.startswith("file://"):  # from the page cache, else through gds.ChunkIO
+            resident = reader.worker.counters["resident_chunks"]
+            assert io.stats()["counters"].get("chunk_reads", 0) + resident == 3
         else:
-            assert io is None
+            assert io is None and reader.worker.counters["resident_chunks"] == 0
     finally:
         writer.shutdown()
         reader.shutdown()
@@ -483,11 +484,13 @@ def corrupt_last_layer_of_chunk_1(tmp_path) -> None:
 
 
 def test_a_ranged_layerwise_load_fails_only_the_chunk_with_a_corrupt_layer(tmp_path):
-    """Read by layer ranges (file:// without direct reads): layer 0 of every chunk is
-    placed before the corrupt last layer of chunk 1 is read, and only chunk 1 fails."""
+    """Read by layer ranges (file:// without direct reads, nor reads from the page cache on
+    the engine's thread): layer 0 of every chunk is placed before the corrupt last layer
+    of chunk 1 is read, and only chunk 1 fails."""
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise", direct_io=False)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise", direct_io=False,
+                      resident_reads=False)
     src, dst = list(range(7)), list(range(10, 17))
     try:
         write_prompt(writer, src)
@@ -528,6 +531,63 @@ def test_a_direct_layerwise_load_reads_whole_chunks_and_fails_from_the_corrupt_o
     assert reader.worker.core.chunk_io.stats()["counters"].get("reads", 0) == 0  # no ranges
 
 
+def cached(path) -> bool | None:
+    from storage.pagecache import all_cached
+
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return all_cached(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path):
+    """load_mode=auto (the default): chunks just written are all in the page cache, so the
+    hit is scheduled at once (not async) and read on the engine's thread before the
+    forward's first layer; nothing goes through ChunkIO."""
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="auto")
+    src, dst = list(range(7)), list(range(10, 17))
+    try:
+        write_prompt(writer, src)
+        if not all(cached(f) for f in (tmp_path / "kv").rglob("*.kv")):
+            pytest.skip("the kernel cannot say what is in the page cache (cachestat(2))")
+        placed_before_layer = []
+        ext, recving, errors = read_prompt_layerwise(reader, dst, lambda name: (
+            placed_before_layer.append(torch.equal(reader.kv[name][dst[:6]],
+                                                   writer.kv[name][src[:6]]))))
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    counters = reader.worker.counters
+    assert ext == 3 * CHUNK_TOKENS and errors == set() and not recving
+    assert placed_before_layer == [True, True]
+    assert counters["resident_chunks"] == 3 and counters["loaded_chunks"] == 3
+    assert reader.worker.core.chunk_io.stats()["counters"].get("chunk_reads", 0) == 0
+
+
+def test_auto_loads_a_hit_not_in_the_page_cache_between_steps(tmp_path):
+    """A chunk whose pages are not all cached may wait on the disk: the hit loads async,
+    through ChunkIO, while other requests compute."""
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="auto")
+    try:
+        write_prompt(writer, list(range(7)))
+        for f in (tmp_path / "kv").rglob("*.kv"):
+            fd = os.open(f, os.O_RDONLY)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+        ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert (ext, is_async) == (6 * BLOCK_SIZE, True) and errors == set()
+    assert reader.worker.counters["loaded_chunks"] == 3
+    assert reader.worker.core.chunk_io.stats()["counters"]["chunk_reads"] >= 1
+
+
 def test_chunks_saved_without_layer_checksums_still_load_layerwise(tmp_path):
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
@@ -550,7 +610,7 @@ def events_engine(url: str) -> V1Engine:
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     engine = V1Engine.__new__(V1Engine)
-    cfg = vllm_config(url, chunk_tokens=CHUNK_TOKENS)
+    cfg = vllm_config(url, chunk_tokens=CHUNK_TOKENS, load_mode="async")
     cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     engine.scheduler = KvstashConnector(cfg, KVConnectorRole.SCHEDULER, None)
     engine.worker = KvstashConnector(cfg, KVConnectorRole.WORKER, None)
@@ -709,10 +769,11 @@ def slow_chunk_reads(monkeypatch, seconds: float) -> None:
 
 def saved_then_slow_reader(tmp_path, monkeypatch, seconds: float) -> tuple[V1Engine, V1Engine]:
     """A writer that saved PROMPT's chunks to a file:// store, and a reader (waiting up to
-    30 s in idle steps) whose chunk reads from now on take `seconds` longer."""
+    30 s in idle steps) whose chunk reads (through ChunkIO: none from the page cache on
+    the engine's thread) from now on take `seconds` longer."""
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_wait_ms=30_000)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_wait_ms=30_000, resident_reads=False)
     write_prompt(writer, list(range(7)))
     slow_chunk_reads(monkeypatch, seconds)
     return writer, reader

@@ -1,0 +1,69 @@
+"""Whether a file's bytes are in this host's page cache, and whether its filesystem is local.
+
+`all_cached(fd, offset, length)` asks the kernel (`cachestat(2)`, Linux >= 6.5, a few
+microseconds for a whole chunk) and answers None where it cannot tell (an older kernel,
+another OS, a filesystem without a page cache). `preadv(RWF_NOWAIT)` is no substitute: on a
+miss it still starts readahead.
+
+`filesystem_of(dev)` names a device's filesystem from /proc/self/mountinfo; `is_local`
+says whether opening and reading a file there can never wait on a network (NFS, SMB,
+FUSE, cluster filesystems are not local: even `open` of a cached file may ask a server).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import sys
+
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+_SYS_CACHESTAT = 451  # Linux >= 6.5, one number on every architecture
+_PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
+# Filesystems whose open, stat and cached reads never leave this host.
+LOCAL_FILESYSTEMS = frozenset({
+    "ext2", "ext3", "ext4", "xfs", "btrfs", "zfs", "f2fs", "bcachefs", "jfs", "reiserfs",
+    "tmpfs", "ramfs", "overlay",
+})
+
+
+class _CacheRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _CacheStat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+def all_cached(fd: int, offset: int, length: int) -> bool | None:
+    """Whether every page of the file range is in the page cache; None: the kernel cannot
+    tell (no cachestat(2), or a filesystem without a page cache)."""
+    if _libc is None:
+        return None
+    stat = _CacheStat()
+    rng = _CacheRange(offset, length)
+    if _libc.syscall(_SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(stat), 0) != 0:
+        return None
+    pages = (offset + length + _PAGE - 1) // _PAGE - offset // _PAGE
+    return stat.nr_cache >= pages
+
+
+def filesystem_of(dev: int) -> tuple[str, str]:
+    """(fstype, mount point) for a device number, from /proc/self/mountinfo."""
+    want = f"{os.major(dev)}:{os.minor(dev)}"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) > 4 and fields[2] == want:
+                    return right.split()[0], fields[4]
+    except OSError:
+        pass
+    return "unknown", "?"
+
+
+def is_local(dev: int) -> bool:
+    """Whether the filesystem of device `dev` is a local one (LOCAL_FILESYSTEMS)."""
+    return filesystem_of(dev)[0] in LOCAL_FILESYSTEMS

@@ -1,0 +1,202 @@
+"""Chunks whose bytes are all in the page cache, read on the calling thread (real files).
+
+`FileStore.read_resident_into` reads a chunk only where `cachestat(2)` says every page of
+its file is cached and the store's directory is on a local filesystem; the core reads the
+leading such chunks of a load on the engine's thread and hands the rest to the store's
+loop as before. Pages are dropped from the cache with `posix_fadvise(DONTNEED)` (the
+store fsyncs what it writes, so its pages are clean and go).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from connector import KVConnector
+from storage.capabilities import NOT_RESIDENT, SupportsResidentReads
+from storage.codec import encode_chunk
+from storage.file import FileStore
+from storage.pagecache import all_cached
+from tests.test_connector_core import LAYOUT, TOKENS, ListEngine, namespace, payload_of, saved
+from tests.test_connector_direct import flip_payload_byte, keys_of
+
+N = len(TOKENS) // LAYOUT.chunk_tokens
+KEY = "0123456789abcdef/" + "ab" * 16
+
+
+def drop_from_page_cache(path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if all_cached(fd, 0, os.fstat(fd).st_size):
+            pytest.skip("this filesystem keeps the file's pages cached after DONTNEED")
+    finally:
+        os.close(fd)
+
+
+@pytest.fixture
+def cached_store(tmp_path):
+    """A file:// store holding KEY, its pages in the page cache; skipped where the kernel
+    cannot tell (no cachestat(2): Linux < 6.5)."""
+    store = FileStore(tmp_path / "kv")
+    payload = np.arange(3000, dtype=np.uint8).tobytes()
+    asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload)))
+    fd = os.open(store.chunk_path(KEY), os.O_RDONLY)
+    try:
+        if all_cached(fd, 0, os.fstat(fd).st_size) is None:
+            pytest.skip("the kernel cannot say what is in the page cache (cachestat(2))")
+    finally:
+        os.close(fd)
+    return store, payload
+
+
+def test_a_cached_chunk_is_read_with_its_exact_bytes_and_counted_as_a_hit(cached_store):
+    store, payload = cached_store
+    assert isinstance(store, SupportsResidentReads)
+    out = bytearray(len(payload) + 10)
+    header, why = store.read_resident_into(KEY, out)
+    assert why is None and header.key == KEY and header.payload_len == len(payload)
+    assert bytes(out[: len(payload)]) == payload
+    assert store.stats()["hits"] == 1
+
+
+def test_a_chunk_not_all_in_the_page_cache_is_left_to_the_normal_path(cached_store):
+    store, payload = cached_store
+    drop_from_page_cache(store.chunk_path(KEY))
+    out = bytearray(b"\xee" * len(payload))
+    assert store.read_resident_into(KEY, out) is NOT_RESIDENT
+    assert out == bytearray(b"\xee" * len(payload))  # nothing read
+    assert store.stats()["gets"] == 0
+
+
+@pytest.mark.parametrize("verify", ["changed", "header", "always"])
+def test_a_corrupt_cached_chunk_is_a_miss_and_quarantined_whatever_verify(tmp_path, verify):
+    store = FileStore(tmp_path / "kv", verify=verify)
+    payload = bytes(range(256)) * 8
+    asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload)))
+    flip_payload_byte(store, KEY)  # written through the page cache: still all cached
+    fd = os.open(store.chunk_path(KEY), os.O_RDONLY)
+    cached = all_cached(fd, 0, os.fstat(fd).st_size)
+    os.close(fd)
+    if cached is None:
+        pytest.skip("the kernel cannot say what is in the page cache (cachestat(2))")
+    assert store.read_resident_into(KEY, bytearray(len(payload))) == (None, "corrupt")
+    assert not store.chunk_path(KEY).exists()
+    assert store.stats()["corrupt"] == 1
+
+
+def test_a_missing_chunk_is_a_miss(tmp_path):
+    store = FileStore(tmp_path / "kv")
+    assert store.read_resident_into(KEY, bytearray(64)) == (None, "missing")
+    assert store.stats()["misses"] == 1
+
+
+def test_a_store_on_a_network_filesystem_never_reads_on_the_callers_thread(tmp_path, monkeypatch):
+    """Even `open` of a cached file may wait on an NFS server. There is no NFS client here:
+    the filesystem check is told the directory is not local."""
+    monkeypatch.setattr("storage.file.is_local", lambda dev: False)
+    store = FileStore(tmp_path / "kv")
+    asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), b"x" * 100)))
+    assert store.read_resident_into(KEY, bytearray(100)) is NOT_RESIDENT
+
+
+class ThreadEngine(ListEngine):
+    """A ListEngine that records which thread placed each chunk."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.threads: list[int] = []
+
+    def place(self, i: int) -> None:
+        super().place(i)
+        self.threads.append(threading.get_ident())
+
+
+def resident_connector(root) -> KVConnector:
+    conn = saved(KVConnector(f"file://{root}", namespace(), layout=LAYOUT))
+    path = conn.store.chunk_path(keys_of(conn)[0])
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if all_cached(fd, 0, os.fstat(fd).st_size) is None:
+            pytest.skip("the kernel cannot say what is in the page cache (cachestat(2))")
+    finally:
+        os.close(fd)
+    return conn
+
+
+def load_all(conn: KVConnector, engine: ListEngine):
+    n = LAYOUT.chunk_tokens
+    tokens = [TOKENS[i * n : (i + 1) * n] for i in range(N)]
+    return conn.load_async(keys_of(conn), tokens, engine, deadline_s=10)
+
+
+def test_a_cached_load_is_read_and_placed_before_load_async_returns(tmp_path):
+    conn = resident_connector(tmp_path)
+    engine = ThreadEngine(N)
+    handle = load_all(conn, engine)
+    assert handle.done() and handle.result(0) == [True] * N  # no hop through the loop
+    assert engine.placed == list(range(N))
+    assert set(engine.threads) == {threading.get_ident()}
+    for i, buf in enumerate(engine.bufs):
+        assert np.array_equal(buf, payload_of(i))
+    stats = conn.stats()
+    assert stats["resident_chunks"] == N and stats["loaded_chunks"] == N
+    assert stats["chunk_io"]["counters"].get("chunk_reads", 0) == 0
+    conn.close()
+
+
+def test_chunks_no_longer_cached_are_read_through_chunkio_after_the_cached_ones(tmp_path):
+    conn = resident_connector(tmp_path)
+    for key in keys_of(conn)[3:]:
+        drop_from_page_cache(conn.store.chunk_path(key))
+    engine = ListEngine(N)
+    handle = load_all(conn, engine)
+    assert handle.result(10) == [True] * N
+    for i, buf in enumerate(engine.bufs):
+        assert np.array_equal(buf, payload_of(i))
+    stats = conn.stats()
+    assert stats["resident_chunks"] == 3
+    assert stats["chunk_io"]["counters"]["chunk_reads"] == N - 3
+    conn.close()
+
+
+def test_a_corrupt_cached_chunk_ends_the_hit_and_nothing_after_it_is_read(tmp_path):
+    conn = resident_connector(tmp_path)
+    flip_payload_byte(conn.store, keys_of(conn)[2])
+    engine = ListEngine(N)
+    handle = load_all(conn, engine)
+    assert handle.result(10) == [True, True] + [False] * (N - 2)
+    assert engine.placed == [0, 1]
+    stats = conn.stats()
+    assert stats["verify_failures"] == 1 and stats["failed_chunks"] == N - 2
+    assert stats["resident_chunks"] == 3
+    assert stats["chunk_io"]["counters"].get("chunk_reads", 0) == 0
+    conn.close()
+
+
+class SegmentEngine(ListEngine):
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.segments: list[tuple[int, int]] = []
+
+    def place_segment(self, i: int, s: int) -> None:
+        self.segments.append((i, s))
+
+
+def test_a_cached_layerwise_load_has_every_layer_placed_before_it_returns(tmp_path):
+    conn = resident_connector(tmp_path)
+    engine = SegmentEngine(N)
+    n = LAYOUT.chunk_tokens
+    tokens = [TOKENS[i * n : (i + 1) * n] for i in range(N)]
+    handle = conn.load_segments_async(keys_of(conn), tokens, engine, deadline_s=10)
+    assert all(handle.wait_segment(s, 0) for s in range(LAYOUT.layers))
+    assert handle.result(0) == [True] * N
+    assert engine.segments == [(i, s) for i in range(N) for s in range(LAYOUT.layers)]
+    for i, buf in enumerate(engine.bufs):
+        assert np.array_equal(buf, payload_of(i))
+    assert conn.stats()["resident_chunks"] == N
+    conn.close()
