@@ -821,8 +821,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="kvstash chunk size in tokens, a multiple of the block size (default 256)")
     p.add_argument("--block-size", type=int, default=0,
                    help="vLLM block size (default 0: vLLM's, 128 on CPU)")
-    p.add_argument("--load-mode", default="async", choices=["async", "layerwise"],
-                   help="the loading engines' load_mode (default async: between steps)")
+    p.add_argument("--load-mode", default="auto", choices=["auto", "async", "layerwise"],
+                   help="the loading engines' load_mode (default auto, the connector's: within "
+                        "the step for chunks all in the page cache, else between steps)")
     p.add_argument("--stores", default=",".join(STORES),
                    help=f"stores to measure, comma-separated (default {','.join(STORES)})")
     p.add_argument("--s3-endpoint", metavar="URL",

@@ -13,7 +13,7 @@ its own process:
   concurrency, no compute at all: whole chunks (`get_into_many`) and by layer ranges (as
   a layerwise load reads them); the faster of the two counts;
 - ideal: max(load, compute) per round — what perfect overlap of the two would give;
-- whole-prefix: the V1 connector, `load_mode=async` (the default): every chunk is loaded
+- whole-prefix: the V1 connector, `load_mode=async`: every chunk is loaded
   before the request's forward starts;
 - layer-pipelined: the V1 connector, `load_mode=layerwise`: the forward starts at once
   and layer i computes as soon as layer i of every chunk is read, verified and placed.

@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -103,6 +103,17 @@ class LoadTarget(Protocol):
 
     def place(self, i: int) -> None:
         """Move chunk i from its staging buffer into the engine's KV cache."""
+
+
+@runtime_checkable
+class InPlaceTarget(LoadTarget, Protocol):
+    """A `LoadTarget` that can also take chunk i's payload where it finally goes."""
+
+    def destination(self, i: int) -> list[memoryview] | None:
+        """Writable host memory views, in payload order, whose lengths add up to the
+        payload: chunk i's bytes are read straight into them and not placed (None: use
+        staging and `place`). Written before the chunk is verified: a chunk that fails
+        leaves them garbage, so they must be memory the engine recomputes on a failure."""
 
 
 class Buffers:
@@ -581,9 +592,14 @@ class KVConnector:
                 target.place_segment(i, s)
                 handle.placed(i, s)
 
+        def placed_all(i: int) -> None:  # read straight into the KV cache: nothing to copy
+            for s in range(n_segments):
+                handle.placed(i, s)
+
         def fetch(dests: list[Any]) -> Coroutine[Any, Any, None] | None:
             first = self._read_resident(keys, tokens, dests, layout, place_all,
-                                        lambda i, ok: None if ok else handle.fail(i))
+                                        lambda i, ok: None if ok else handle.fail(i),
+                                        target, placed_all)
             if first == len(keys):  # all read and placed whole here
                 ok = [f.result() for f in handle.chunks]
                 self._account(handle, sum(ok), len(ok))
@@ -702,7 +718,7 @@ class KVConnector:
         def fetch(dests: list[Any]) -> Coroutine[Any, Any, None] | None:
             first = self._read_resident(keys, tokens, dests, layout,
                                         None if placer is None else placer.place,
-                                        lambda i, ok: _resolve(handle.chunks[i], ok))
+                                        lambda i, ok: _resolve(handle.chunks[i], ok), placer)
             if first == len(keys):  # all read here: no hop through the loop
                 if placer is not None:
                     ok = [f.result() for f in handle.chunks]
@@ -726,13 +742,17 @@ class KVConnector:
 
     def _read_resident(self, keys: list[str], tokens: list[Any], dests: list[Any],
                        layout: ChunkLayout | EngineLayout, place: Callable[[int], None] | None,
-                       settle: Callable[[int, bool], None]) -> int:
+                       settle: Callable[[int, bool], None], target: Any = None,
+                       placed: Callable[[int], None] | None = None) -> int:
         """Read, verify and `place` on this thread the leading chunks whose bytes are all
         in this host's page cache (`SupportsResidentReads`: a local file:// directory), up
         to RESIDENT_LOAD_BYTES, and `settle(i, placed)` each: a copy from the page cache
         costs less than handing the chunk to an I/O thread and its answer back, most of
-        all where the engine's threads share one core. Returns how many leading chunks
-        have their answer (all of them once one failed); the rest are read as before."""
+        all where the engine's threads share one core. Where `target` is an `InPlaceTarget`
+        that gives chunk i's destination (and `place` is given), the chunk is read straight
+        there instead of into its staging buffer, and `placed(i)` runs in place of
+        `place(i)`. Returns how many leading chunks have their answer (all of them once
+        one failed); the rest are read as before."""
         if not (self.resident_reads and isinstance(self.store, SupportsResidentReads)):
             return 0
         budget = RESIDENT_LOAD_BYTES
@@ -740,7 +760,10 @@ class KVConnector:
             if budget < layout.payload_nbytes or is_cuda(dests[i]):
                 return i
             try:
-                got = self.store.read_resident_into(key, host_view(dests[i]))
+                parts = (target.destination(i) if place is not None
+                         and isinstance(target, InPlaceTarget) else None)
+                got = self.store.read_resident_into(key, host_view(dests[i]) if parts is None
+                                                    else parts)
             except Exception as exc:  # noqa: BLE001 - the normal path reads it (or fails)
                 log.debug("resident read of %s failed: %s", key, exc)
                 return i
@@ -748,8 +771,9 @@ class KVConnector:
                 return i
             budget -= layout.payload_nbytes
             header, why = got  # the store checked the payload, as direct reads do
+            then = place if parts is None else placed
             ok = self._usable(key, tokens[i], None, layout, header, why,
-                              None if place is None else functools.partial(place, i))
+                              None if then is None else functools.partial(then, i))
             settle(i, ok)
             self._count(resident_chunks=1)
             if not ok:

@@ -423,6 +423,16 @@ class _ChunkTarget:
     def place(self, i: int) -> None:  # on an I/O thread, as chunk i lands
         self.worker._place(self.chunks[i], self.bufs[i])
 
+    def destination(self, i: int) -> list[memoryview] | None:
+        """Chunk i's blocks in the KV cache (CPU), in payload order, to read it into
+        directly (connector.core.InPlaceTarget): every block of it is this request's own
+        (none computed locally), so a chunk that fails verification leaves garbage only
+        in blocks vLLM recomputes."""
+        chunk = self.chunks[i]
+        if chunk.first or len(chunk.block_ids) != self.worker.chunk_blocks:
+            return None
+        return self.worker._destination(chunk.block_ids)
+
     def place_segment(self, i: int, s: int) -> None:  # layerwise: layer s of chunk i
         self.worker._place(self.chunks[i], self.bufs[i], only=s)
 
@@ -876,6 +886,22 @@ class KvstashConnector(KVConnectorBase_V1):
         free = self._load_buffers.setdefault(kind, [])
         if len(free) < self.core.max_in_flight and buf.nbytes == self._chunk_nbytes:
             free.append(buf)
+
+    def _destination(self, block_ids: list[int]) -> list[memoryview] | None:
+        """Byte views of `block_ids` in every layer of a CPU KV cache, in a chunk payload's
+        order (per layer, per index before the block dimension, per run of consecutive
+        blocks); None on a GPU or for a cache that is not one contiguous tensor a layer."""
+        parts: list[memoryview] = []
+        for layer in self._layers:
+            kv = self._kv[layer.name]
+            if kv.device.type != "cpu" or not kv.is_contiguous():
+                return None
+            raw = _as_bytes(kv)
+            leads = [()] if layer.block_dim == 0 else [(k,) for k in range(kv.shape[0])]
+            for lead in leads:
+                for _, b, n in _runs(block_ids):
+                    parts.append(memoryview(raw[(*lead, slice(b, b + n))]).cast("B"))
+        return parts
 
     def _place(self, chunk: ChunkRef, buf: torch.Tensor, only: int | None = None) -> None:
         """Copy a verified chunk (`only`: that layer of it) into its blocks, skipping the

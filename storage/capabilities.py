@@ -99,6 +99,7 @@ class SupportsResidentReads(Protocol):
                            ) -> tuple[ChunkHeader | None, str | None] | _NotResident:
         """Blocking, on the calling thread, and only where it cannot wait on a device or a
         network: if every byte of `key`'s chunk is in this host's page cache, its payload
-        into `out` (writable host memory) and (its verified header, None), or on a miss
+        into `out` (writable host memory, or a list of such buffers that take the payload
+        in order and exactly) and (its verified header, None), or on a miss
         (None, why) with `why` "missing", "corrupt" or "io"; else NOT_RESIDENT, having
         read nothing: the caller reads the chunk the normal way."""

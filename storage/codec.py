@@ -79,11 +79,22 @@ class ChunkHeader:
         return self.header_len + self.payload_len
 
     def verify_payload(self, payload: Any) -> None:
-        """Raise ChunkError unless `payload` has this header's length and checksum."""
-        view = memoryview(payload).cast("B")
-        if view.nbytes != self.payload_len:
-            raise ChunkError(f"payload is {view.nbytes} bytes, header says {self.payload_len}")
-        if xxhash.xxh3_64_intdigest(view, seed=0) != self.payload_checksum:
+        """Raise ChunkError unless `payload` (a buffer, or a list of buffers that hold it
+        in order) has this header's length and checksum."""
+        if isinstance(payload, list):
+            parts = [memoryview(p).cast("B") for p in payload]
+            nbytes = sum(p.nbytes for p in parts)
+            whole = xxhash.xxh3_64(seed=0)
+            for p in parts:
+                whole.update(p)
+            checksum = whole.intdigest()
+        else:
+            view = memoryview(payload).cast("B")
+            nbytes = view.nbytes
+            checksum = xxhash.xxh3_64_intdigest(view, seed=0) if nbytes == self.payload_len else 0
+        if nbytes != self.payload_len:
+            raise ChunkError(f"payload is {nbytes} bytes, header says {self.payload_len}")
+        if checksum != self.payload_checksum:
             raise ChunkError(f"payload checksum mismatch for {self.key}")
 
     def verify_segment(self, i: int, data: Any) -> None:

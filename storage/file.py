@@ -84,6 +84,7 @@ TENANTS = "tenants"
 # Below this much free space the disk counts as full for readiness (storage.base.health).
 MIN_FREE_BYTES = 1 << 20
 _MISS_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _ATIME_REFRESH_S = 60.0
 VERIFY_MODES = ("changed", "always", "header")
@@ -201,6 +202,22 @@ def read_into_at(fd: int, view: memoryview, offset: int) -> int:
         if n == 0:
             break
         done += n
+    return done
+
+
+def read_parts_at(fd: int, parts: list[memoryview], offset: int) -> int:
+    """Fill `parts` in order from `fd` at `offset` (one preadv per IOV_MAX of them, more
+    only after a short read) -> the bytes read (fewer only where the file ends)."""
+    todo, done = list(parts), 0
+    while todo:
+        n = os.preadv(fd, todo[:_IOV_MAX], offset + done)
+        if n == 0:
+            break
+        done += n
+        while todo and n >= todo[0].nbytes:
+            n -= todo.pop(0).nbytes
+        if n:
+            todo[0] = todo[0][n:]
     return done
 
 
@@ -653,15 +670,20 @@ class FileStore(Store):
             os.close(fd)
 
     def read_resident_into(self, key: str, out: Any) -> tuple[ChunkHeader | None, str | None] | Any:
-        """See SupportsResidentReads: `key`'s payload into `out` on the calling thread, only
-        where the store's directory is on a local filesystem and every byte of the chunk's
-        file is in the page cache (else NOT_RESIDENT, nothing read). As for the direct
-        reads of connectors (gds.ChunkIO), every payload not verified before (unchanged
-        since) is checked, whatever `verify=`. Accounted as a `get_into` would be: a hit
-        refreshes its LRU place, a corrupt file is quarantined, an absent one forgotten."""
+        """See SupportsResidentReads: `key`'s payload into `out` (a buffer, or a list of
+        buffers that take it in order and exactly) on the calling thread, only where the
+        store's directory is on a local filesystem and every byte of the chunk's file is
+        in the page cache (else NOT_RESIDENT, nothing read). As for the direct reads of
+        connectors (gds.ChunkIO), every payload not verified before (unchanged since) is
+        checked, whatever `verify=`. Accounted as a `get_into` would be: a hit refreshes
+        its LRU place, a corrupt file is quarantined, an absent one forgotten; a payload
+        that does not fit `out` is a miss ("corrupt" for the caller), and nothing is read."""
         if not self._local:
             return NOT_RESIDENT
         check_key(key)
+        scattered = isinstance(out, list)
+        parts = [memoryview(p).cast("B") for p in out] if scattered else [memoryview(out).cast("B")]
+        room = sum(p.nbytes for p in parts)
         opened = self._open_for_read(key)
         if opened is None:
             self._count_get(None)
@@ -672,14 +694,15 @@ class FileStore(Store):
             if all_cached(fd, 0, st.st_size) is not True:
                 return NOT_RESIDENT
             header = self._header_of(key, fd, st)
-            view = memoryview(out).cast("B")
-            if view.nbytes < header.payload_len:
-                raise ChunkError(f"payload of {header.payload_len} bytes, room for {view.nbytes}")
-            dst = view[: header.payload_len]
-            if read_into_at(fd, dst, header.header_len) != header.payload_len:
+            if room < header.payload_len or (scattered and room != header.payload_len):
+                self._count_get(None)
+                return None, "corrupt"  # another layout's chunk: not this reader's to judge
+            if not scattered:
+                parts = [parts[0][: header.payload_len]]
+            if read_parts_at(fd, parts, header.header_len) != header.payload_len:
                 raise ChunkError("short read")
             if self.known_header(key, st) is None:
-                header.verify_payload(dst)
+                header.verify_payload(parts if scattered else parts[0])
                 self.note_verified(key, st, header)
         except ChunkError as exc:
             self._quarantine(key, path, str(exc))

@@ -162,7 +162,11 @@ def test_miss_when_store_is_empty(store_url):
         engine.shutdown()
 
 
-def test_corrupt_chunks_become_load_errors_not_exceptions(tmp_path):
+@pytest.mark.parametrize("resident_reads", [False, True])
+def test_corrupt_chunks_become_load_errors_not_exceptions(tmp_path, resident_reads):
+    """Through ChunkIO a chunk is verified before it is placed; read from the page cache
+    it lands in its blocks and is verified there. Either way every block of it is
+    reported for recompute (async: vLLM caches them only after the load succeeded)."""
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
@@ -171,7 +175,7 @@ def test_corrupt_chunks_become_load_errors_not_exceptions(tmp_path):
         writer.shutdown()
     assert corrupt_chunks(tmp_path / "kv") == 3
 
-    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, resident_reads=resident_reads)
     try:
         ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
     finally:
@@ -179,7 +183,9 @@ def test_corrupt_chunks_become_load_errors_not_exceptions(tmp_path):
     # exists() saw the files; every load failed verification and is reported for recompute
     assert (ext, is_async) == (6 * BLOCK_SIZE, True)
     assert errors == set(range(10, 16))
-    assert not any(kv[10:16].any() for kv in reader.kv.values())
+    assert reader.worker.counters["verify_failures"] >= 1
+    if not resident_reads:
+        assert not any(kv[10:16].any() for kv in reader.kv.values())
 
 
 def test_chunks_of_other_shapes_are_never_placed(tmp_path):
@@ -507,13 +513,18 @@ def test_a_ranged_layerwise_load_fails_only_the_chunk_with_a_corrupt_layer(tmp_p
     assert counters["failed_chunks"] == 1 and counters["verify_failures"] == 1
 
 
-def test_a_direct_layerwise_load_reads_whole_chunks_and_fails_from_the_corrupt_one(tmp_path):
-    """Read directly (file://, the default): one read per chunk, checked whole; the corrupt
-    chunk 1 fails with every block of it reported, chunk 0 stays placed exactly, and a
-    chunk after it may fail too (vLLM recomputes from the first failed block anyway)."""
+@pytest.mark.parametrize("resident_reads", [True, False])
+def test_a_direct_layerwise_load_reads_whole_chunks_and_fails_from_the_corrupt_one(
+        tmp_path, resident_reads):
+    """Read directly (file://, the default; from the page cache straight into the chunk's
+    blocks on the engine's thread, or through ChunkIO): one read per chunk, checked whole;
+    the corrupt chunk 1 fails with every block of it reported, chunk 0 stays placed
+    exactly, and a chunk after it may fail too (vLLM recomputes from the first failed
+    block anyway)."""
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise")
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise",
+                      resident_reads=resident_reads)
     src, dst = list(range(7)), list(range(10, 17))
     try:
         write_prompt(writer, src)
@@ -819,6 +830,36 @@ def test_a_step_with_work_never_waits_for_loads(tmp_path, monkeypatch):
         reader.shutdown()
     assert not meta.idle and not recving
     assert later == {req.request_id}
+
+
+@pytest.mark.parametrize("block_dim", [0, 1])
+def test_a_chunks_blocks_in_the_cache_are_its_payload_in_order(block_dim):
+    """The views a page-cached chunk is read into (its blocks in the CPU KV cache, per
+    layer) hold exactly the bytes a save gathers, in the same order: runs, gaps and
+    descending ids, block dimension first or second."""
+    from connector.vllm_v1 import _LayerLayout, gather_blocks
+
+    shape = [2, 3, 4, 8]
+    shape.insert(block_dim, 12)
+    kvs = {f"l{i}": torch.randn(shape).to(torch.bfloat16) for i in range(2)}
+    worker = KvstashConnector.__new__(KvstashConnector)
+    worker._kv = kvs
+    block_shape = shape[:block_dim] + shape[block_dim + 1 :]
+    worker._layers = [_LayerLayout(n, block_dim, tuple(block_shape), torch.bfloat16, 0)
+                      for n in kvs]
+    ids = [3, 4, 5, 9, 1, 0]
+    parts = worker._destination(ids)
+    out_shape = list(shape)
+    out_shape[block_dim] = len(ids)
+    want = b""
+    for kv in kvs.values():
+        gathered = torch.empty(out_shape, dtype=torch.bfloat16)
+        gather_blocks(kv, block_dim, ids, gathered)
+        want += gathered.view(torch.uint8).numpy().tobytes()
+    assert b"".join(bytes(p) for p in parts) == want
+    parts[0][:2] = b"\xff\xff"  # views of the cache itself, not copies
+    first = next(iter(kvs.values()))
+    assert first.view(torch.uint8).numpy()[(0,) * block_dim + (3,)].reshape(-1)[:2].tolist() == [255, 255]
 
 
 @pytest.mark.parametrize("block_dim", [0, 1])
