@@ -248,8 +248,9 @@ class KVConnector:
     through `get_into_many` like every other backend (bytes land in host staging).
 
     `resident_reads`: chunks of a local file:// directory that are all in the page cache
-    (`SupportsResidentReads`) are read on the thread that starts the load, into host
-    staging, without a hand-off to an I/O thread; the rest as above.
+    (`SupportsResidentReads`) are read on the thread that starts the load, without a
+    hand-off to an I/O thread: into host staging, or straight into the engine's memory
+    where the target gives it (`InPlaceTarget`); the rest as above.
     """
 
     def __init__(
