@@ -489,27 +489,34 @@ def corrupt_last_layer_of_chunk_1(tmp_path) -> None:
     files[1].write_bytes(bytes(data))
 
 
+def layerwise_read_of_a_corrupt_chunk_1(tmp_path, **reader_extra):
+    """PROMPT saved to blocks 0-6, the last layer of its chunk 1 corrupted, then read
+    layerwise into blocks 10-16 by a reader with `reader_extra`:
+    (writer, reader, tokens vLLM was told of, blocks reported failed)."""
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise", **reader_extra)
+    try:
+        write_prompt(writer, list(range(7)))
+        corrupt_last_layer_of_chunk_1(tmp_path)
+        ext, _, errors = read_prompt_layerwise(reader, list(range(10, 17)))
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    return writer, reader, ext, errors
+
+
 def test_a_ranged_layerwise_load_fails_only_the_chunk_with_a_corrupt_layer(tmp_path):
     """Read by layer ranges (file:// without direct reads, nor reads from the page cache on
     the engine's thread): layer 0 of every chunk is placed before the corrupt last layer
     of chunk 1 is read, and only chunk 1 fails."""
-    url = f"file://{tmp_path}/kv"
-    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise", direct_io=False,
-                      resident_reads=False)
-    src, dst = list(range(7)), list(range(10, 17))
-    try:
-        write_prompt(writer, src)
-        corrupt_last_layer_of_chunk_1(tmp_path)
-        ext, _, errors = read_prompt_layerwise(reader, dst)
-        layer0 = next(iter(reader.kv))
-        assert torch.equal(reader.kv[layer0][dst[:2]], writer.kv[layer0][src[:2]])
-    finally:
-        writer.shutdown()
-        reader.shutdown()
+    writer, reader, ext, errors = layerwise_read_of_a_corrupt_chunk_1(
+        tmp_path, direct_io=False, resident_reads=False)
+    layer0 = next(iter(reader.kv))
+    assert torch.equal(reader.kv[layer0][10:12], writer.kv[layer0][0:2])
     counters = reader.worker.counters
     assert ext == 3 * CHUNK_TOKENS
-    assert errors == set(dst[2:4])  # chunk 1's blocks: vLLM recomputes from there
+    assert errors == {12, 13}  # chunk 1's blocks: vLLM recomputes from there
     assert counters["failed_chunks"] == 1 and counters["verify_failures"] == 1
 
 
@@ -521,23 +528,13 @@ def test_a_direct_layerwise_load_reads_whole_chunks_and_fails_from_the_corrupt_o
     the corrupt chunk 1 fails with every block of it reported, chunk 0 stays placed
     exactly, and a chunk after it may fail too (vLLM recomputes from the first failed
     block anyway)."""
-    url = f"file://{tmp_path}/kv"
-    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise",
-                      resident_reads=resident_reads)
-    src, dst = list(range(7)), list(range(10, 17))
-    try:
-        write_prompt(writer, src)
-        corrupt_last_layer_of_chunk_1(tmp_path)
-        ext, _, errors = read_prompt_layerwise(reader, dst)
-        chunk0 = all(torch.equal(reader.kv[n][dst[:2]], writer.kv[n][src[:2]]) for n in reader.kv)
-    finally:
-        writer.shutdown()
-        reader.shutdown()
+    writer, reader, ext, errors = layerwise_read_of_a_corrupt_chunk_1(
+        tmp_path, resident_reads=resident_reads)
+    chunk0 = all(torch.equal(reader.kv[n][10:12], writer.kv[n][0:2]) for n in reader.kv)
     counters = reader.worker.counters
     assert reader.worker.core.reads_direct
     assert ext == 3 * CHUNK_TOKENS and chunk0
-    assert set(dst[2:4]) <= errors <= set(dst[2:6])
+    assert {12, 13} <= errors <= set(range(12, 16))
     assert counters["verify_failures"] == 1 and counters["loaded_chunks"] == 3 - len(errors) // 2
     assert reader.worker.core.chunk_io.stats()["counters"].get("reads", 0) == 0  # no ranges
 
