@@ -307,7 +307,7 @@ class _Req:
     lookup_started: float = 0.0
     hit_chunks: int | None = None  # chunks worth loading (the policy's part of the stored ones)
     deadline_s: float | None = None
-    sync_load: bool = False  # load within the step (layerwise), not between steps
+    sync: bool = False  # load within the step (layerwise), not between steps
     num_computed: int = 0
     load_planned: bool = False
     block_ids: list[int] = field(default_factory=list)
@@ -648,7 +648,7 @@ class KvstashConnector(KVConnectorBase_V1):
         plan = self.core.plan((stored - local) * self.chunk_tokens, self._chunk_nbytes_seen or 1)
         st.hit_chunks = local + plan.chunks
         st.deadline_s = plan.deadline_s
-        st.sync_load = self.load_mode == "layerwise" or (
+        st.sync = self.load_mode == "layerwise" or (
             self.load_mode == "auto" and plan.chunks > 0 and self.core.resident(
                 [k for r in range(self.world_size)
                  for k in self._keys(self._chunk_refs(st, local, st.hit_chunks), r)]))
@@ -667,7 +667,7 @@ class KvstashConnector(KVConnectorBase_V1):
         if hit is None:
             return None, False
         extra = hit * self.chunk_tokens - num_computed_tokens
-        return (extra, not st.sync_load) if extra > 0 else (0, False)
+        return (extra, not st.sync) if extra > 0 else (0, False)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
@@ -679,7 +679,7 @@ class KvstashConnector(KVConnectorBase_V1):
         first_block = st.num_computed // self.block_size
         end_chunk = (st.num_computed + num_external_tokens) // self.chunk_tokens
         chunks = self._chunk_refs(st, first_block // self.chunk_blocks, end_chunk, first_block)
-        self._loads.append(ReqChunks(request.request_id, chunks, st.deadline_s, st.sync_load))
+        self._loads.append(ReqChunks(request.request_id, chunks, st.deadline_s, st.sync))
         st.load_planned = True
         st.loaded_tokens = num_external_tokens
 

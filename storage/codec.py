@@ -81,19 +81,17 @@ class ChunkHeader:
     def verify_payload(self, payload: Any) -> None:
         """Raise ChunkError unless `payload` (a buffer, or a list of buffers that hold it
         in order) has this header's length and checksum."""
-        if isinstance(payload, list):
-            parts = [memoryview(p).cast("B") for p in payload]
-            nbytes = sum(p.nbytes for p in parts)
+        parts = [memoryview(p).cast("B") for p in (payload if isinstance(payload, list) else [payload])]
+        nbytes = sum(p.nbytes for p in parts)
+        if nbytes != self.payload_len:
+            raise ChunkError(f"payload is {nbytes} bytes, header says {self.payload_len}")
+        if len(parts) == 1:
+            checksum = xxhash.xxh3_64_intdigest(parts[0], seed=0)
+        else:
             whole = xxhash.xxh3_64(seed=0)
             for p in parts:
                 whole.update(p)
             checksum = whole.intdigest()
-        else:
-            view = memoryview(payload).cast("B")
-            nbytes = view.nbytes
-            checksum = xxhash.xxh3_64_intdigest(view, seed=0) if nbytes == self.payload_len else 0
-        if nbytes != self.payload_len:
-            raise ChunkError(f"payload is {nbytes} bytes, header says {self.payload_len}")
         if checksum != self.payload_checksum:
             raise ChunkError(f"payload checksum mismatch for {self.key}")
 

@@ -196,13 +196,7 @@ def read_at(fd: int, size: int, offset: int = 0) -> bytes:
 
 def read_into_at(fd: int, view: memoryview, offset: int) -> int:
     """Fill `view` from `fd` at `offset` -> the bytes read (fewer only where the file ends)."""
-    done = 0
-    while done < view.nbytes:
-        n = os.preadv(fd, [view[done:]], offset + done)
-        if n == 0:
-            break
-        done += n
-    return done
+    return read_parts_at(fd, [view], offset)
 
 
 def read_parts_at(fd: int, parts: list[memoryview], offset: int) -> int:
@@ -625,33 +619,51 @@ class FileStore(Store):
 
     def _get_into_sync(self, key: str, out: memoryview | None) -> ChunkHeader | None:
         """The verified header, and the payload read into `out` (None: the header only)."""
+        return self._read_sync(key, None if out is None else [out])[0]
+
+    def _read_sync(self, key: str, parts: list[memoryview] | None, *,
+                   resident_only: bool = False) -> tuple[ChunkHeader | None, str | None] | Any:
+        """(verified header, None), with the payload read into `parts` (one buffer at least
+        as long, or several that take it in order and exactly; None: the header only), or
+        (None, why) on a miss: "missing", "corrupt" (quarantined, or another layout's
+        payload that does not fit: left alone) or "io". The payload is checked per
+        `verify=`, or with `resident_only` as a connector's direct reads check it (every
+        payload not verified before); `resident_only` also reads nothing and answers
+        NOT_RESIDENT unless every byte of the file is in the page cache."""
         opened = self._open_for_read(key)
         if opened is None:
-            return None
+            return None, "missing"
         fd, path = opened
         try:
             st = os.fstat(fd)
+            if resident_only and all_cached(fd, 0, st.st_size) is not True:
+                return NOT_RESIDENT
             header = self._header_of(key, fd, st)
-            if out is not None and out.nbytes < header.payload_len:
-                return None
-            if out is not None:
-                dst = out[: header.payload_len]
-                if read_into_at(fd, dst, header.header_len) != header.payload_len:
+            if parts is not None:
+                room = sum(p.nbytes for p in parts)
+                if room < header.payload_len or (len(parts) > 1 and room != header.payload_len):
+                    return None, "corrupt"  # another layout's chunk: not this reader's to judge
+                if len(parts) == 1:
+                    parts = [parts[0][: header.payload_len]]
+                if read_parts_at(fd, parts, header.header_len) != header.payload_len:
                     raise ChunkError("short read")
-                if self._needs_payload_check(key, st):
-                    header.verify_payload(dst)
+                check = (self.known_header(key, st) is None if resident_only
+                         else self._needs_payload_check(key, st))
+                if check:
+                    header.verify_payload(parts if len(parts) > 1 else parts[0])
                     self.note_verified(key, st, header)
         except ChunkError as exc:
             self._quarantine(key, path, str(exc))
-            return None
+            return None, "corrupt"
         except OSError as exc:
-            if exc.errno not in _MISS_ERRNOS:
-                self.counters["errors"] += 1
-            return None
+            if exc.errno in _MISS_ERRNOS:
+                return None, "missing"
+            self.counters["errors"] += 1
+            return None, "io"
         finally:
             os.close(fd)
         self._touch(key, path, st)
-        return header
+        return header, None
 
     def is_resident(self, key: str) -> bool:
         """See SupportsResidentReads: whether `read_resident_into` would read `key` now."""
@@ -681,44 +693,11 @@ class FileStore(Store):
         if not self._local:
             return NOT_RESIDENT
         check_key(key)
-        scattered = isinstance(out, list)
-        parts = [memoryview(p).cast("B") for p in out] if scattered else [memoryview(out).cast("B")]
-        room = sum(p.nbytes for p in parts)
-        opened = self._open_for_read(key)
-        if opened is None:
-            self._count_get(None)
-            return None, "missing"
-        fd, path = opened
-        try:
-            st = os.fstat(fd)
-            if all_cached(fd, 0, st.st_size) is not True:
-                return NOT_RESIDENT
-            header = self._header_of(key, fd, st)
-            if room < header.payload_len or (scattered and room != header.payload_len):
-                self._count_get(None)
-                return None, "corrupt"  # another layout's chunk: not this reader's to judge
-            if not scattered:
-                parts = [parts[0][: header.payload_len]]
-            if read_parts_at(fd, parts, header.header_len) != header.payload_len:
-                raise ChunkError("short read")
-            if self.known_header(key, st) is None:
-                header.verify_payload(parts if scattered else parts[0])
-                self.note_verified(key, st, header)
-        except ChunkError as exc:
-            self._quarantine(key, path, str(exc))
-            self._count_get(None)
-            return None, "corrupt"
-        except OSError as exc:
-            missing = exc.errno in _MISS_ERRNOS
-            if not missing:
-                self.counters["errors"] += 1
-            self._count_get(None)
-            return None, "missing" if missing else "io"
-        finally:
-            os.close(fd)
-        self._touch(key, path, st)
-        self._count_get(header.total_len)
-        return header, None
+        parts = [memoryview(p).cast("B") for p in (out if isinstance(out, list) else [out])]
+        got = self._read_sync(key, parts, resident_only=True)
+        if got is not NOT_RESIDENT:
+            self._count_get(None if got[0] is None else got[0].total_len)
+        return got
 
     def _header_of(self, key: str, fd: int, st: os.stat_result) -> ChunkHeader:
         """The header of `key`'s open file: known (an unchanged, already verified file needs

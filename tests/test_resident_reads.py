@@ -28,14 +28,28 @@ N = len(TOKENS) // LAYOUT.chunk_tokens
 KEY = "0123456789abcdef/" + "ab" * 16
 
 
+def page_cached(path) -> bool | None:
+    """Whether the whole file is in the page cache; None: the kernel cannot tell."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return all_cached(fd, 0, os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
+
+
+def skip_unless_cached(path) -> None:
+    if page_cached(path) is None:
+        pytest.skip("the kernel cannot say what is in the page cache (cachestat(2))")
+
+
 def drop_from_page_cache(path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        if all_cached(fd, 0, os.fstat(fd).st_size):
-            pytest.skip("this filesystem keeps the file's pages cached after DONTNEED")
     finally:
         os.close(fd)
+    if page_cached(path):
+        pytest.skip("this filesystem keeps the file's pages cached after DONTNEED")
 
 
 @pytest.fixture
@@ -45,12 +59,7 @@ def cached_store(tmp_path):
     store = FileStore(tmp_path / "kv")
     payload = np.arange(3000, dtype=np.uint8).tobytes()
     asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload)))
-    fd = os.open(store.chunk_path(KEY), os.O_RDONLY)
-    try:
-        if all_cached(fd, 0, os.fstat(fd).st_size) is None:
-            pytest.skip("the kernel cannot say what is in the page cache (cachestat(2))")
-    finally:
-        os.close(fd)
+    skip_unless_cached(store.chunk_path(KEY))
     return store, payload
 
 
@@ -79,11 +88,7 @@ def test_a_corrupt_cached_chunk_is_a_miss_and_quarantined_whatever_verify(tmp_pa
     payload = bytes(range(256)) * 8
     asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload)))
     flip_payload_byte(store, KEY)  # written through the page cache: still all cached
-    fd = os.open(store.chunk_path(KEY), os.O_RDONLY)
-    cached = all_cached(fd, 0, os.fstat(fd).st_size)
-    os.close(fd)
-    if cached is None:
-        pytest.skip("the kernel cannot say what is in the page cache (cachestat(2))")
+    skip_unless_cached(store.chunk_path(KEY))
     assert store.read_resident_into(KEY, bytearray(len(payload))) == (None, "corrupt")
     assert not store.chunk_path(KEY).exists()
     assert store.stats()["corrupt"] == 1
@@ -118,13 +123,7 @@ class ThreadEngine(ListEngine):
 
 def resident_connector(root) -> KVConnector:
     conn = saved(KVConnector(f"file://{root}", namespace(), layout=LAYOUT))
-    path = conn.store.chunk_path(keys_of(conn)[0])
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if all_cached(fd, 0, os.fstat(fd).st_size) is None:
-            pytest.skip("the kernel cannot say what is in the page cache (cachestat(2))")
-    finally:
-        os.close(fd)
+    skip_unless_cached(conn.store.chunk_path(keys_of(conn)[0]))
     return conn
 
 

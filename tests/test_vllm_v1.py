@@ -30,6 +30,7 @@ from tests.engines_fixtures import (  # noqa: E402
     vllm_config,
     wait_until,
 )
+from tests.test_resident_reads import drop_from_page_cache, page_cached  # noqa: E402
 
 pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url, for the s3 store cases
 
@@ -539,16 +540,6 @@ def test_a_direct_layerwise_load_reads_whole_chunks_and_fails_from_the_corrupt_o
     assert reader.worker.core.chunk_io.stats()["counters"].get("reads", 0) == 0  # no ranges
 
 
-def cached(path) -> bool | None:
-    from storage.pagecache import all_cached
-
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return all_cached(fd, 0, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-
-
 def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path):
     """load_mode=auto (the default): chunks just written are all in the page cache, so the
     hit is scheduled at once (not async) and read on the engine's thread before the
@@ -559,7 +550,7 @@ def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path):
     src, dst = list(range(7)), list(range(10, 17))
     try:
         write_prompt(writer, src)
-        if not all(cached(f) for f in (tmp_path / "kv").rglob("*.kv")):
+        if not all(page_cached(f) for f in (tmp_path / "kv").rglob("*.kv")):
             pytest.skip("the kernel cannot say what is in the page cache (cachestat(2))")
         placed_before_layer = []
         ext, recving, errors = read_prompt_layerwise(reader, dst, lambda name: (
@@ -584,9 +575,7 @@ def test_auto_loads_a_hit_not_in_the_page_cache_between_steps(tmp_path):
     try:
         write_prompt(writer, list(range(7)))
         for f in (tmp_path / "kv").rglob("*.kv"):
-            fd = os.open(f, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+            drop_from_page_cache(f)
         ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
     finally:
         writer.shutdown()
