@@ -15,8 +15,8 @@ protocol (or, in the store contract tests, skipped with the reason).
   file://, and tier lists whose first tier is file:// (what that tier lacks is read from
   the tiers below into host memory, and copied to the destination's device).
 - `SupportsResidentReads`: a chunk whose bytes are all in this host's page cache is read on
-  the calling thread, where handing it to an I/O thread would cost more than the copy.
-  file:// on a local filesystem.
+  the calling thread, where handing it to an I/O thread would cost more than the copy; so
+  is a lookup (`prefix_len_now`). file:// on a local filesystem.
 """
 
 from __future__ import annotations
@@ -91,6 +91,11 @@ class SupportsRangeReads(Protocol):
 
 @runtime_checkable
 class SupportsResidentReads(Protocol):
+    def prefix_len_now(self, keys: Sequence[str]) -> int | None:
+        """`prefix_len` on the calling thread, where the store can answer without waiting
+        on a device or a network (a local directory: one access(2) per key, microseconds,
+        where a hop to the store's loop and back costs more); else None: ask `prefix_len`."""
+
     def is_resident(self, key: str) -> bool:
         """Whether every byte of `key`'s chunk is in this host's page cache now, where the
         store could read it on the calling thread (a cheap check: no data is read)."""

@@ -107,6 +107,8 @@ class ChunkHeader:
             raise ChunkError(f"segment {i} checksum mismatch for {self.key}")
 
     def matches_tokens(self, token_ids: Any) -> bool:
+        if type(token_ids) is list:  # an engine's own list: compared as ints, no array built
+            return self.token_ids.tolist() == token_ids
         return np.array_equal(self.token_ids, token_array(token_ids))
 
 

@@ -109,6 +109,59 @@ def test_a_store_on_a_network_filesystem_never_reads_on_the_callers_thread(tmp_p
     assert store.read_resident_into(KEY, bytearray(100)) is NOT_RESIDENT
 
 
+def test_a_local_directory_answers_a_lookup_on_the_calling_thread(tmp_path):
+    store = FileStore(tmp_path / "kv")
+    asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), b"x" * 100)))
+    other = "0123456789abcdef/" + "cd" * 16
+    assert store.prefix_len_now([KEY, other, KEY]) == 1  # the first gap ends the prefix
+    assert store.prefix_len_now([other, KEY]) == 0
+    with pytest.raises(ValueError):
+        store.prefix_len_now(["../../etc/passwd"])
+
+
+def test_a_network_filesystem_is_never_looked_up_on_the_callers_thread(tmp_path, monkeypatch):
+    """No NFS client here: the filesystem check is told the directory is not local."""
+    monkeypatch.setattr("storage.file.is_local", lambda dev: False)
+    store = FileStore(tmp_path / "kv")
+    assert store.prefix_len_now([KEY]) is None
+
+
+def test_the_core_looks_up_a_local_directory_without_its_loop(tmp_path, monkeypatch):
+    conn = saved(KVConnector(f"file://{tmp_path}", namespace(), layout=LAYOUT))
+    hops = []
+    real = conn.store.prefix_len
+
+    async def counted(keys):
+        hops.append(len(keys))
+        return await real(keys)
+
+    monkeypatch.setattr(conn.store, "prefix_len", counted)
+    answer = conn.lookup_async(keys_of(conn))
+    assert answer.done() and answer.result() == N
+    assert hops == []
+    conn.resident_reads = False  # the switch for reads on the engine's thread covers lookups
+    assert conn.lookup_async(keys_of(conn)).result(10) == N
+    assert hops == [N]
+    stats = conn.stats()
+    assert stats["lookups"] == 2 and stats["lookup_tokens"] == 2 * N * LAYOUT.chunk_tokens
+    conn.close()
+
+
+def test_a_failing_local_lookup_is_no_hit_and_tells_the_breaker(tmp_path, monkeypatch):
+    conn = saved(KVConnector(f"file://{tmp_path}", namespace(), layout=LAYOUT))
+
+    def broken(keys):
+        raise OSError("EIO")
+
+    monkeypatch.setattr(conn.store, "prefix_len_now", broken)
+    assert conn.lookup_async(keys_of(conn)).result(0) == 0
+    stats = conn.stats()
+    assert stats["lookup_errors"] == 1
+    assert conn.lookup_async(keys_of(conn)).result(0) == 0  # the breaker is open now
+    assert conn.stats()["bypassed"] == 1
+    conn.close()
+
+
 class ThreadEngine(ListEngine):
     """A ListEngine that records which thread placed each chunk."""
 

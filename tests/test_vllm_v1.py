@@ -483,11 +483,17 @@ def test_layerwise_loads_place_each_layer_before_its_attention_runs(ranged_store
 
 
 def corrupt_last_layer_of_chunk_1(tmp_path) -> None:
-    files = sorted((tmp_path / "kv").rglob("*.kv"), key=lambda p: p.stat().st_mtime)
+    from storage.codec import decode_header
+
+    files = list((tmp_path / "kv").rglob("*.kv"))
     assert len(files) == 3
-    data = bytearray(files[1].read_bytes())  # chunk 1 in saving order: its last layer
+    # Chunk 1 by the token ids in its header (mtimes of files written within one kernel
+    # tick are equal, so their order says nothing).
+    [chunk1] = [f for f in files if decode_header(f.read_bytes()).token_ids[0]
+                == PROMPT[CHUNK_TOKENS]]
+    data = bytearray(chunk1.read_bytes())  # its last layer
     data[-1] ^= 0xFF
-    files[1].write_bytes(bytes(data))
+    chunk1.write_bytes(bytes(data))
 
 
 def layerwise_read_of_a_corrupt_chunk_1(tmp_path, **reader_extra):
@@ -697,7 +703,8 @@ def test_a_consumer_only_loads_and_a_producer_only_saves(tmp_path):
 def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path, monkeypatch):
     """The scheduler waits up to `lookup_wait_ms` for a request's lookup: a store that
     answers by then costs the request no engine step; one that answers later (a lookup
-    slowed to 0.2 s here, with 0 ms of waiting) is asked again next step."""
+    slowed to 0.2 s here, with 0 ms of waiting, in a directory the store takes for a
+    network mount, so it is asked on the store's loop) is asked again next step."""
     url = f"file://{tmp_path}"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
@@ -721,6 +728,7 @@ def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path
         return real(self, *args, **kwargs)
 
     monkeypatch.setattr(FileStore, "_exists_sync", slow_exists)
+    monkeypatch.setattr("storage.file.is_local", lambda dev: False)
     asks_again = V1Engine(url, chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=0)
     try:
         req = make_request(PROMPT)
@@ -728,6 +736,25 @@ def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path
         assert asks_again.lookup(req) == (3 * CHUNK_TOKENS, True)
     finally:
         asks_again.shutdown()
+
+
+def test_a_local_directory_is_looked_up_within_the_first_ask_whatever_lookup_wait_ms(tmp_path):
+    """A local file:// directory answers on the scheduler's thread (an access(2) per
+    chunk): no wait, no hop through the store's loop, no "ask again"."""
+    url = f"file://{tmp_path}"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(writer, list(range(6)))
+    finally:
+        writer.shutdown()
+    engine = V1Engine(url, chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=0)
+    try:
+        first = engine.scheduler.get_num_new_matched_tokens(make_request(PROMPT), 0)
+        assert first[0] == 3 * CHUNK_TOKENS
+        counters = engine.scheduler.core.counters()
+        assert counters["lookups"] == 1 and counters["lookup_tokens"] == 3 * CHUNK_TOKENS
+    finally:
+        engine.shutdown()
 
 
 def test_a_store_that_never_answers_does_not_hold_the_scheduler():
