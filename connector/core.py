@@ -794,8 +794,8 @@ class KVConnector:
         if not (self.resident_reads and self._resident_store):
             return 0
         budget = RESIDENT_LOAD_BYTES
-        # (A runtime protocol check costs ~45 us; this one is asked once a load.)
-        in_place = place is not None and isinstance(target, InPlaceTarget)
+        # What InPlaceTarget's runtime check asks, without its ~45 us cost.
+        in_place = place is not None and callable(getattr(target, "destination", None))
         for i, key in enumerate(keys):
             if budget < layout.payload_nbytes or is_cuda(dests[i]):
                 return i

@@ -860,6 +860,7 @@ def test_a_chunks_blocks_in_the_cache_are_its_payload_in_order(block_dim):
     block_shape = shape[:block_dim] + shape[block_dim + 1 :]
     worker._layers = [_LayerLayout(n, block_dim, tuple(block_shape), torch.bfloat16, 0)
                       for n in kvs]
+    worker._block_bytes = worker._cpu_block_bytes()
     ids = [3, 4, 5, 9, 1, 0]
     parts = worker._destination(ids)
     out_shape = list(shape)
