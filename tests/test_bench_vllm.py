@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-# Five engines start at once (about 2 minutes on 2 busy cores), then run a few rounds.
+# Six engines start at once (about 2-3 minutes on 2 busy cores), then run a few rounds.
 pytestmark = pytest.mark.timeout(1200)
 
 CACHED_TOKENS = 256  # two 128-token chunks; prompts are 257 tokens
@@ -75,8 +75,8 @@ def _positive(x) -> bool:
 def test_every_row_has_finite_positive_timings(bench_run):
     result, _, _ = bench_run
     rows = result["single"] + result["concurrent"]
-    assert {r["kind"] for r in result["single"]} == {"baseline", "noop", "prime", "ideal",
-                                                     "ideal-connector", "miss", "hit"}
+    assert {r["kind"] for r in result["single"]} == {"baseline", "noop", "noise", "prime",
+                                                     "ideal", "ideal-connector", "miss", "hit"}
     assert len(result["concurrent"]) == len(result["single"])
     for r in rows:
         for name in ("ttft_s", "ttft_min_s", "ttft_max_s", "wall_s", "requests_per_s",
@@ -135,4 +135,6 @@ def test_table_plot_and_json_name_the_targets(bench_run):
     assert "x ideal" in stdout and "vs no-op connector" in stdout
     miss = next(r for r in result["single"] if r["kind"] == "miss")
     assert miss["same_first_token_as_noop_connector"]  # the connector changes no output
+    twin = next(r for r in result["single"] if r["kind"] == "noise")
+    assert twin["same_first_token_as_noop_connector"] and "noise floor" in stdout
     assert (out / "result.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
