@@ -700,17 +700,23 @@ def test_a_consumer_only_loads_and_a_producer_only_saves(tmp_path):
         reader.shutdown()
 
 
-def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path, monkeypatch):
-    """The scheduler waits up to `lookup_wait_ms` for a request's lookup: a store that
-    answers by then costs the request no engine step; one that answers later (a lookup
-    slowed to 0.2 s here, with 0 ms of waiting, in a directory the store takes for a
-    network mount, so it is asked on the store's loop) is asked again next step."""
+def store_with_prompt(tmp_path) -> str:
+    """The URL of a file:// store in `tmp_path` that holds PROMPT's three chunks."""
     url = f"file://{tmp_path}"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
         write_prompt(writer, list(range(6)))
     finally:
         writer.shutdown()
+    return url
+
+
+def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path, monkeypatch):
+    """The scheduler waits up to `lookup_wait_ms` for a request's lookup: a store that
+    answers by then costs the request no engine step; one that answers later (a lookup
+    slowed to 0.2 s here, with 0 ms of waiting, in a directory the store takes for a
+    network mount, so it is asked on the store's loop) is asked again next step."""
+    url = store_with_prompt(tmp_path)
     patient = V1Engine(url, chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=60_000)
     try:
         first = patient.scheduler.get_num_new_matched_tokens(make_request(PROMPT), 0)
@@ -741,12 +747,7 @@ def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path
 def test_a_local_directory_is_looked_up_within_the_first_ask_whatever_lookup_wait_ms(tmp_path):
     """A local file:// directory answers on the scheduler's thread (an access(2) per
     chunk): no wait, no hop through the store's loop, no "ask again"."""
-    url = f"file://{tmp_path}"
-    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    try:
-        write_prompt(writer, list(range(6)))
-    finally:
-        writer.shutdown()
+    url = store_with_prompt(tmp_path)
     engine = V1Engine(url, chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=0)
     try:
         first = engine.scheduler.get_num_new_matched_tokens(make_request(PROMPT), 0)
