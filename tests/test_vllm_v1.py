@@ -47,9 +47,9 @@ def store_url(request, tmp_path):
     return engine_store_url(request, tmp_path)
 
 
-def write_prompt(engine: V1Engine, block_ids: list[int]):
-    """Engine computes PROMPT from scratch (store miss) and saves its full chunks."""
-    req = make_request(PROMPT)
+def write_prompt(engine: V1Engine, block_ids: list[int], prompt: list[int] = PROMPT):
+    """Engine computes `prompt` from scratch (store miss) and saves its full chunks."""
+    req = make_request(prompt)
     assert engine.lookup(req) == (0, False)
     engine.scheduler.update_state_after_alloc(req, blocks(block_ids), 0)
     for kv in engine.kv.values():  # the forward writes the prompt's KV
@@ -61,9 +61,11 @@ def write_prompt(engine: V1Engine, block_ids: list[int]):
     return req
 
 
-def read_prompt(engine: V1Engine, block_ids: list[int], local_tokens: int = 0):
-    """A second engine sees PROMPT: lookup, async load between steps, then the request runs."""
-    req = make_request(PROMPT)
+def read_prompt(engine: V1Engine, block_ids: list[int], local_tokens: int = 0,
+                prompt: list[int] = PROMPT):
+    """A second engine sees `prompt`: lookup, async load between steps, then the request
+    runs."""
+    req = make_request(prompt)
     ext, is_async = engine.lookup(req, local_tokens)
     if ext:
         engine.scheduler.update_state_after_alloc(req, blocks(block_ids), ext)
@@ -105,6 +107,29 @@ def test_saved_blocks_load_into_another_engine(store_url):
     for name in writer.kv:
         assert torch.equal(reader.kv[name][10:16], writer.kv[name][0:6])
         assert not reader.kv[name][16].any(), "the partial block is computed, not loaded"
+
+
+def test_save_buffers_come_back_once_written_and_each_save_holds_its_own_prompt(tmp_path):
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    other = list(range(2000, 2100))
+    try:
+        write_prompt(writer, list(range(7)))
+        pooled = {id(b) for b in writer.worker._save_pool}
+        first = {name: kv[0:6].clone() for name, kv in writer.kv.items()}
+        write_prompt(writer, list(range(20, 27)), other)
+        reused = {id(b) for b in writer.worker._save_pool}
+        ext_other, _, errors_other = read_prompt(reader, list(range(10, 17)), prompt=other)
+        ext, _, errors = read_prompt(reader, list(range(0, 7)))
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert len(pooled) == 3 and reused == pooled  # the second save gathered into the first's
+    assert (ext_other, ext, errors_other, errors) == (6 * BLOCK_SIZE, 6 * BLOCK_SIZE, set(), set())
+    for name in writer.kv:
+        assert torch.equal(reader.kv[name][10:16], writer.kv[name][20:26])
+        assert torch.equal(reader.kv[name][0:6], first[name])
 
 
 def test_a_tier_list_reads_its_file_tier_through_chunkio_and_the_rest_from_below(tmp_path):
@@ -849,8 +874,9 @@ def test_a_step_with_work_never_waits_for_loads(tmp_path, monkeypatch):
 @pytest.mark.parametrize("block_dim", [0, 1])
 def test_a_chunks_blocks_in_the_cache_are_its_payload_in_order(block_dim):
     """The views a page-cached chunk is read into (its blocks in the CPU KV cache, per
-    layer) hold exactly the bytes a save gathers, in the same order: runs, gaps and
-    descending ids, block dimension first or second."""
+    layer) hold exactly the bytes a save gathers, in the same order, and a save copies
+    them out through the same views: runs, gaps and descending ids, block dimension
+    first or second."""
     from connector.vllm_v1 import _LayerLayout, gather_blocks
 
     shape = [2, 3, 4, 8]
@@ -872,6 +898,14 @@ def test_a_chunks_blocks_in_the_cache_are_its_payload_in_order(block_dim):
         gather_blocks(kv, block_dim, ids, gathered)
         want += gathered.view(torch.uint8).numpy().tobytes()
     assert b"".join(bytes(p) for p in parts) == want
+    # A save copies a whole chunk out through the same views, layer by layer.
+    worker.chunk_blocks = len(ids)
+    worker._layers = [_LayerLayout(n, block_dim, tuple(block_shape), torch.bfloat16,
+                                   len(want) // len(kvs) // len(ids)) for n in kvs]
+    saved = torch.zeros(len(want), dtype=torch.uint8)
+    assert all(worker._copy_out(saved, ids, i) for i in range(len(kvs)))
+    assert saved.numpy().tobytes() == want
+    assert not worker._copy_out(saved, ids[:-1], 0)  # a partial chunk: the general path
     parts[0][:2] = b"\xff\xff"  # views of the cache itself, not copies
     first = next(iter(kvs.values()))
     assert first.view(torch.uint8).numpy()[(0,) * block_dim + (3,)].reshape(-1)[:2].tolist() == [255, 255]
