@@ -792,13 +792,13 @@ class KVConnector:
         there instead of into its staging buffer, and `placed(i)` runs in place of
         `place(i)`. Returns how many leading chunks have their answer (all of them once
         one failed); the rest are read as before."""
-        if not (self.resident_reads and self._resident_store):
-            return 0
+        if not (self.resident_reads and self._resident_store and keys) or is_cuda(dests[0]):
+            return 0  # one target's staging: all on the GPU, or none (host_view refuses)
         budget = RESIDENT_LOAD_BYTES
         # What InPlaceTarget's runtime check asks, without its ~45 us cost.
         in_place = place is not None and callable(getattr(target, "destination", None))
         for i, key in enumerate(keys):
-            if budget < layout.payload_nbytes or is_cuda(dests[i]):
+            if budget < layout.payload_nbytes:
                 return i
             try:
                 parts = target.destination(i) if in_place else None

@@ -29,6 +29,7 @@ readers older than version 2 refuse version 2 chunks, so upgrade readers before 
 
 from __future__ import annotations
 
+import functools
 import json
 import struct
 from dataclasses import dataclass
@@ -48,6 +49,8 @@ ALIGN = 4096
 HEADER_SIZE = 4096
 _FIXED = struct.Struct("<8sHHIQQQHHII")
 _HCHECK_OFFSET = 32
+_NO_CHECKSUM = bytes(8)
+_META_CACHED_BYTES = 2048  # metas parsed once (`_meta`) are at most this long
 MAX_HEADER_SIZE = 64 * ALIGN
 
 
@@ -223,15 +226,16 @@ def decode_header(data: Any, key: str | None = None) -> ChunkHeader:
         raise TruncatedHeader(view.nbytes, hlen)
     if _FIXED.size + klen + 4 * ntok + mlen > hlen:
         raise ChunkError("header fields overflow the header")
-    raw = bytearray(view[:hlen])
-    struct.pack_into("<Q", raw, _HCHECK_OFFSET, 0)
-    if xxhash.xxh3_64_intdigest(bytes(raw), seed=0) != hcheck:
+    whole = xxhash.xxh3_64(view[:_HCHECK_OFFSET], seed=0)  # the header, its checksum zeroed
+    whole.update(_NO_CHECKSUM)
+    whole.update(view[_HCHECK_OFFSET + 8 : hlen])
+    if whole.intdigest() != hcheck:
         raise ChunkError("header checksum mismatch")
     pos = _FIXED.size
     try:
         got_key = bytes(view[pos : pos + klen]).decode("ascii")
         tokens = np.frombuffer(bytes(view[pos + klen : pos + klen + 4 * ntok]), dtype="<u4")
-        meta = json.loads(bytes(view[pos + klen + 4 * ntok : pos + klen + 4 * ntok + mlen]))
+        meta = _meta(bytes(view[pos + klen + 4 * ntok : pos + klen + 4 * ntok + mlen]))
         segments = (_decode_segments(view, pos + klen + 4 * ntok + mlen, hlen, plen)
                     if version == VERSION_SEGMENTS else ())
     except (UnicodeDecodeError, ValueError) as exc:
@@ -244,6 +248,20 @@ def decode_header(data: Any, key: str | None = None) -> ChunkHeader:
     if key is not None and got_key != key:
         raise ChunkError(f"chunk holds key {got_key!r}, expected {key!r}")
     return ChunkHeader(got_key, tokens, meta, hlen, plen, pcheck, segments)
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed_meta(raw: bytes) -> Any:
+    return json.loads(raw)
+
+
+def _meta(raw: bytes) -> Any:
+    """A header's meta, parsed once per distinct bytes (the chunks of one layout share
+    theirs): a copy of the cached parse, so a caller's changes stay its own."""
+    if len(raw) > _META_CACHED_BYTES:
+        return json.loads(raw)
+    meta = _parsed_meta(raw)
+    return dict(meta) if isinstance(meta, dict) else meta
 
 
 def _decode_segments(view: memoryview, pos: int, hlen: int,

@@ -647,14 +647,30 @@ class FileStore(Store):
             st = os.fstat(fd)
             if resident_only and all_cached(fd, 0, st.st_size) is not True:
                 return NOT_RESIDENT
-            header = self._header_of(key, fd, st)
+            room = -1 if parts is None else sum(p.nbytes for p in parts)
+            header = self.known_header(key, st)
+            read = False
+            if header is None and st.st_size == HEADER_SIZE + room:
+                # A chunk of the asked size with the usual 4 KiB header: header and
+                # payload in one read. A longer header is read again below, and so is
+                # its payload where it still fits `parts`.
+                head = bytearray(HEADER_SIZE)
+                if read_parts_at(fd, [memoryview(head), *parts], 0) != st.st_size:
+                    raise ChunkError("short read")
+                try:
+                    header, read = decode_header(head, key), True
+                except TruncatedHeader:
+                    pass
+            if header is None:
+                header = self._header_of(key, fd, st)
+            elif st.st_size != header.total_len:
+                raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
             if parts is not None:
-                room = sum(p.nbytes for p in parts)
                 if room < header.payload_len or (len(parts) > 1 and room != header.payload_len):
                     return None, "corrupt"  # another layout's chunk: not this reader's to judge
                 if len(parts) == 1:
                     parts = [parts[0][: header.payload_len]]
-                if read_parts_at(fd, parts, header.header_len) != header.payload_len:
+                if not read and read_parts_at(fd, parts, header.header_len) != header.payload_len:
                     raise ChunkError("short read")
                 check = (self.known_header(key, st) is None if resident_only
                          else self._needs_payload_check(key, st))

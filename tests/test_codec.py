@@ -77,6 +77,15 @@ def test_every_single_byte_corruption_is_rejected(pos, flip, payload):
         decode_chunk(bytes(blob), KEY)
 
 
+def test_each_decode_gives_its_own_meta_even_where_the_parse_is_reused():
+    blob = encode_chunk(KEY, TOKENS, b"0123456789", {"layout": "x", "segments": [5, 5]})
+    first = decode_header(blob).meta
+    first["layout"] = "changed by a caller"
+    assert decode_header(blob).meta == {"layout": "x", "segments": [5, 5]}
+    big = {"pad": "y" * 5000}  # parsed each time: not kept in memory
+    assert decode_header(encode_chunk(KEY, TOKENS, b"0", big)).meta == big
+
+
 def test_corruption_of_each_header_byte_is_rejected_exhaustively():
     blob = encode_chunk(KEY, TOKENS, b"0123456789", {"layout": "x"})
     for pos in range(HEADER_SIZE):

@@ -18,7 +18,7 @@ import pytest
 
 from connector import KVConnector
 from storage.capabilities import NOT_RESIDENT, SupportsResidentReads
-from storage.codec import encode_chunk
+from storage.codec import HEADER_SIZE, encode_chunk
 from storage.file import FileStore
 from storage.pagecache import all_cached
 from tests.test_connector_core import LAYOUT, TOKENS, ListEngine, namespace, payload_of, saved
@@ -98,6 +98,50 @@ def test_a_missing_chunk_is_a_miss(tmp_path):
     store = FileStore(tmp_path / "kv")
     assert store.read_resident_into(KEY, bytearray(64)) == (None, "missing")
     assert store.stats()["misses"] == 1
+
+
+def test_a_chunk_read_in_one_go_with_its_header_is_exact_and_a_longer_header_is_read_again(
+        tmp_path):
+    """Where `out` is exactly the payload of a file under a 4 KiB header, header and payload
+    come in one read. A file of that size whose header is longer (many token ids) is read
+    again from its real payload offset into one buffer, and refused, not quarantined, by
+    parts that must hold exactly its payload."""
+    store = FileStore(tmp_path / "kv")
+    payload = bytes(range(256)) * 16
+    asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload)))
+    skip_unless_cached(store.chunk_path(KEY))
+    out = bytearray(len(payload))
+    header, why = store.read_resident_into(KEY, out)
+    assert why is None and header.header_len == HEADER_SIZE and bytes(out) == payload
+
+    long_key = "0123456789abcdef/" + "cd" * 16
+    blob = encode_chunk(long_key, list(range(1500)), payload)
+    asyncio.run(store.put(long_key, blob))
+    assert len(blob) - len(payload) > HEADER_SIZE
+    room = len(blob) - HEADER_SIZE  # the file is as long as a 4 KiB header and `room`
+    out = bytearray(b"\xee" * room)
+    header, why = store.read_resident_into(long_key, out)
+    assert why is None and header.header_len == len(blob) - len(payload)
+    assert bytes(out[: len(payload)]) == payload
+    halves = [memoryview(bytearray(room // 2)), memoryview(bytearray(room - room // 2))]
+    assert store.read_resident_into(long_key, halves) == (None, "corrupt")
+    assert store.chunk_path(long_key).exists()
+
+
+def test_a_corrupt_header_read_with_its_payload_is_a_miss_and_quarantined(tmp_path):
+    store = FileStore(tmp_path / "kv")
+    payload = bytes(range(256)) * 16
+    asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload)))
+    path = store.chunk_path(KEY)
+    with open(path, "r+b") as f:
+        f.seek(120)  # a token id: under the header's checksum
+        b = f.read(1)
+        f.seek(120)
+        f.write(bytes([b[0] ^ 0x01]))
+    skip_unless_cached(path)
+    assert store.read_resident_into(KEY, bytearray(len(payload))) == (None, "corrupt")
+    assert not path.exists()
+    assert store.stats()["corrupt"] == 1
 
 
 def test_a_store_on_a_network_filesystem_never_reads_on_the_callers_thread(tmp_path, monkeypatch):
