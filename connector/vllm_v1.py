@@ -21,7 +21,8 @@ verified loads, counters and write-behind saves. This module only translates vLL
 requests, blocks and KV cache tensors into the core's chunks and load targets.
 
 Scheduler side (engine core process): `get_num_new_matched_tokens` starts one batched
-existence check per request (`lookup_async`), waits up to `lookup_wait_ms` for it, and
+existence check per request (`lookup_async`), waits up to `lookup_wait_ms` for it (up to
+`lookup_idle_wait_ms` when the request is the only one in the engine), and
 answers None ("ask again next step") until it resolves (within `lookup_timeout_s`; a
 failure or timeout is no hit). The core's
 policy then decides how many of the stored chunks are worth loading, from the load and
@@ -453,9 +454,10 @@ class KvstashConnector(KVConnectorBase_V1):
     loaded within its step, layer by layer, any other between steps; "async": always
     between steps, while other requests compute; "layerwise": always within the step),
     `lookup_timeout_s` (default 2), `lookup_wait_ms` (default 5: how long the scheduler
-    waits for a lookup before asking again next step), `load_wait_ms` (default 10: how
-    long a worker, in a step with nothing to compute, waits for the loads in flight before
-    reporting the step), `max_in_flight` (chunk reads per load, default 8),
+    waits for a lookup before asking again next step), `lookup_idle_wait_ms` (default 50:
+    the same while the request is the only one in the engine), `load_wait_ms` (default
+    10: how long a worker, in a step with nothing to compute, waits for the loads in
+    flight before reporting the step), `max_in_flight` (chunk reads per load, default 8),
     `save_queue_bytes` (write-behind bound, 1 GiB),
     `direct_io` (default true: a file:// store is read through gds.ChunkIO into the KV
     cache's device), `resident_reads` (default true: chunks of a local file:// directory
@@ -480,6 +482,7 @@ class KvstashConnector(KVConnectorBase_V1):
         self.chunk_tokens, self.chunk_blocks = chunk_geometry(vllm_config)
         self.lookup_timeout_s = float(extra.get("lookup_timeout_s", 2.0))
         self.lookup_wait_s = float(extra.get("lookup_wait_ms", 5.0)) / 1000
+        self.lookup_idle_wait_s = float(extra.get("lookup_idle_wait_ms", 50.0)) / 1000
         self.load_wait_s = float(extra.get("load_wait_ms", 10.0)) / 1000
         self.max_in_flight = int(extra.get("max_in_flight", 8))
         par = vllm_config.parallel_config
@@ -637,7 +640,12 @@ class KvstashConnector(KVConnectorBase_V1):
             st.lookup_started = time.monotonic()
             # A store that answers within `lookup_wait_ms` (a local disk, a kvserver nearby)
             # gets its answer in this step: the request is not put off by one engine step.
-            concurrent.futures.wait([st.lookup], timeout=self.lookup_wait_s)
+            # With no other request in the engine, waiting holds up nobody's decode, and
+            # asking again means running empty steps meanwhile: a store as slow as S3
+            # gets `lookup_idle_wait_ms` then.
+            alone = len(self._reqs) == 1
+            concurrent.futures.wait([st.lookup], timeout=max(
+                self.lookup_wait_s, self.lookup_idle_wait_s if alone else 0.0))
         if st.lookup.done():
             try:
                 stored = st.lookup.result()

@@ -769,6 +769,36 @@ def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path
         asks_again.shutdown()
 
 
+def test_a_request_alone_in_the_engine_waits_longer_for_its_lookup(tmp_path, monkeypatch):
+    """A request alone in the engine waits up to `lookup_idle_wait_ms` (held up: no other
+    request's decode) and hits in its first step; one that arrives beside it waits only
+    `lookup_wait_ms` and is asked again. Lookups slowed to 0.2 s, on the store's loop
+    (a directory taken for a network mount)."""
+    import time
+
+    from storage.file import FileStore
+
+    url = store_with_prompt(tmp_path)
+    real = FileStore._exists_sync
+
+    def slow_exists(self, *args, **kwargs):
+        time.sleep(0.2)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileStore, "_exists_sync", slow_exists)
+    monkeypatch.setattr("storage.file.is_local", lambda dev: False)
+    engine = V1Engine(url, chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=0,
+                      lookup_idle_wait_ms=60_000)
+    try:
+        alone = make_request(PROMPT)
+        assert engine.scheduler.get_num_new_matched_tokens(alone, 0) == (3 * CHUNK_TOKENS, True)
+        beside = make_request(PROMPT)
+        assert engine.scheduler.get_num_new_matched_tokens(beside, 0) == (None, False)
+        assert engine.lookup(beside) == (3 * CHUNK_TOKENS, True)
+    finally:
+        engine.shutdown()
+
+
 def test_a_local_directory_is_looked_up_within_the_first_ask_whatever_lookup_wait_ms(tmp_path):
     """A local file:// directory answers on the scheduler's thread (an access(2) per
     chunk): no wait, no hop through the store's loop, no "ask again"."""
