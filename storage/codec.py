@@ -257,7 +257,8 @@ def _parsed_meta(raw: bytes) -> Any:
 
 def _meta(raw: bytes) -> Any:
     """A header's meta, parsed once per distinct bytes (the chunks of one layout share
-    theirs): a copy of the cached parse, so a caller's changes stay its own."""
+    theirs): a shallow copy of the cached parse, so a caller that sets a key sets its own
+    (readers only compare metas; none changes what is nested inside)."""
     if len(raw) > _META_CACHED_BYTES:
         return json.loads(raw)
     meta = _parsed_meta(raw)

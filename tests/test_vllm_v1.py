@@ -736,6 +736,23 @@ def store_with_prompt(tmp_path) -> str:
     return url
 
 
+def slow_network_lookups(monkeypatch, seconds: float) -> None:
+    """Every file:// lookup takes `seconds` longer, on the store's loop: the store takes
+    its directory for a network mount, which is never looked up on the caller's thread."""
+    import time
+
+    from storage.file import FileStore
+
+    real = FileStore._exists_sync
+
+    def slow_exists(self, *args, **kwargs):
+        time.sleep(seconds)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(FileStore, "_exists_sync", slow_exists)
+    monkeypatch.setattr("storage.file.is_local", lambda dev: False)
+
+
 def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path, monkeypatch):
     """The scheduler waits up to `lookup_wait_ms` for a request's lookup: a store that
     answers by then costs the request no engine step; one that answers later (a lookup
@@ -748,19 +765,9 @@ def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path
         assert first == (3 * CHUNK_TOKENS, True)
     finally:
         patient.shutdown()
-    import time
-
-    from storage.file import FileStore
-
-    real = FileStore._exists_sync
-
-    def slow_exists(self, *args, **kwargs):
-        time.sleep(0.2)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(FileStore, "_exists_sync", slow_exists)
-    monkeypatch.setattr("storage.file.is_local", lambda dev: False)
-    asks_again = V1Engine(url, chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=0)
+    slow_network_lookups(monkeypatch, 0.2)
+    asks_again = V1Engine(url, chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=0,
+                          lookup_idle_wait_ms=0)
     try:
         req = make_request(PROMPT)
         assert asks_again.scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
@@ -774,19 +781,8 @@ def test_a_request_alone_in_the_engine_waits_longer_for_its_lookup(tmp_path, mon
     request's decode) and hits in its first step; one that arrives beside it waits only
     `lookup_wait_ms` and is asked again. Lookups slowed to 0.2 s, on the store's loop
     (a directory taken for a network mount)."""
-    import time
-
-    from storage.file import FileStore
-
     url = store_with_prompt(tmp_path)
-    real = FileStore._exists_sync
-
-    def slow_exists(self, *args, **kwargs):
-        time.sleep(0.2)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(FileStore, "_exists_sync", slow_exists)
-    monkeypatch.setattr("storage.file.is_local", lambda dev: False)
+    slow_network_lookups(monkeypatch, 0.2)
     engine = V1Engine(url, chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=0,
                       lookup_idle_wait_ms=60_000)
     try:
