@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import itertools
 import logging
 import os
 import signal
@@ -538,6 +539,7 @@ class KvstashConnector(KVConnectorBase_V1):
         self._kv: dict[str, torch.Tensor] = {}
         self._fingerprint = ""
         self._chunk_nbytes = 0
+        self._layer_offsets: list[int] = []  # each layer's byte offset in a chunk payload
         self._loading: dict[str, tuple[ReqChunks, LoadHandle, _ChunkTarget]] = {}
         self._load_errors: set[int] = set()
         self._layer_loads: list[tuple[ReqChunks, SegmentLoad, _ChunkTarget]] = []
@@ -827,11 +829,13 @@ class KvstashConnector(KVConnectorBase_V1):
             self._layers.append(_LayerLayout(name, block_dim, shape, kv.dtype, nbytes))
         described = repr([(x.name, x.block_dim, x.block_shape, str(x.dtype)) for x in self._layers])
         self._fingerprint = xxhash.xxh3_64_hexdigest(described.encode())
-        self._chunk_nbytes = sum(x.block_nbytes for x in self._layers) * self.chunk_blocks
+        segments = [x.block_nbytes * self.chunk_blocks for x in self._layers]
+        self._chunk_nbytes = sum(segments)
+        self._layer_offsets = [0, *itertools.accumulate(segments[:-1])]
         self._layer_index = {layer.name: i for i, layer in enumerate(self._layers)}
         self._block_bytes = self._cpu_block_bytes()
         self.core.bind_layout(EngineLayout.of(
-            self._chunk_nbytes, segments=[x.block_nbytes * self.chunk_blocks for x in self._layers],
+            self._chunk_nbytes, segments=segments,
             engine=FORMAT, kv=self._fingerprint,
         ))
 
@@ -1080,7 +1084,7 @@ class KvstashConnector(KVConnectorBase_V1):
         parts = self._destination(block_ids, layer) if len(block_ids) == self.chunk_blocks else None
         if parts is None:
             return False
-        off = sum(x.block_nbytes for x in self._layers[:layer]) * self.chunk_blocks
+        off = self._layer_offsets[layer]
         out = memoryview(buf.numpy()).cast("B")
         for part in parts:
             out[off : off + part.nbytes] = part

@@ -200,6 +200,15 @@ def read_at(fd: int, size: int, offset: int = 0) -> bytes:
     return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
+def _read_header(fd: int, key: str) -> ChunkHeader:
+    """The header of `key`'s open chunk file, read and decoded (the usual 4 KiB first,
+    then as much as a longer header says it is)."""
+    try:
+        return decode_header(read_at(fd, HEADER_SIZE), key)
+    except TruncatedHeader as short:
+        return decode_header(read_at(fd, short.header_len), key)
+
+
 def read_into_at(fd: int, view: memoryview, offset: int) -> int:
     """Fill `view` from `fd` at `offset` -> the bytes read (fewer only where the file ends)."""
     return read_parts_at(fd, [view], offset)
@@ -648,8 +657,9 @@ class FileStore(Store):
             if resident_only and all_cached(fd, 0, st.st_size) is not True:
                 return NOT_RESIDENT
             room = -1 if parts is None else sum(p.nbytes for p in parts)
-            header = self.known_header(key, st)
-            read = False
+            # An unchanged, already verified file needs its header neither read nor parsed.
+            known = self.known_header(key, st)
+            header, read = known, False
             if header is None and st.st_size == HEADER_SIZE + room:
                 # A chunk of the asked size with the usual 4 KiB header: header and
                 # payload in one read. A longer header is read again below, and so is
@@ -662,8 +672,8 @@ class FileStore(Store):
                 except TruncatedHeader:
                     pass
             if header is None:
-                header = self._header_of(key, fd, st)
-            elif st.st_size != header.total_len:
+                header = _read_header(fd, key)
+            if st.st_size != header.total_len:
                 raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
             if parts is not None:
                 if room < header.payload_len or (len(parts) > 1 and room != header.payload_len):
@@ -672,8 +682,7 @@ class FileStore(Store):
                     parts = [parts[0][: header.payload_len]]
                 if not read and read_parts_at(fd, parts, header.header_len) != header.payload_len:
                     raise ChunkError("short read")
-                check = (self.known_header(key, st) is None if resident_only
-                         else self._needs_payload_check(key, st))
+                check = known is None if resident_only else self._needs_payload_check(key, st)
                 if check:
                     header.verify_payload(parts if len(parts) > 1 else parts[0])
                     self.note_verified(key, st, header)
@@ -733,20 +742,6 @@ class FileStore(Store):
         if got is not NOT_RESIDENT:
             self._count_get(None if got[0] is None else got[0].total_len)
         return got
-
-    def _header_of(self, key: str, fd: int, st: os.stat_result) -> ChunkHeader:
-        """The header of `key`'s open file: known (an unchanged, already verified file needs
-        its header neither read nor parsed) or read and decoded. ChunkError unless the
-        file is exactly as long as the header says."""
-        header = self.known_header(key, st)
-        if header is None:
-            try:
-                header = decode_header(read_at(fd, HEADER_SIZE), key)
-            except TruncatedHeader as short:
-                header = decode_header(read_at(fd, short.header_len), key)
-        if st.st_size != header.total_len:
-            raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
-        return header
 
     def _exists_sync(self, keys: Sequence[str], stop_at_gap: bool) -> list[bool]:
         # Plain strings and access(F_OK): a Path per key costs 4x the syscall itself, and

@@ -928,6 +928,7 @@ def test_a_chunks_blocks_in_the_cache_are_its_payload_in_order(block_dim):
     worker.chunk_blocks = len(ids)
     worker._layers = [_LayerLayout(n, block_dim, tuple(block_shape), torch.bfloat16,
                                    len(want) // len(kvs) // len(ids)) for n in kvs]
+    worker._layer_offsets = [i * len(want) // len(kvs) for i in range(len(kvs))]
     saved = torch.zeros(len(want), dtype=torch.uint8)
     assert all(worker._copy_out(saved, ids, i) for i in range(len(kvs)))
     assert saved.numpy().tobytes() == want
