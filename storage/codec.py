@@ -50,6 +50,7 @@ HEADER_SIZE = 4096
 _FIXED = struct.Struct("<8sHHIQQQHHII")
 _HCHECK_OFFSET = 32
 _NO_CHECKSUM = bytes(8)
+_TOKEN_DTYPE = np.dtype("<u4")  # token ids as headers hold them
 _META_CACHED_BYTES = 2048  # metas parsed once (`_meta`) are at most this long
 MAX_HEADER_SIZE = 64 * ALIGN
 
@@ -112,6 +113,10 @@ class ChunkHeader:
     def matches_tokens(self, token_ids: Any) -> bool:
         if type(token_ids) is list:  # an engine's own list: compared as ints, no array built
             return self.token_ids.tolist() == token_ids
+        if isinstance(token_ids, np.ndarray) and token_ids.dtype == _TOKEN_DTYPE:
+            # The header's own form: compared as bytes.
+            return token_ids.shape == self.token_ids.shape and \
+                token_ids.tobytes() == self.token_ids.tobytes()
         return np.array_equal(self.token_ids, token_array(token_ids))
 
 

@@ -57,6 +57,17 @@ def test_wrong_key_or_tokens_are_rejected():
         decode_chunk(blob, KEY, [t + 1 for t in TOKENS])
 
 
+def test_tokens_match_in_every_form_an_engine_hands_them():
+    header = decode_header(encode_chunk(KEY, TOKENS, b"payload"), KEY)
+    as_u32 = np.asarray(TOKENS, dtype="<u4")
+    for same in (TOKENS, tuple(TOKENS), as_u32, as_u32.astype(np.int64),
+                 np.frombuffer(as_u32.tobytes(), dtype="<u4")):
+        assert header.matches_tokens(same)
+    for other in ([*TOKENS[:-1], TOKENS[-1] + 1], TOKENS[:-1], as_u32[:-1], as_u32 + 1,
+                  np.concatenate([as_u32, as_u32[:1]])):
+        assert not header.matches_tokens(other)
+
+
 def test_truncated_and_extended_blobs_are_rejected():
     blob = encode_chunk(KEY, TOKENS, b"p" * 5000)
     for cut in (0, 10, 100, HEADER_SIZE - 1, HEADER_SIZE, len(blob) - 1):
