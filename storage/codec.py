@@ -113,10 +113,9 @@ class ChunkHeader:
     def matches_tokens(self, token_ids: Any) -> bool:
         if type(token_ids) is list:  # an engine's own list: compared as ints, no array built
             return self.token_ids.tolist() == token_ids
-        if isinstance(token_ids, np.ndarray) and token_ids.dtype == _TOKEN_DTYPE:
-            # The header's own form: compared as bytes.
-            return token_ids.shape == self.token_ids.shape and \
-                token_ids.tobytes() == self.token_ids.tobytes()
+        if (isinstance(token_ids, np.ndarray) and token_ids.dtype == _TOKEN_DTYPE
+                and token_ids.ndim == 1):  # the header's own form: compared as bytes
+            return token_ids.tobytes() == self.token_ids.tobytes()
         return np.array_equal(self.token_ids, token_array(token_ids))
 
 

@@ -60,7 +60,7 @@ def test_wrong_key_or_tokens_are_rejected():
 def test_tokens_match_in_every_form_an_engine_hands_them():
     header = decode_header(encode_chunk(KEY, TOKENS, b"payload"), KEY)
     as_u32 = np.asarray(TOKENS, dtype="<u4")
-    for same in (TOKENS, tuple(TOKENS), as_u32, as_u32.astype(np.int64),
+    for same in (TOKENS, tuple(TOKENS), as_u32, as_u32.astype(np.int64), as_u32[None, :],
                  np.frombuffer(as_u32.tobytes(), dtype="<u4")):
         assert header.matches_tokens(same)
     for other in ([*TOKENS[:-1], TOKENS[-1] + 1], TOKENS[:-1], as_u32[:-1], as_u32 + 1,
