@@ -313,7 +313,7 @@ class _Req:
     """Scheduler-side state of one request, from its first lookup to `request_finished`."""
 
     request: Request
-    tokens: np.ndarray | None = None  # the prompt's token ids as uint32, once chunks need them
+    tokens: np.ndarray | None = None  # the prompt's token ids as uint32 (`_tokens`)
     keys: list[list[str]] = field(default_factory=list)  # per rank, the keys looked up
     lookup: concurrent.futures.Future[int] | None = None
     lookup_started: float = 0.0
@@ -626,11 +626,22 @@ class KvstashConnector(KVConnectorBase_V1):
     # Scheduler side
     # ==================================================================================
 
+    @staticmethod
+    def _tokens(st: _Req) -> np.ndarray | None:
+        """The prompt's token ids as chunk headers hold them (uint32), made once; None for
+        ids no header can hold (negative or over 2**32-1: vLLM rejects them only where
+        it has a tokenizer): such a prompt is neither looked up nor saved."""
+        if st.tokens is None:
+            try:
+                st.tokens = np.asarray(st.request.prompt_token_ids or [], dtype="<u4")
+            except (OverflowError, TypeError, ValueError):
+                st.tokens = np.zeros(0, dtype="<u4")
+        return st.tokens if len(st.tokens) >= st.request.num_prompt_tokens else None
+
     def _chunk_refs(self, st: _Req, start: int, stop: int, first_block: int = 0) -> list[ChunkRef]:
         req, k = st.request, self.chunk_blocks
-        if st.tokens is None:
-            st.tokens = np.asarray(req.prompt_token_ids or [], dtype="<u4")
-        tokens = st.tokens
+        tokens = self._tokens(st)
+        assert tokens is not None  # checked before any chunk is planned
         hashes = req.block_hashes
         return [
             ChunkRef(
@@ -654,7 +665,7 @@ class KvstashConnector(KVConnectorBase_V1):
             # The last prompt token is always computed (its logits start decoding).
             n = min(len(req.block_hashes) // self.chunk_blocks,
                     (req.num_prompt_tokens - 1) // self.chunk_tokens)
-            if n <= 0:
+            if n <= 0 or self._tokens(st) is None:
                 st.hit_chunks = 0
                 return 0
             st.keys = self._lookup_keys(req, n)
@@ -722,7 +733,7 @@ class KvstashConnector(KVConnectorBase_V1):
         st.loaded_tokens = num_external_tokens
 
     def _plan_save(self, st: _Req, done_tokens: int, out: list[ReqChunks]) -> None:
-        if not self.saves:
+        if not self.saves or self._tokens(st) is None:
             return
         req = st.request
         limit = min(done_tokens, req.num_prompt_tokens,

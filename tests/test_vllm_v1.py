@@ -188,6 +188,25 @@ def test_miss_when_store_is_empty(store_url):
         engine.shutdown()
 
 
+@pytest.mark.parametrize("bad_id", [-1, 2**32])
+@pytest.mark.parametrize("at", [0, len(PROMPT) - 1])
+def test_token_ids_no_chunk_can_hold_are_neither_looked_up_nor_saved(tmp_path, bad_id, at):
+    """vLLM checks prompt ids against the vocabulary only where it has a tokenizer: an id
+    a chunk header cannot hold (uint32) makes the request a plain miss, never an error."""
+    engine = V1Engine(f"file://{tmp_path}/kv", chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(engine, list(range(7)))
+        req = make_request([*PROMPT[:at], bad_id, *PROMPT[at + 1 :]])
+        assert engine.lookup(req) == (0, False)  # at the end: its chunks are stored, though
+        engine.scheduler.update_state_after_alloc(req, blocks(range(7, 14)), 0)
+        meta, _, errors = engine.step([req], {req.request_id: list(range(7, 14))},
+                                      {req.request_id: len(PROMPT)})
+        assert meta.saves == [] and errors == set()
+        assert engine.scheduler.request_finished(req, list(range(7, 14))) == (False, None)
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("resident_reads", [False, True])
 def test_corrupt_chunks_become_load_errors_not_exceptions(tmp_path, resident_reads):
     """Through ChunkIO a chunk is verified before it is placed; read from the page cache
