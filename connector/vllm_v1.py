@@ -457,6 +457,9 @@ class _ChunkTarget:
         self.bufs = {}
 
 
+_UNSTORABLE = np.zeros(0, dtype="<u4")  # `_tokens` of a prompt no chunk header can hold
+
+
 class KvstashConnector(KVConnectorBase_V1):
     """kvstash for vLLM's KV connector API. `kv_connector_extra_config`: `store` (URL or
     list of URLs), `model` (when vLLM has no model config), `chunk_tokens` (tokens per
@@ -628,15 +631,17 @@ class KvstashConnector(KVConnectorBase_V1):
 
     @staticmethod
     def _tokens(st: _Req) -> np.ndarray | None:
-        """The prompt's token ids as chunk headers hold them (uint32), made once; None for
-        ids no header can hold (negative or over 2**32-1: vLLM rejects them only where
-        it has a tokenizer): such a prompt is neither looked up nor saved."""
+        """The prompt's token ids as chunk headers hold them (uint32), made once (none for a
+        prompt of embeddings); None for ids no header can hold (negative or over
+        2**32-1: vLLM rejects them only where it has a tokenizer): such a prompt is
+        neither looked up nor saved."""
         if st.tokens is None:
+            ids = st.request.prompt_token_ids
             try:
-                st.tokens = np.asarray(st.request.prompt_token_ids or [], dtype="<u4")
+                st.tokens = np.asarray(ids if ids is not None else [], dtype="<u4")
             except (OverflowError, TypeError, ValueError):
-                st.tokens = np.zeros(0, dtype="<u4")
-        return st.tokens if len(st.tokens) >= st.request.num_prompt_tokens else None
+                st.tokens = _UNSTORABLE
+        return None if st.tokens is _UNSTORABLE else st.tokens
 
     def _chunk_refs(self, st: _Req, start: int, stop: int, first_block: int = 0) -> list[ChunkRef]:
         req, k = st.request, self.chunk_blocks
