@@ -313,7 +313,7 @@ class _Req:
     """Scheduler-side state of one request, from its first lookup to `request_finished`."""
 
     request: Request
-    tokens: np.ndarray | None = None  # the prompt's token ids as uint32 (`_tokens`)
+    tokens: np.ndarray | None = None  # the prompt's token ids as uint32 (`prompt_tokens`)
     keys: list[list[str]] = field(default_factory=list)  # per rank, the keys looked up
     lookup: concurrent.futures.Future[int] | None = None
     lookup_started: float = 0.0
@@ -327,6 +327,22 @@ class _Req:
     loaded_tokens: int = 0  # the hit vLLM was told of (0 when nothing was loaded)
     failed_tokens: int = 0  # of those, tokens recomputed after a failed chunk
     saves_planned: int = 0  # chunks this process sends to the store for this request
+
+    def prompt_tokens(self) -> np.ndarray | None:
+        """The prompt's token ids as chunk headers hold them (uint32), made once (none for a
+        prompt of embeddings); None for ids no header can hold (negative or over
+        2**32-1: vLLM rejects them only where it has a tokenizer): such a prompt is
+        neither looked up nor saved."""
+        if self.tokens is None:
+            ids = self.request.prompt_token_ids
+            try:
+                self.tokens = np.asarray(ids if ids is not None else [], dtype="<u4")
+            except (OverflowError, TypeError, ValueError):
+                self.tokens = _UNSTORABLE
+        return None if self.tokens is _UNSTORABLE else self.tokens
+
+
+_UNSTORABLE = np.zeros(0, dtype="<u4")  # `prompt_tokens` of a prompt no header can hold
 
 
 @dataclass
@@ -455,9 +471,6 @@ class _ChunkTarget:
             for buf in self.bufs.values():
                 self.worker._give_back(self.kind, buf)
         self.bufs = {}
-
-
-_UNSTORABLE = np.zeros(0, dtype="<u4")  # `_tokens` of a prompt no chunk header can hold
 
 
 class KvstashConnector(KVConnectorBase_V1):
@@ -617,6 +630,10 @@ class KvstashConnector(KVConnectorBase_V1):
     def _keys(self, chunks: list[ChunkRef], rank: int) -> list[str]:
         return keys_from_block_hashes([c.block_hash for c in chunks], self.ns_by_rank[rank])
 
+    # ==================================================================================
+    # Scheduler side
+    # ==================================================================================
+
     def _lookup_keys(self, req: Request, n: int) -> list[list[str]]:
         """Per rank, the keys of the request's first `n` chunks, from vLLM's block hashes
         alone: a lookup and the page-cache check need no token ids (building the chunks
@@ -625,27 +642,9 @@ class KvstashConnector(KVConnectorBase_V1):
         last = [hashes[(c + 1) * k - 1] for c in range(n)]
         return [keys_from_block_hashes(last, ns) for ns in self.ns_by_rank]
 
-    # ==================================================================================
-    # Scheduler side
-    # ==================================================================================
-
-    @staticmethod
-    def _tokens(st: _Req) -> np.ndarray | None:
-        """The prompt's token ids as chunk headers hold them (uint32), made once (none for a
-        prompt of embeddings); None for ids no header can hold (negative or over
-        2**32-1: vLLM rejects them only where it has a tokenizer): such a prompt is
-        neither looked up nor saved."""
-        if st.tokens is None:
-            ids = st.request.prompt_token_ids
-            try:
-                st.tokens = np.asarray(ids if ids is not None else [], dtype="<u4")
-            except (OverflowError, TypeError, ValueError):
-                st.tokens = _UNSTORABLE
-        return None if st.tokens is _UNSTORABLE else st.tokens
-
     def _chunk_refs(self, st: _Req, start: int, stop: int, first_block: int = 0) -> list[ChunkRef]:
         req, k = st.request, self.chunk_blocks
-        tokens = self._tokens(st)
+        tokens = st.prompt_tokens()
         assert tokens is not None  # checked before any chunk is planned
         hashes = req.block_hashes
         return [
@@ -670,7 +669,7 @@ class KvstashConnector(KVConnectorBase_V1):
             # The last prompt token is always computed (its logits start decoding).
             n = min(len(req.block_hashes) // self.chunk_blocks,
                     (req.num_prompt_tokens - 1) // self.chunk_tokens)
-            if n <= 0 or self._tokens(st) is None:
+            if n <= 0 or st.prompt_tokens() is None:
                 st.hit_chunks = 0
                 return 0
             st.keys = self._lookup_keys(req, n)
@@ -738,7 +737,7 @@ class KvstashConnector(KVConnectorBase_V1):
         st.loaded_tokens = num_external_tokens
 
     def _plan_save(self, st: _Req, done_tokens: int, out: list[ReqChunks]) -> None:
-        if not self.saves or self._tokens(st) is None:
+        if not self.saves or st.prompt_tokens() is None:
             return
         req = st.request
         limit = min(done_tokens, req.num_prompt_tokens,
