@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import functools
 import logging
@@ -982,7 +983,9 @@ class FileStore(Store):
                     left[0] -= 1
                     last = left[0] == 0
                 if last:
-                    settled.set_result(None)
+                    # Cancelled (at any moment) when the caller gave up waiting: nobody reads it.
+                    with contextlib.suppress(concurrent.futures.InvalidStateError):
+                        settled.set_result(None)
 
         try:
             for key, dest in zip(keys, dests, strict=True):

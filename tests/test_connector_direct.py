@@ -282,3 +282,36 @@ def test_a_batch_of_direct_reads_ends_only_after_every_answer_has_been_handled(
     assert answered == list(range(len(keys)))
     assert all(h is not None for h in headers)
     conn.close()
+
+
+def test_a_batch_given_up_on_while_a_chunk_is_handled_ends_without_a_callback_error(
+        tmp_path, caplog):
+    """A load's deadline cancels `read_chunks_into` while a read's `on_done` still runs on
+    the reading thread (on a GPU the first load's set-up outlasts the 50 ms deadline): when
+    that read's answer is the batch's last, nothing may be set on the cancelled batch (it
+    was: concurrent.futures logged InvalidStateError from the callback)."""
+    import asyncio
+    import logging
+    import threading
+
+    conn = saved(file_connector(tmp_path))
+    store, keys = conn.store, keys_of(conn)[:1]
+    dests = [np.empty(LAYOUT.payload_nbytes, dtype=np.uint8)]
+    entered, release = threading.Event(), threading.Event()
+
+    def on_done(i, header, why):
+        entered.set()
+        release.wait(10)
+
+    async def give_up() -> None:
+        task = asyncio.ensure_future(store.read_chunks_into(keys, dests, on_done=on_done))
+        await asyncio.to_thread(entered.wait, 10)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    caplog.set_level(logging.ERROR, logger="concurrent.futures")
+    conn.run(give_up(), timeout=30)
+    release.set()
+    conn.close()  # waits for the reading thread, so its callback has run
+    assert not [r for r in caplog.records if r.name == "concurrent.futures"], caplog.text
