@@ -92,9 +92,10 @@ def _connector_paths(args: argparse.Namespace, root: str, refs: list, host: list
     (direct_io=False), into the same host destinations. Both verify each payload's xxh3.
 
     `cuda` = (device tensors, pinned host tensors, their check, the H2D baseline's name):
-    two more rows as a GPU engine loads, into device staging through ChunkIO (cuFile or
-    bounce buffers), and through the store's reads into pinned memory plus one H2D copy
-    per chunk as it is placed."""
+    three more rows as a GPU engine loads: into device staging through ChunkIO (cuFile or
+    bounce buffers); and into pinned memory plus one H2D copy per chunk as it is placed,
+    read through ChunkIO (what the connector does without cuFile or KvikIO) and through the
+    store's reads."""
     from connector import ChunkLayout, KVConnector
     from hashing import Namespace, chunk_keys
     from storage.codec import encode_chunk
@@ -145,6 +146,9 @@ def _connector_paths(args: argparse.Namespace, root: str, refs: list, host: list
         paths += [
             ReadPath(f"connector load -> CUDA, ChunkIO ({backend}), {len(refs)} in flight",
                      loader(conns[0], _Staged(dev)), check_dev, cuda_base, conns[0].chunk_io),
+            ReadPath(f"connector load -> CUDA, ChunkIO + H2D, {len(refs)} in flight",
+                     loader(conns[0], _CopiedToDevice(pinned, dev), synced=dev[0].is_cuda), check_dev,
+                     cuda_base, conns[0].chunk_io),
             ReadPath(f"connector load -> CUDA, store reads + H2D, {len(refs)} in flight",
                      loader(conns[1], _CopiedToDevice(pinned, dev), synced=dev[0].is_cuda), check_dev,
                      cuda_base),
