@@ -38,7 +38,7 @@ from connector.engine_io import StoreLoop
 from connector.layout import ChunkLayout, EngineLayout
 from connector.policy import LoadPlan, LoadPolicy
 from connector.writebehind import SaveJob, WriteBehindQueue
-from gds.buffers import host_view, is_cuda
+from gds.buffers import for_gpu, host_view
 from hashing import Namespace, chunk_keys, token_array
 from storage.base import Store
 from storage.breaker import CircuitBreaker
@@ -348,6 +348,20 @@ class KVConnector:
         """Whether loads go through the store's direct reads (`gds.ChunkIO`): staging may
         then be any tensor, on any device; otherwise it must be host memory."""
         return self.chunk_io is not None
+
+    def staging_kind(self, device: Any) -> str:
+        """Where a load into the engine's KV cache on `device` (a torch device) stages its
+        chunks: "device" memory that ChunkIO fills with cuFile or KvikIO; "direct" aligned
+        host memory that ChunkIO fills for a CPU cache; else "host" memory (pinned for a
+        GPU), which ChunkIO or the store's reads fill and the adapter copies over as it
+        places each chunk. A GPU without cuFile or KvikIO stages on the host: ChunkIO's
+        bounce buffers into device staging ran at about half that rate on an H100
+        (docs/benchmarks/2026-11-27-gpu.md)."""
+        if self.chunk_io is None:
+            return "host"
+        if getattr(device, "type", device) != "cuda":
+            return "direct"
+        return "device" if self.chunk_io.cuda_backend in ("torch-gds", "kvikio") else "host"
 
     # -- counters ------------------------------------------------------------------------
 
@@ -791,9 +805,14 @@ class KVConnector:
         that gives chunk i's destination (and `place` is given), the chunk is read straight
         there instead of into its staging buffer, and `placed(i)` runs in place of
         `place(i)`. Returns how many leading chunks have their answer (all of them once
-        one failed); the rest are read as before."""
-        if not (self.resident_reads and self._resident_store and keys) or is_cuda(dests[0]):
-            return 0  # one target's staging: all on the GPU, or none (host_view refuses)
+        one failed); the rest are read as before.
+
+        Not for a GPU engine (staging on the GPU or in pinned memory): its host has the
+        cores to read in parallel, and a large hit is bandwidth, not hand-offs. On an H100
+        host, a 112 MiB hit read here ran at 2.8 GB/s; ChunkIO's threads read the same
+        chunks at 13-15 GB/s (docs/benchmarks/2026-11-27-gpu.md)."""
+        if not (self.resident_reads and self._resident_store and keys) or for_gpu(dests[0]):
+            return 0  # one target's staging: all for the GPU, or none
         budget = RESIDENT_LOAD_BYTES
         # What InPlaceTarget's runtime check asks, without its ~45 us cost.
         in_place = place is not None and callable(getattr(target, "destination", None))

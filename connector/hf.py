@@ -117,19 +117,18 @@ class _PrefixBuffers:
     allocated both buffers anew ran at 0.3-2 GB/s; reusing them is what lets a load run near
     the store's own read rate.
 
-    With direct reads (a file:// store through gds.ChunkIO) staging sits on the model's
-    device: on a GPU, cuFile or bounce buffers fill it and placing is a device-side copy; on
-    CPU it is 4 KiB-aligned host memory that O_DIRECT can fill. Otherwise the store's bytes
-    land in host memory, pinned when the model is on a GPU, and `place` copies them over
-    asynchronously. The K/V buffer is handed to the model as the loaded `DynamicCache`; the
+    Where staging sits is `KVConnector.staging_kind`'s answer: on the GPU when cuFile or
+    KvikIO fill it (placing is then a device-side copy); 4 KiB-aligned host memory that
+    O_DIRECT can fill for a model on CPU; otherwise host memory, pinned when the model is on
+    a GPU, which `place` copies over asynchronously. The K/V buffer is handed to the model as the loaded `DynamicCache`; the
     model's first update replaces those tensors (`torch.cat`), so the buffer is reused only
     once no returned cache still shares its memory (`release`)."""
 
-    def __init__(self, layout: ChunkLayout, device: torch.device, direct: bool):
+    def __init__(self, layout: ChunkLayout, device: torch.device, kind: str):
         self.layout = layout
         self.dtype = getattr(torch, layout.dtype)
         self.device = device
-        self.direct = direct
+        self.kind = kind  # "device", "direct" or "host" (KVConnector.staging_kind)
         self.raw: torch.Tensor | None = None
         self.kv: torch.Tensor | None = None
 
@@ -144,9 +143,9 @@ class _PrefixBuffers:
 
     def _staging(self, n_chunks: int) -> torch.Tensor:
         shape = (n_chunks, self.layout.payload_nbytes)
-        if self.direct and self.device.type == "cuda":
+        if self.kind == "device":
             return torch.empty(shape, dtype=torch.uint8, device=self.device)
-        if self.direct:
+        if self.kind == "direct":
             return aligned_empty(shape)
         return torch.empty(shape, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
 
@@ -284,8 +283,8 @@ class CachedPrefill:
             return 0, None
         if self._buffers is None or self._buffers.device != ids.device:
             # layerwise: ranges land in host memory, then each layer is placed on the device
-            self._buffers = _PrefixBuffers(self.layout, ids.device,
-                                           conn.reads_direct and not self.layerwise)
+            kind = "host" if self.layerwise else conn.staging_kind(ids.device)
+            self._buffers = _PrefixBuffers(self.layout, ids.device, kind)
         staged = self._buffers.take(plan.chunks)
         if self.layerwise:
             keys, tokens = conn.keys(tokens, plan.chunks * conn.chunk_tokens)

@@ -920,12 +920,8 @@ class KvstashConnector(KVConnectorBase_V1):
         return next(iter(self._kv.values())).device
 
     def _staging_kind(self) -> str:
-        """"device" memory for direct reads into a GPU, "direct" aligned host memory for
-        direct reads on CPU, "host" (pinned for a GPU) for what stores copy into."""
-        cuda = self._device().type == "cuda"
-        if self.core.reads_direct:
-            return "device" if cuda else "direct"
-        return "host"
+        """See `KVConnector.staging_kind`."""
+        return self.core.staging_kind(self._device())
 
     def _take_buffer(self, kind: str) -> torch.Tensor:
         free = self._load_buffers.get(kind)

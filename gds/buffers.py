@@ -26,6 +26,11 @@ def is_cuda(obj: Any) -> bool:
     return is_tensor(obj) and obj.device.type == "cuda"
 
 
+def for_gpu(obj: Any) -> bool:
+    """Whether `obj` is GPU memory or pinned host memory (a GPU engine's staging)."""
+    return is_tensor(obj) and (obj.device.type == "cuda" or obj.is_pinned())
+
+
 def byte_tensor(tensor: Any) -> Any:
     """A flat uint8 view of a contiguous tensor (same memory, any device)."""
     import torch

@@ -400,7 +400,7 @@ def test_load_buffers_are_reused_without_touching_a_returned_cache(store_dir):
 def test_a_cache_still_holding_the_loaded_kv_keeps_it_from_reuse():
     from connector.hf import _PrefixBuffers, kv_layout
 
-    buffers = _PrefixBuffers(kv_layout(tiny_model(), CHUNK), torch.device("cpu"), direct=False)
+    buffers = _PrefixBuffers(kv_layout(tiny_model(), CHUNK), torch.device("cpu"), "host")
     staged = buffers.take(2)
     held = staged.cache(2 * CHUNK, tiny_model().config)  # as if the model kept these tensors
     buffers.release(held)
