@@ -11,7 +11,9 @@ One run, four measurements per repeat, interleaved so that a noisy machine hurts
 - ideal: the same suffix with the prefix KV already in memory in a ready cache object
   (no lookup, no I/O, no copy): the floor a hit approaches.
 
-TTFT is the prefill call's wall time up to the last position's logits (`logits_to_keep=1`).
+TTFT is the prefill call's wall time up to the last position's logits (`logits_to_keep=1`);
+with `--device cuda` each timed region ends with a device synchronize, so it holds the GPU's
+work too.
 Saves are flushed outside the timed regions, as an engine's decode time would cover them.
 Each repeat uses a fresh random prefix and each run a fresh namespace salt, so a store
 left over from an earlier run never turns a "miss" into a hit.
@@ -36,9 +38,9 @@ from typing import Any
 from bench.presets import PRESETS, Preset, get_preset
 
 try:
-    from bench.workloads import add_workload_arguments, run_workload
+    from bench.workloads import add_workload_arguments, policy_for, run_workload
 except ModuleNotFoundError:
-    add_workload_arguments = run_workload = None
+    add_workload_arguments = policy_for = run_workload = None
 
 
 @dataclass
@@ -52,6 +54,7 @@ class Rig:
     store_url: str
     build_s: float
     scratch: Path | None = None  # a temporary store directory this rig removes on close
+    device: str = "cpu"
 
     @property
     def connector(self) -> Any:
@@ -71,9 +74,11 @@ def build_rig(
     chunk_tokens: int = 256,
     seed: int = 0,
     salt: str | None = None,
+    device: str = "cpu",
     **connector_kwargs: Any,
 ) -> Rig:
-    """Build a preset's model (seeded random weights) and a `CachedPrefill` over `store_url`.
+    """Build a preset's model (seeded random weights, on `device`) and a `CachedPrefill` over
+    `store_url`.
 
     No `store_url`: a fresh temporary `file://` directory, removed by `Rig.close()`.
     `salt` (default: random) scopes the namespace, so runs never see each other's chunks.
@@ -87,11 +92,11 @@ def build_rig(
         scratch = Path(tempfile.mkdtemp(prefix="kvstash-bench-"))
         store_url = f"file://{scratch}"
     started = time.perf_counter()
-    model = p.build(dtype, seed)
+    model = p.build(dtype, seed).to(device)
     build_s = time.perf_counter() - started
     ns = namespace_for(model, chunk_tokens, salt=uuid.uuid4().hex if salt is None else salt)
     prefill = CachedPrefill(model, KVConnector(store_url, ns, **connector_kwargs))
-    return Rig(p, dtype, model, prefill, store_url, build_s, scratch)
+    return Rig(p, dtype, model, prefill, store_url, build_s, scratch, device)
 
 
 def random_prompt(n: int, vocab: int, rng: Any) -> Any:
@@ -101,22 +106,31 @@ def random_prompt(n: int, vocab: int, rng: Any) -> Any:
     return torch.from_numpy(rng.integers(16, vocab, (1, n)))
 
 
+def _done(ids: Any) -> float:
+    """perf_counter() once the work queued on `ids`'s device has finished (CPU: at once)."""
+    if ids.is_cuda:
+        import torch
+
+        torch.cuda.synchronize(ids.device)
+    return time.perf_counter()
+
+
 def timed_plain(model: Any, ids: Any) -> tuple[float, Any]:
     """Seconds and output of the plain model on the whole prompt (no cache at all)."""
     import torch
 
     with torch.no_grad():
-        started = time.perf_counter()
+        started = _done(ids)
         out = model(ids, use_cache=True, logits_to_keep=1)
-        return time.perf_counter() - started, out
+        return _done(ids) - started, out
 
 
 def timed_cached(prefill: Any, ids: Any) -> tuple[float, Any]:
     """Seconds and output of one prefill through the cache (`prefill.last_hit_tokens` says
     how much was loaded)."""
-    started = time.perf_counter()
+    started = _done(ids)
     out = prefill(ids, logits_to_keep=1)
-    return time.perf_counter() - started, out
+    return _done(ids) - started, out
 
 
 def timed_ideal(model: Any, prefix_cache: Any, prefix_tokens: int, suffix_ids: Any) -> tuple[float, Any]:
@@ -128,9 +142,9 @@ def timed_ideal(model: Any, prefix_cache: Any, prefix_tokens: int, suffix_ids: A
 
     cache = cropped(model, prefix_cache, prefix_tokens)
     with torch.no_grad():
-        started = time.perf_counter()
+        started = _done(suffix_ids)
         out = model(suffix_ids, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        return time.perf_counter() - started, out
+        return _done(suffix_ids) - started, out
 
 
 @dataclass
@@ -185,8 +199,8 @@ def measure_once(rig: Rig, prompt_tokens: int, cached_tokens: int, rng: Any,
     first = random_prompt(prompt_tokens - cached_tokens, vocab, rng)
     second = random_prompt(prompt_tokens - cached_tokens, vocab, rng)
     second[0, 0] = (first[0, 0] + 1) % vocab  # the prompts share exactly the prefix
-    prompt_a = torch.cat([prefix, first], dim=1)
-    prompt_b = torch.cat([prefix, second], dim=1)
+    prompt_a = torch.cat([prefix, first], dim=1).to(rig.device)
+    prompt_b = torch.cat([prefix, second], dim=1).to(rig.device)
     conn = rig.connector
 
     full_s, full = timed_plain(rig.model, prompt_a)
@@ -203,7 +217,7 @@ def measure_once(rig: Rig, prompt_tokens: int, cached_tokens: int, rng: Any,
     hit_compute_s = rig.prefill.last_timings["compute"]
     conn.flush()
     ideal_s, ideal = timed_ideal(rig.model, full.past_key_values, hit_tokens, prompt_b[:, hit_tokens:])
-    keys = chunk_keys(prompt_b[0, :hit_tokens].numpy(), conn.ns)
+    keys = chunk_keys(prompt_b[0, :hit_tokens].cpu().numpy(), conn.ns)
     store_read_s = timed_store_read(conn, keys, buffers) if keys else 0.0
     exact = bool(
         torch.equal(miss.logits, full.logits) and torch.equal(hit.logits, ideal.logits)
@@ -224,7 +238,8 @@ def warm_up(rig: Rig, tokens: int = 256) -> None:
     """One small forward pass, so thread pools and allocators are warm before timing."""
     import numpy as np
 
-    timed_plain(rig.model, random_prompt(tokens, rig.preset.vocab, np.random.default_rng(1)))
+    ids = random_prompt(tokens, rig.preset.vocab, np.random.default_rng(1))
+    timed_plain(rig.model, ids.to(rig.device))
 
 
 def measure_ttft(
@@ -259,6 +274,8 @@ def measure_ttft(
         "cached_tokens": cached_tokens,
         "chunk_tokens": n,
         "store": rig.store_url,
+        "device": _device_name(rig.device),
+        "policy": "adaptive" if rig.connector.policy.adaptive else "always load",
         "repeat": repeat,
         "threads": _torch_threads(),
         "full_prefill_s": full,
@@ -286,6 +303,14 @@ def measure_ttft(
     }
 
 
+def _device_name(device: str) -> str:
+    """`device`, with the GPU's name where it is one."""
+    import torch
+
+    dev = torch.device(device)
+    return f"{device} ({torch.cuda.get_device_name(dev)})" if dev.type == "cuda" else device
+
+
 def _torch_threads() -> int:
     import torch
 
@@ -308,6 +333,7 @@ def format_report(r: dict[str, Any]) -> str:
         f"model {r['model']} ({r['params'] / 1e6:.0f}M params, {r['dtype']}, "
         f"{format_size(r['bytes_per_token'])}/token), prompt {r['prompt_tokens']} tokens, "
         f"{r['cached_tokens']} cached, chunks of {r['chunk_tokens']}, store {r['store']}, "
+        f"on {r.get('device', 'cpu')}, {r.get('policy', 'adaptive')} policy, "
         f"{r['threads']} torch threads, median of {r['repeat']}",
         f"{'path':<38} {'TTFT':>9}  vs full prefill",
     ]
@@ -365,6 +391,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="shared prefix stored before the hit (default 3584)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="tokens per chunk (default 256)")
     p.add_argument("--repeat", type=int, default=3, help="interleaved rounds; medians (default 3)")
+    p.add_argument("--device", default="cpu",
+                   help="torch device of the model and its cache, e.g. cuda (default cpu)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch intra-op threads (default 0: torch's choice, one per core); on a "
                         "busy shared machine 1 is steadier")
@@ -385,9 +413,10 @@ def run(args: argparse.Namespace) -> int:
 
         torch.set_num_threads(args.threads)
     results = []
+    policy = policy_for(args) if policy_for is not None else None
     for name in _presets(args.model):
         rig = build_rig(name, args.store, dtype=args.dtype, chunk_tokens=args.chunk_tokens,
-                        seed=args.seed)
+                        seed=args.seed, device=args.device, policy=policy)
         try:
             result = measure_ttft(rig, args.prompt_tokens, args.cached_tokens, args.repeat,
                                   args.seed)

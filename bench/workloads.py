@@ -320,7 +320,8 @@ def _summarize(rows: list[dict[str, Any]], stats: dict[str, Any], store_url: str
     }
 
 
-def _policy(args: argparse.Namespace) -> Any:
+def policy_for(args: argparse.Namespace) -> Any:
+    """`--always-load`: a LoadPolicy that loads every hit; else None (the adaptive one)."""
     if not args.always_load:
         return None
     from connector import LoadPolicy
@@ -349,7 +350,7 @@ def run_workload(args: argparse.Namespace) -> int:
             for url in _store_urls(args, Path(scratch)):
                 print(f"{name}: {len(prompts)} prompts, {sum(map(len, prompts))} tokens, "
                       f"through {_store_label(url)}")
-                result = measure(model, prompts, url, args.chunk_tokens, policy=_policy(args))
+                result = measure(model, prompts, url, args.chunk_tokens, policy=policy_for(args))
                 result.update(workload=name, ideal_hit_rate=ideal / result["tokens"])
                 results.append(result)
     ms = lambda s: None if s is None else 1000 * s  # noqa: E731
