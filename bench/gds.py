@@ -367,6 +367,9 @@ def run(args: argparse.Namespace) -> int:
             cuda = (dev, pinned, check_dev, cuda_base)
 
         conns, store_root = _connector_paths(args, root, refs, host, check_host, base, paths, cuda)
+        # The connector rows read the store's own copies of the chunks: --cold drops those too.
+        stored = [os.path.join(d, f) for d, _, names in os.walk(store_root) for f in names
+                  ] if store_root else []
 
         for p in paths:
             for d in clear:
@@ -378,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
             for p in paths:
                 cold = args.cold or "O_DIRECT" in p.name
                 if cold:
-                    _drop_cache(files)
+                    _drop_cache(files + stored if args.cold else files)
                 t = time.perf_counter()
                 p.read_all()
                 p.gbps.append(total / (time.perf_counter() - t) / 1e9)

@@ -80,3 +80,14 @@ def test_connector_rows_for_device_staging_fill_the_destinations(tmp_path):
     finally:
         for c in conns:
             c.close()
+
+
+def test_cold_rounds_drop_the_connector_rows_chunk_files_too(tmp_path, monkeypatch):
+    # The connector rows read the store's own copies of the chunks; a --cold round that
+    # left those cached timed page-cache reads under a "cold" heading (seen on an H100 host).
+    dropped: list[str] = []
+    real = bench.gds._drop_cache
+    monkeypatch.setattr(bench.gds, "_drop_cache", lambda paths: (dropped.extend(paths), real(paths)))
+    assert main(["--dir", str(tmp_path / "chunks"), "--size-mib", "0.25", "--threads", "2",
+                 "--count", "2", "--rounds", "1", "--cold"]) == 0
+    assert any("/store-" in p and p.endswith(".kv") for p in dropped), dropped
