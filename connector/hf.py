@@ -25,12 +25,14 @@ import logging
 import time
 from typing import Any
 
+import numpy as np
 import torch
 import xxhash
 from transformers import DynamicCache
 
 from connector.core import KVConnector
 from connector.layout import ChunkLayout
+from connector.policy import PrefillTimer
 from gds.buffers import aligned_empty
 from hashing import Namespace
 
@@ -267,15 +269,16 @@ class CachedPrefill:
         connector.bind_layout(self.layout)
         self._buffers: _PrefixBuffers | None = None
         self._layer_load: Any = None
+        self._timers: list[PrefillTimer] = []  # forward passes not yet observed
         self.last_hit_tokens = 0
         self.last_cached_tokens = 0
         # Wall seconds of the last call: "cache" (lookup, load, placement), "compute" (the
         # model), "save" (queueing the new chunks). cache + save is the connector's own cost.
         self.last_timings: dict[str, float] = {}
 
-    def _load(self, ids: torch.Tensor, max_tokens: int) -> tuple[int, DynamicCache | None]:
+    def _load(self, ids: torch.Tensor, tokens: np.ndarray,
+              max_tokens: int) -> tuple[int, DynamicCache | None]:
         conn = self.connector
-        tokens = ids[0].cpu().numpy()
         cached = conn.lookup(tokens, max_tokens=max_tokens)
         self.last_cached_tokens = cached
         plan = conn.plan(cached)
@@ -314,15 +317,20 @@ class CachedPrefill:
         n = self.connector.chunk_tokens
         total = ids.shape[1]
         t0 = time.perf_counter()
+        # The prompt on the host, once: lookup, load and save all key on it, and copying it
+        # after the forward would wait for a GPU to finish before the saves are queued.
+        tokens = ids[0].cpu().numpy()
         hit, cache = 0, None
         try:
-            hit, cache = self._load(ids, (total - 1) // n * n)
+            hit, cache = self._load(ids, tokens, (total - 1) // n * n)
         except Exception:  # noqa: BLE001 - the cache may make a request faster, never fail it
             log.exception("cache load failed; computing the whole prompt")
             hit, cache = 0, None
         t1 = time.perf_counter()
+        timer = PrefillTimer(total - hit, ids.device)
         out = self.model(ids[:, hit:], past_key_values=cache, use_cache=True,
                          **_suffix_kwargs(kwargs, hit))
+        timer.stop()
         load, self._layer_load = self._layer_load, None
         if load is not None and not all(load.result(max(load.deadline - time.monotonic(), 0) + 1)):
             # A layer of some chunk failed while the forward ran: that output used a wrong
@@ -330,24 +338,35 @@ class CachedPrefill:
             log.warning("layerwise load fell short; computing the whole prompt")
             self._buffers.raw = None
             hit, cache = 0, None
+            timer = PrefillTimer(total, ids.device)
             out = self.model(ids, use_cache=True, **kwargs)
+            timer.stop()
         t2 = time.perf_counter()
         if cache is not None:
             self._buffers.release(out.past_key_values)
-        self.connector.observe_prefill(total - hit, t2 - t1)
+        self._observe(timer)
         self.last_hit_tokens = hit
-        self._save(ids, out.past_key_values, hit)
+        self._save(tokens, out.past_key_values, hit)
         self.last_timings = {"cache": t1 - t0, "compute": t2 - t1, "save": time.perf_counter() - t2}
         return out
 
-    def _save(self, ids: torch.Tensor, cache: Any, hit: int) -> None:
-        if cache is None or ids.shape[1] // self.connector.chunk_tokens * self.connector.chunk_tokens <= hit:
+    def _observe(self, timer: PrefillTimer) -> None:
+        """Tell the policy what the forward passes cost, each once its time is known (on a
+        GPU once its kernels are done: the Python call returns before)."""
+        self._timers.append(timer)
+        while self._timers and self._timers[0].ready():
+            done = self._timers.pop(0)
+            self.connector.observe_prefill(done.tokens, done.seconds())
+        del self._timers[:-64]  # a GPU that never answers: keep the newest only
+
+    def _save(self, tokens: np.ndarray, cache: Any, hit: int) -> None:
+        if cache is None or len(tokens) // self.connector.chunk_tokens * self.connector.chunk_tokens <= hit:
             return
         try:
             # DynamicCache replaces (never mutates) its tensors on update, so these references
             # stay valid while the engine keeps decoding and the writer serializes later.
             keys = [layer.keys for layer in cache.layers]
             values = [layer.values for layer in cache.layers]
-            self.connector.save(ids[0].cpu().numpy(), _chunk_payload(self.layout, keys, values), hit)
+            self.connector.save(tokens, _chunk_payload(self.layout, keys, values), hit)
         except Exception:  # noqa: BLE001 - a lost save costs a future hit, never this request
             log.exception("queueing the prompt's chunks for saving failed")

@@ -13,7 +13,9 @@ declined hit loads a single chunk, which costs at most one chunk's worth of time
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -106,3 +108,33 @@ class LoadPolicy:
             "store_gbps_estimate": None if bps is None else bps / 1e9,
             "prefill_tokens_per_s_estimate": self.prefill_tokens_per_s.value,
         }
+
+
+class PrefillTimer:
+    """Times one forward pass for `observe_prefill`: wall clock on CPU, CUDA events on a GPU,
+    whose kernels run after the Python call returns. Read it once `ready()`: never a sync."""
+
+    def __init__(self, tokens: int, device: Any):
+        self.tokens = tokens
+        self.started = time.monotonic()
+        self.ended = self.started
+        self._events = None
+        if getattr(device, "type", device) == "cuda":
+            import torch
+
+            self._events = (torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True))
+            self._events[0].record()
+
+    def stop(self) -> None:
+        self.ended = time.monotonic()
+        if self._events is not None:
+            self._events[1].record()
+
+    def ready(self) -> bool:
+        return self._events is None or self._events[1].query()
+
+    def seconds(self) -> float:
+        if self._events is not None:
+            return self._events[0].elapsed_time(self._events[1]) / 1e3
+        return self.ended - self.started

@@ -81,7 +81,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.core import COUNTERS, KVConnector, LoadHandle, SegmentLoad
 from connector.layout import EngineLayout
-from connector.policy import LoadPolicy
+from connector.policy import LoadPolicy, PrefillTimer
 from gds.buffers import aligned_empty
 from hashing import Namespace, keys_from_block_hashes
 
@@ -360,34 +360,6 @@ def _flag(value: Any) -> bool:
     return parse_bool(value) if isinstance(value, str) else bool(value)
 
 
-class _StepTimer:
-    """Times one forward step: wall clock on CPU, CUDA events on a GPU (whose kernels run
-    after the step's Python returns)."""
-
-    def __init__(self, tokens: int, device: torch.device):
-        self.tokens = tokens
-        self.started = time.monotonic()
-        self.ended = self.started
-        self._events = None
-        if device.type == "cuda":
-            self._events = (torch.cuda.Event(enable_timing=True),
-                            torch.cuda.Event(enable_timing=True))
-            self._events[0].record()
-
-    def stop(self) -> None:
-        self.ended = time.monotonic()
-        if self._events is not None:
-            self._events[1].record()
-
-    def ready(self) -> bool:
-        return self._events is None or self._events[1].query()
-
-    def seconds(self) -> float:
-        if self._events is not None:
-            return self._events[0].elapsed_time(self._events[1]) / 1e3
-        return self.ended - self.started
-
-
 def _runs(block_ids: list[int]) -> Iterable[tuple[int, int, int]]:
     """(position in `block_ids`, first block id, count) of each run of consecutive ids."""
     j = 0
@@ -584,8 +556,8 @@ class KvstashConnector(KVConnectorBase_V1):
         self._save_pool: list[torch.Tensor] = []
         self._save_pool_max = 0
         self._saved_layers: set[str] = set()
-        self._step_timer: _StepTimer | None = None
-        self._timers: list[_StepTimer] = []  # stopped, not yet read
+        self._step_timer: PrefillTimer | None = None
+        self._timers: list[PrefillTimer] = []  # stopped, not yet read
         if worker:
             self._flush_on_exit()
             if getattr(vllm_config, "shutdown_timeout", None) == 0:
@@ -914,7 +886,7 @@ class KvstashConnector(KVConnectorBase_V1):
         meta = connector_metadata
         if (self._kv and isinstance(meta, KvstashMetadata) and meta.prefill_tokens
                 and not any(r.sync for r in meta.loads)):  # a step with sync loads waits
-            self._step_timer = _StepTimer(meta.prefill_tokens, self._device())
+            self._step_timer = PrefillTimer(meta.prefill_tokens, self._device())
 
     def _device(self) -> torch.device:
         return next(iter(self._kv.values())).device

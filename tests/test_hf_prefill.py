@@ -437,3 +437,31 @@ def test_a_layerwise_hit_with_a_corrupt_layer_is_recomputed_whole(store_dir):
     assert_exact(out, model, ids, 0)
     assert prefill.connector.stats()["verify_failures"] >= 1
     prefill.connector.close()
+
+
+def test_the_policy_learns_each_forward_once_its_time_is_known(store_dir, monkeypatch):
+    """Every forward pass's computed tokens reach the policy: on CPU at once; on a GPU (CUDA
+    events stand in here: a timer not yet `ready`) at a later call, never by waiting."""
+    import connector.hf as hf
+
+    model = tiny_model()
+    prefill = make_prefill(model, f"file://{store_dir}")
+    ids = prompt(200)
+    warm(prefill, ids)
+    prefill(ids)  # a hit: 192 loaded, 8 computed
+    stats = prefill.connector.stats()
+    assert stats["prefill_tokens"] == 200 + 8 and stats["prefill_seconds"] > 0
+
+    class Pending(hf.PrefillTimer):  # a GPU whose kernels finish only after the next call
+        answered = 0
+
+        def ready(self) -> bool:
+            Pending.answered += 1
+            return Pending.answered > 1
+
+    monkeypatch.setattr(hf, "PrefillTimer", Pending)
+    prefill(prompt(40, seed=5))
+    assert prefill.connector.stats()["prefill_tokens"] == 208  # not known yet: not waited for
+    prefill(prompt(30, seed=6))
+    assert prefill.connector.stats()["prefill_tokens"] == 208 + 40 + 30
+    prefill.connector.close()
