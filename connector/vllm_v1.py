@@ -53,7 +53,7 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -404,6 +404,18 @@ def gather_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], dst: t
     lead = (slice(None),) * block_dim
     for j, b, n in _runs(block_ids):
         out[(*lead, slice(j, j + n))] = src[(*lead, slice(b, b + n))]
+
+
+def _once_copied(event: Any, payload: Callable[[int], Any]) -> Callable[[int], Any]:
+    """`payload`, on the writer's thread only after `event` (queued copies on a GPU)."""
+    if event is None:
+        return payload
+
+    def after(i: int) -> Any:
+        event.synchronize()
+        return payload(i)
+
+    return after
 
 
 class _ChunkTarget:
@@ -1126,15 +1138,19 @@ class KvstashConnector(KVConnectorBase_V1):
             return
         for name, kv in self._kv.items():  # layers the forward did not hand to save_kv_layer
             self._gather(name, kv, meta.saves)
+        copied = None
         if any(kv.is_cuda for kv in self._kv.values()):
-            torch.cuda.synchronize()
+            # The gathers' copies into pinned memory are queued on the stream: write-behind
+            # waits for them, not this step (a sync here would stall vLLM's next step).
+            copied = torch.cuda.Event()
+            copied.record()
         self._save_pool_max = max(self._save_pool_max, len(self._save_buffers))
         buffers = iter(self._save_buffers)
         for req in meta.saves:
             held = [next(buffers) for _ in req.chunks]
             bufs = [b.numpy() for b in held]
             keys, tokens = self._keys(req.chunks, self.rank), [c.token_ids for c in req.chunks]
-            saved = self.core.write(keys, tokens, bufs.__getitem__)
+            saved = self.core.write(keys, tokens, _once_copied(copied, bufs.__getitem__))
             saved.add_done_callback(lambda _, held=held: self._return_save_buffers(held))
             if self.kv_events:  # the answer says which chunks the store now holds
                 self._saves_reported.append((req.chunks, saved))

@@ -977,3 +977,23 @@ def test_blocks_are_gathered_and_placed_exactly_in_any_order_and_layout(block_di
     place_blocks(placed, block_dim, ids, gathered)
     want = torch.zeros_like(kv).index_copy_(block_dim, torch.tensor(ids), gathered)
     assert torch.equal(placed, want)
+
+
+def test_on_a_gpu_write_behind_waits_for_the_save_copies_not_the_step():
+    """On a GPU a step's save copies into pinned memory are queued on the stream; the step
+    records an event instead of synchronizing, and each chunk's payload is taken on the
+    writer's thread only once that event is done. A stand-in event here (no GPU)."""
+    from connector.vllm_v1 import _once_copied
+
+    seen: list[str] = []
+
+    class Event:
+        def synchronize(self) -> None:
+            seen.append("synchronized")
+
+    bufs = ["chunk 0", "chunk 1"]
+    payload = _once_copied(Event(), lambda i: seen.append(f"read {i}") or bufs[i])
+    assert seen == []  # nothing waits in the step
+    assert payload(1) == "chunk 1" and seen == ["synchronized", "read 1"]
+    plain = bufs.__getitem__
+    assert _once_copied(None, plain) is plain  # on CPU the copies are done in the step
