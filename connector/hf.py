@@ -122,9 +122,10 @@ class _PrefixBuffers:
     Where staging sits is `KVConnector.staging_kind`'s answer: on the GPU when cuFile or
     KvikIO fill it (placing is then a device-side copy); 4 KiB-aligned host memory that
     O_DIRECT can fill for a model on CPU; otherwise host memory, pinned when the model is on
-    a GPU, which `place` copies over asynchronously. The K/V buffer is handed to the model as the loaded `DynamicCache`; the
-    model's first update replaces those tensors (`torch.cat`), so the buffer is reused only
-    once no returned cache still shares its memory (`release`)."""
+    a GPU, which `place` copies over asynchronously. The K/V buffer is handed to the model
+    as the loaded `DynamicCache`; the model's first update replaces those tensors
+    (`torch.cat`), so the buffer is reused only once no returned cache still shares its
+    memory (`release`)."""
 
     def __init__(self, layout: ChunkLayout, device: torch.device, kind: str):
         self.layout = layout
