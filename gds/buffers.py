@@ -27,8 +27,15 @@ def is_cuda(obj: Any) -> bool:
 
 
 def for_gpu(obj: Any) -> bool:
-    """Whether `obj` is GPU memory or pinned host memory (a GPU engine's staging)."""
-    return is_tensor(obj) and (obj.device.type == "cuda" or obj.is_pinned())
+    """Whether `obj` is GPU memory or pinned host memory (a GPU engine's staging). Nothing
+    is pinned before CUDA is initialized, and asking then could initialize it."""
+    if not is_tensor(obj):
+        return False
+    if obj.device.type == "cuda":
+        return True
+    import torch
+
+    return torch.cuda.is_initialized() and obj.is_pinned()
 
 
 def byte_tensor(tensor: Any) -> Any:

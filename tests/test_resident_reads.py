@@ -332,9 +332,13 @@ class PinnedEngine(ListEngine):
         self.bufs = [torch.from_numpy(b).as_subclass(Pinned) for b in self.bufs]
 
 
-def test_a_gpu_engines_pinned_staging_is_read_by_chunkio_threads_not_on_the_callers(tmp_path):
+def test_a_gpu_engines_pinned_staging_is_read_by_chunkio_threads_not_on_the_callers(
+        tmp_path, monkeypatch):
     # A GPU host reads a large hit faster in parallel: on an H100 host 13-15 GB/s through
     # ChunkIO against 2.8 GB/s on the engine's thread (docs/benchmarks/2026-11-27-gpu.md).
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)  # as on a GPU host
     conn = resident_connector(tmp_path)
     engine = PinnedEngine(N)
     assert engine.bufs[0].is_pinned()
@@ -345,4 +349,20 @@ def test_a_gpu_engines_pinned_staging_is_read_by_chunkio_threads_not_on_the_call
     stats = conn.stats()
     assert stats["resident_chunks"] == 0 and stats["loaded_chunks"] == N
     assert stats["chunk_io"]["counters"]["chunk_reads"] == N
+    conn.close()
+
+
+def test_staging_is_not_asked_whether_it_is_pinned_before_cuda_is_up(tmp_path, monkeypatch):
+    # Nothing is pinned before CUDA is initialized, and `is_pinned()` could initialize it
+    # (a CUDA context for a CPU-only engine on a GPU host): the load must not ask.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    conn = resident_connector(tmp_path)
+    engine = PinnedEngine(N)
+    asked = []
+    for buf in engine.bufs:
+        buf.is_pinned = lambda *a, **k: asked.append(1) or True
+    assert load_all(conn, engine).result(10) == [True] * N
+    assert asked == [] and conn.stats()["resident_chunks"] == N
     conn.close()
