@@ -698,7 +698,9 @@ class KvstashConnector(KVConnectorBase_V1):
         if st is None:
             st = self._reqs[request.request_id] = _Req(request)
         st.num_computed = num_computed_tokens
-        if st.load_planned or not self.loads:
+        # A request that must compute its whole prompt (prompt logprobs ask for every
+        # position): vLLM drops any hit for it, so it is not looked up; it is still saved.
+        if st.load_planned or not self.loads or getattr(request, "skip_reading_prefix_cache", False):
             return 0, False
         hit = self._hit_chunks(st)
         if hit is None:

@@ -997,3 +997,35 @@ def test_on_a_gpu_write_behind_waits_for_the_save_copies_not_the_step():
     assert payload(1) == "chunk 1" and seen == ["synchronized", "read 1"]
     plain = bufs.__getitem__
     assert _once_copied(None, plain) is plain  # on CPU the copies are done in the step
+
+
+def test_a_request_asking_for_prompt_logprobs_is_not_looked_up_but_is_saved(tmp_path):
+    """vLLM computes every prompt position of such a request (`skip_reading_prefix_cache`)
+    and drops any external hit for it: no lookup is spent on it, and its chunks are saved."""
+    from vllm.sampling_params import SamplingParams
+
+    url = f"file://{tmp_path}/kv"
+    engine = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(engine, list(range(7)))
+        req = make_request(PROMPT)
+        req.sampling_params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+        req.skip_reading_prefix_cache = req.get_skip_reading_prefix_cache()
+        assert req.skip_reading_prefix_cache
+        lookups = engine.scheduler.core.stats()["lookups"]
+        assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert engine.scheduler.core.stats()["lookups"] == lookups
+    finally:
+        engine.shutdown()
+    other = make_request(list(reversed(PROMPT)))
+    other.sampling_params = SamplingParams(max_tokens=1, prompt_logprobs=1)
+    other.skip_reading_prefix_cache = True
+    fresh = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        assert fresh.scheduler.get_num_new_matched_tokens(other, 0) == (0, False)
+        fresh.scheduler.update_state_after_alloc(other, blocks(range(7, 14)), 0)
+        meta, _, _ = fresh.step([other], {other.request_id: list(range(7, 14))},
+                                {other.request_id: len(PROMPT)})
+        assert [len(r.chunks) for r in meta.saves] == [3]
+    finally:
+        fresh.shutdown()
