@@ -355,10 +355,8 @@ class CachedPrefill:
         """Tell the policy what the forward passes cost, each once its time is known (on a
         GPU once its kernels are done: the Python call returns before)."""
         self._timers.append(timer)
-        while self._timers and self._timers[0].ready():
-            done = self._timers.pop(0)
+        for done in PrefillTimer.finished(self._timers):
             self.connector.observe_prefill(done.tokens, done.seconds())
-        del self._timers[:-64]  # a GPU that never answers: keep the newest only
 
     def _save(self, tokens: np.ndarray, cache: Any, hit: int) -> None:
         if cache is None or len(tokens) // self.connector.chunk_tokens * self.connector.chunk_tokens <= hit:

@@ -14,6 +14,7 @@ declined hit loads a single chunk, which costs at most one chunk's worth of time
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,3 +139,9 @@ class PrefillTimer:
         if self._events is not None:
             return self._events[0].elapsed_time(self._events[1]) / 1e3
         return self.ended - self.started
+
+    @staticmethod
+    def finished(timers: list[PrefillTimer]) -> Iterator[PrefillTimer]:
+        """Take from the front of `timers` (stopped, oldest first) those whose time is known."""
+        while timers and timers[0].ready():
+            yield timers.pop(0)

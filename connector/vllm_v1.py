@@ -425,7 +425,7 @@ class _ChunkTarget:
     def __init__(self, worker: KvstashConnector, chunks: list[ChunkRef], kind: str | None = None):
         self.worker = worker
         self.chunks = chunks
-        self.kind = kind or worker._staging_kind()
+        self.kind = kind or worker.core.staging_kind(worker._device())
         self.bufs: dict[int, torch.Tensor] = {}
 
     def staging(self, i: int) -> torch.Tensor:
@@ -905,10 +905,6 @@ class KvstashConnector(KVConnectorBase_V1):
     def _device(self) -> torch.device:
         return next(iter(self._kv.values())).device
 
-    def _staging_kind(self) -> str:
-        """See `KVConnector.staging_kind`."""
-        return self.core.staging_kind(self._device())
-
     def _take_buffer(self, kind: str) -> torch.Tensor:
         free = self._load_buffers.get(kind)
         if free:
@@ -1165,8 +1161,7 @@ class KvstashConnector(KVConnectorBase_V1):
         if timer is not None:
             timer.stop()
             self._timers.append(timer)
-        while self._timers and self._timers[0].ready():
-            done = self._timers.pop(0)
+        for done in PrefillTimer.finished(self._timers):
             self.core.count(prefill_tokens=done.tokens, prefill_seconds=done.seconds())
 
     def _flush_on_exit(self) -> None:
