@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 # Six engines start at once (about 2-3 minutes on 2 busy cores), then run a few rounds.
@@ -128,6 +129,36 @@ def test_workload_reuse_is_cached_by_both_caches(bench_run):
     cached = {r["kind"]: r["cached_tokens"] for r in flow["rows"]}
     # One document asked twice: the second question reuses the whole document.
     assert cached == {"baseline": 0, "ideal": CACHED_TOKENS, "kvstash": CACHED_TOKENS}
+
+
+def test_ratio_intervals_hold_their_median(bench_run):
+    result, _, _ = bench_run
+    for r in result["single"]:
+        for key in ("ttft_vs_noop_connector", "ttft_vs_prefix_cache"):
+            if f"{key}_ci" in r:
+                lo, hi = r[f"{key}_ci"]
+                assert lo <= r[key] <= hi, (r["name"], key)
+
+
+def test_paired_interval_of_the_median_ratio():
+    from bench.vllm import _paired, _paired_ci, _verdict
+
+    assert _paired_ci([2.0], [1.0]) == (2.0, 2.0)  # one round: a point
+    assert _paired_ci([2.0, 4.0, 6.0], [1.0, 2.0, 3.0]) == (2.0, 2.0)  # no spread
+    rng = np.random.default_rng(1)
+    base = rng.uniform(0.5, 0.7, 40)
+    tight = base * rng.normal(1.02, 0.002, 40)
+    loose = base * rng.normal(1.02, 0.05, 40)
+    for a in (tight, loose):
+        lo, hi = _paired_ci(list(a), list(base))
+        assert lo <= _paired(a, base) <= hi
+    (tlo, thi), (llo, lhi) = _paired_ci(list(tight), list(base)), _paired_ci(list(loose), list(base))
+    assert thi - tlo < (lhi - llo) / 5  # the spread of the rounds sets the width
+    assert _paired_ci(list(loose), list(base)) == (llo, lhi)  # seeded: reproducible
+    with pytest.raises(ValueError):
+        _paired_ci([1.0, 2.0], [1.0])
+    assert [_verdict(lo, hi, 1.3) for lo, hi in ((1.1, 1.29), (1.31, 1.5), (1.2, 1.4))] == [
+        "meets", "MISSES", "within noise of"]
 
 
 def test_table_plot_and_json_name_the_targets(bench_run):
