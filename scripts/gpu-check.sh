@@ -27,13 +27,15 @@ step() {
 
 step nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
 step df -T "$dir"
-step "$py" - <<'EOF'
+step "$py" - "$dir" <<'EOF'
+import os
+import sys
+
 import torch
 from gds import probe
-import os
 print("torch", torch.__version__, "cuda", torch.version.cuda, "device", torch.cuda.get_device_name())
 print("cuFile driver (/dev/nvidia-fs*):", sorted(p for p in os.listdir("/dev") if p.startswith("nvidia-fs")))
-print("probe:", probe(os.environ.get("KVSTASH_GPU_DIR") or os.path.expanduser("~/.kvstash-gpu-check")))
+print("probe:", probe(sys.argv[1]))
 EOF
 step "$py" -m pytest -q -p no:cacheprovider tests/test_gds_cuda.py tests/test_gds_selection.py \
     tests/test_gds_host_reads.py tests/test_gds_bounce.py tests/test_gds_bench.py \
