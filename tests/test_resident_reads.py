@@ -302,18 +302,21 @@ class SegmentEngine(ListEngine):
         self.segments.append((i, s))
 
 
-def test_a_cached_layerwise_load_has_every_layer_placed_before_it_returns(tmp_path):
+def test_a_local_layerwise_load_reads_layer_after_layer_off_the_callers_thread(tmp_path):
     conn = resident_connector(tmp_path)
     engine = SegmentEngine(N)
     n = LAYOUT.chunk_tokens
     tokens = [TOKENS[i * n : (i + 1) * n] for i in range(N)]
     handle = conn.load_segments_async(keys_of(conn), tokens, engine, deadline_s=10)
-    assert all(handle.wait_segment(s, 0) for s in range(LAYOUT.layers))
-    assert handle.result(0) == [True] * N
-    assert engine.segments == [(i, s) for i in range(N) for s in range(LAYOUT.layers)]
+    assert all(handle.wait_segment(s, 10) for s in range(LAYOUT.layers))
+    assert handle.result(10) == [True] * N
+    # Segment-major: layer 0 of every chunk before layer 1 of any.
+    assert engine.segments == [(i, s) for s in range(LAYOUT.layers) for i in range(N)]
     for i, buf in enumerate(engine.bufs):
         assert np.array_equal(buf, payload_of(i))
-    assert conn.stats()["resident_chunks"] == N
+    stats = conn.stats()
+    assert stats["layered_chunks"] == N and stats["resident_chunks"] == 0
+    assert stats["loaded_chunks"] == N
     conn.close()
 
 

@@ -592,8 +592,9 @@ def test_a_direct_layerwise_load_reads_whole_chunks_and_fails_from_the_corrupt_o
 
 def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path):
     """load_mode=auto (the default): chunks just written are all in the page cache, so the
-    hit is scheduled at once (not async) and read on the engine's thread before the
-    forward's first layer; nothing goes through ChunkIO."""
+    hit is scheduled at once (not async) and read layer by layer on the connector's layers
+    thread, each layer placed before the forward computes it; nothing goes through
+    ChunkIO."""
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="auto")
@@ -612,7 +613,7 @@ def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path):
     counters = reader.worker.counters
     assert ext == 3 * CHUNK_TOKENS and errors == set() and not recving
     assert placed_before_layer == [True, True]
-    assert counters["resident_chunks"] == 3 and counters["loaded_chunks"] == 3
+    assert counters["layered_chunks"] == 3 and counters["loaded_chunks"] == 3
     assert reader.worker.core.chunk_io.stats()["counters"].get("chunk_reads", 0) == 0
 
 
@@ -1057,3 +1058,23 @@ def test_a_cpu_engine_is_told_how_to_keep_its_cores(tmp_path, monkeypatch, reser
         logger.setLevel(level)
     hints = [r for r in records if "VLLM_CPU_NUM_OF_RESERVED_CPU" in r.getMessage()]
     assert len(hints) == (1 if reserved is None and current_platform.is_cpu() else 0)
+
+
+def test_the_worker_reads_layers_on_the_cores_vllm_keeps_for_connectors(tmp_path):
+    """vllm-cpu binds the worker to its OpenMP cores and keeps the last core of each NUMA
+    node for a connector's transfers (its NIXL connector moves KV there): the worker's
+    layers thread is given those, within the cores of the engine's processes."""
+    from vllm.platforms import current_platform
+
+    engine = V1Engine(f"file://{tmp_path}/kv", chunk_tokens=CHUNK_TOKENS)
+    try:
+        cpus = engine.worker.core.io_cpus
+        assert engine.scheduler.core.io_cpus is None  # no layer reads in the scheduler
+    finally:
+        engine.shutdown()
+    if not current_platform.is_cpu():
+        assert cpus is None
+        return
+    kept = {max(group) for group in current_platform.discover_numa_topology() if group}
+    assert cpus == (kept & os.sched_getaffinity(os.getppid()) or None)
+    assert cpus is None or cpus <= kept

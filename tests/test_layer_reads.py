@@ -1,0 +1,278 @@
+"""Layer-pipelined loads of a local directory, read on the connector's layers thread (real files).
+
+`FileStore.open_segments` opens a chunk for reads of one segment (layer) at a time, each
+checked against its own checksum; reads of page-cached bytes never wait on the disk
+(preadv RWF_NOWAIT) and answer NOT_RESIDENT instead. `KVConnector.load_segments_async`
+on such a store reads segment 0 of every chunk, then segment 1, ... on its layers thread:
+page-cached bytes straight into the engine's memory where the target gives it, the rest
+through staging. Pages are dropped from the cache with `posix_fadvise(DONTNEED)`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from connector import KVConnector
+from storage.capabilities import NOT_RESIDENT
+from storage.codec import encode_chunk
+from storage.file import FileStore
+from tests.test_connector_core import LAYOUT, TOKENS, ListEngine, namespace, payload_of, saved
+from tests.test_connector_direct import keys_of
+from tests.test_resident_reads import drop_from_page_cache, skip_unless_cached
+
+N = len(TOKENS) // LAYOUT.chunk_tokens
+KEY = "0123456789abcdef/" + "cd" * 16
+SEGMENTS = (1000, 3000, 500)
+
+
+def flip_byte(path, offset_from_end: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) - offset_from_end)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.fixture
+def chunk(tmp_path):
+    """A file:// store holding KEY: three segments, its pages in the page cache."""
+    store = FileStore(tmp_path / "kv")
+    payload = np.random.default_rng(0).integers(0, 256, sum(SEGMENTS), dtype=np.uint8)
+    asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload, segments=SEGMENTS)))
+    skip_unless_cached(store.chunk_path(KEY))
+    return store, payload
+
+
+def segment_views(payload: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(expected bytes, an empty buffer) per segment."""
+    out, start = [], 0
+    for n in SEGMENTS:
+        out.append((payload[start : start + n], np.zeros(n, np.uint8)))
+        start += n
+    return out
+
+
+def test_segments_are_read_one_by_one_with_their_exact_bytes(chunk):
+    store, payload = chunk
+    segs = segment_views(payload)
+    f, why = store.open_segments(KEY)
+    assert why is None
+    header = f.head([memoryview(segs[0][1])])
+    assert header.key == KEY and f.resident
+    assert np.array_equal(segs[0][1], segs[0][0])  # read with the header
+    for s, (want, buf) in enumerate(segs):
+        assert f.read(s, [memoryview(buf)]) is True
+        assert np.array_equal(buf, want)
+    f.close()
+    assert store.stats()["hits"] == 1
+
+
+def test_a_segment_may_land_in_several_buffers(chunk):
+    store, payload = chunk
+    f, _ = store.open_segments(KEY)
+    f.head([memoryview(np.zeros(SEGMENTS[0], np.uint8))])
+    a, b = np.zeros(1000, np.uint8), np.zeros(2000, np.uint8)
+    assert f.read(1, [memoryview(a), memoryview(b)]) is True
+    assert np.array_equal(np.concatenate([a, b]), payload[1000:4000])
+    assert f.read(2, [memoryview(a)]) is False  # not the segment's length: not this layout
+    f.close()
+
+
+def test_a_corrupt_segment_is_a_miss_and_its_file_quarantined(chunk):
+    store, payload = chunk
+    flip_byte(store.chunk_path(KEY), 100)  # in the last segment
+    segs = segment_views(payload)
+    f, _ = store.open_segments(KEY)
+    assert f.head([memoryview(segs[0][1])]) is not None
+    assert f.read(1, [memoryview(segs[1][1])]) is True
+    assert f.read(2, [memoryview(segs[2][1])]) is False
+    f.close()
+    assert not store.chunk_path(KEY).exists()
+    stats = store.stats()
+    assert stats["corrupt"] == 1 and stats["misses"] == 1
+
+
+def test_a_chunk_not_in_the_page_cache_is_read_only_once_the_reader_may_wait(chunk):
+    store, payload = chunk
+    segs = segment_views(payload)
+    drop_from_page_cache(store.chunk_path(KEY))
+    f, _ = store.open_segments(KEY)
+    assert f.head([memoryview(segs[0][1])]).key == KEY  # the header, read waiting
+    assert not f.resident
+    for s, (want, buf) in enumerate(segs):  # no longer resident: reads wait on the disk
+        assert f.read(s, [memoryview(buf)]) is True and np.array_equal(buf, want)
+    f.close()
+
+
+def test_bytes_evicted_after_the_header_answer_not_resident_then_are_read_waiting(chunk):
+    store, payload = chunk
+    segs = segment_views(payload)
+    f, _ = store.open_segments(KEY)
+    f.head([memoryview(segs[0][1])])
+    drop_from_page_cache(store.chunk_path(KEY))
+    assert f.read(1, [memoryview(segs[1][1])]) is NOT_RESIDENT and not f.resident
+    assert f.read(1, [memoryview(segs[1][1])]) is True
+    assert np.array_equal(segs[1][1], segs[1][0])
+    f.close()
+
+
+def test_a_missing_chunk_and_a_network_directory(tmp_path, monkeypatch):
+    store = FileStore(tmp_path / "kv")
+    assert store.open_segments(KEY) == (None, "missing")
+    monkeypatch.setattr(store, "_local", False)
+    assert store.open_segments(KEY) is NOT_RESIDENT
+
+
+# -- the core's layers thread -------------------------------------------------------------
+
+
+class LayerEngine(ListEngine):
+    """A stand-in paged KV cache: chunk i's bytes go to `kv[i]` one segment at a time,
+    straight there (`segment_destination`) or through staging (`place_segment`). Records
+    each segment's arrival and the CPUs of the thread that asked for it."""
+
+    def __init__(self, n: int, in_place: bool = True):
+        super().__init__(n)
+        self.kv = [np.zeros(LAYOUT.payload_nbytes, np.uint8) for _ in range(n)]
+        self.in_place = in_place
+        self.direct: list[tuple[int, int]] = []
+        self.placed_segments: list[tuple[int, int]] = []
+        self.cpus: set[int] = set()
+        self.seg = LAYOUT.payload_nbytes // LAYOUT.layers
+
+    def segment_destination(self, i: int, s: int) -> list[memoryview] | None:
+        self.cpus |= os.sched_getaffinity(0)
+        if not self.in_place:
+            return None
+        self.direct.append((i, s))
+        return [memoryview(self.kv[i][s * self.seg : (s + 1) * self.seg])]
+
+    def place_segment(self, i: int, s: int) -> None:
+        self.placed_segments.append((i, s))
+        part = slice(s * self.seg, (s + 1) * self.seg)
+        self.kv[i][part] = self.bufs[i][part]
+
+
+def layered(conn: KVConnector, engine: LayerEngine, deadline_s: float = 10):
+    n = LAYOUT.chunk_tokens
+    tokens = [TOKENS[i * n : (i + 1) * n] for i in range(N)]
+    return conn.load_segments_async(keys_of(conn), tokens, engine, deadline_s=deadline_s)
+
+
+def file_connector(root, **kwargs) -> KVConnector:
+    conn = saved(KVConnector(f"file://{root}", namespace(), layout=LAYOUT, **kwargs))
+    skip_unless_cached(conn.store.chunk_path(keys_of(conn)[0]))
+    return conn
+
+
+def test_cached_layers_land_in_place_segment_major_and_exact(tmp_path):
+    conn = file_connector(tmp_path)
+    engine = LayerEngine(N)
+    handle = layered(conn, engine)
+    assert handle.result(10) == [True] * N
+    assert engine.direct == [(i, s) for s in range(LAYOUT.layers) for i in range(N)]
+    assert engine.placed_segments == []  # nothing to copy
+    for i in range(N):
+        assert np.array_equal(engine.kv[i], payload_of(i))
+    stats = conn.stats()
+    assert stats["layered_chunks"] == N and stats["loaded_chunks"] == N
+    conn.close()
+
+
+def test_a_chunk_not_in_the_page_cache_goes_through_staging_and_is_placed(tmp_path):
+    conn = file_connector(tmp_path)
+    keys = keys_of(conn)
+    drop_from_page_cache(conn.store.chunk_path(keys[3]))
+    engine = LayerEngine(N)
+    assert layered(conn, engine).result(10) == [True] * N
+    assert sorted(engine.placed_segments) == [(3, s) for s in range(LAYOUT.layers)]
+    assert all(i != 3 for i, _ in engine.direct[N:])  # layer 1 of chunk 3 not asked in place
+    for i in range(N):
+        assert np.array_equal(engine.kv[i], payload_of(i))
+    conn.close()
+
+
+def test_a_target_without_destinations_gets_every_layer_placed(tmp_path):
+    conn = file_connector(tmp_path)
+    engine = LayerEngine(N, in_place=False)
+    assert layered(conn, engine).result(10) == [True] * N
+    assert sorted(engine.placed_segments) == sorted(
+        (i, s) for i in range(N) for s in range(LAYOUT.layers))
+    for i in range(N):
+        assert np.array_equal(engine.kv[i], payload_of(i))
+    conn.close()
+
+
+def test_a_corrupt_layer_fails_only_its_chunk(tmp_path):
+    conn = file_connector(tmp_path)
+    flip_byte(conn.store.chunk_path(keys_of(conn)[2]), 7)  # chunk 2, last layer
+    engine = LayerEngine(N)
+    handle = layered(conn, engine)
+    assert all(handle.wait_segment(s, 10) for s in range(LAYOUT.layers))
+    assert handle.result(10) == [i != 2 for i in range(N)]
+    stats = conn.stats()
+    assert stats["verify_failures"] == 1 and stats["failed_chunks"] == 1
+    assert stats["loaded_chunks"] == N - 1
+    conn.close()
+
+
+def test_a_chunk_of_another_prompt_is_refused_before_any_layer_is_placed(tmp_path):
+    conn = file_connector(tmp_path)
+    engine = LayerEngine(N)
+    n = LAYOUT.chunk_tokens
+    tokens = [TOKENS[i * n : (i + 1) * n] for i in range(N)]
+    tokens[1] = tokens[1] + 1  # the key's chunk holds other token ids
+    handle = conn.load_segments_async(keys_of(conn), tokens, engine, deadline_s=10)
+    assert handle.result(10) == [i != 1 for i in range(N)]
+    assert all(i != 1 for i, _ in engine.direct[N:])
+    conn.close()
+
+
+def test_a_chunk_saved_without_segment_checksums_is_read_and_placed_whole(tmp_path):
+    conn = saved(KVConnector(f"file://{tmp_path}", namespace(), layout=LAYOUT,
+                             segment_checksums=False))
+    skip_unless_cached(conn.store.chunk_path(keys_of(conn)[0]))
+    engine = LayerEngine(N)
+    assert layered(conn, engine).result(10) == [True] * N
+    for i in range(N):
+        assert np.array_equal(engine.kv[i], payload_of(i))
+    conn.close()
+
+
+def test_the_layers_thread_runs_on_the_cores_it_is_given(tmp_path):
+    cpus = {max(os.sched_getaffinity(0))}
+    conn = file_connector(tmp_path, io_cpus=cpus)
+    engine = LayerEngine(N)
+    assert layered(conn, engine).result(10) == [True] * N
+    assert engine.cpus == cpus
+    conn.close()
+
+
+def test_a_cancelled_load_stops_before_its_next_read(tmp_path):
+    conn = file_connector(tmp_path)
+    started, go = threading.Event(), threading.Event()
+
+    class Stalling(LayerEngine):
+        def segment_destination(self, i: int, s: int) -> list[memoryview] | None:
+            if (i, s) == (0, 1):  # the engine waits on layer 1 past the deadline
+                started.set()
+                go.wait(10)
+            return super().segment_destination(i, s)
+
+    engine = Stalling(N)
+    handle = layered(conn, engine)
+    assert started.wait(10)
+    handle.stalled = True
+    handle.cancel()
+    go.set()
+    assert handle.result(10) == [False] * N
+    assert handle.fetch.result(10) is None
+    assert engine.direct[N:] == [(0, 1)]  # asked, then nothing more read
+    stats = conn.stats()
+    assert stats["failed_chunks"] == N and stats["loaded_chunks"] == 0
+    conn.close()
