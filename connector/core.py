@@ -723,9 +723,11 @@ class KVConnector:
             return [host_view(dests[i])[off : off + size]]
 
         def landed(i: int, s: int, ok: Any, parts: list[memoryview] | None) -> None:
-            if ok is NOT_RESIDENT:  # not all in the page cache: into staging, then placed
+            if ok is NOT_RESIDENT:  # no destination, or not all cached: staging, then placed
                 parts, ok = None, files[i].read(s, staged(i, s))
-            if not ok:
+                if ok is NOT_RESIDENT:  # evicted since: `resident` is off, this read waits
+                    ok = files[i].read(s, staged(i, s))
+            if ok is not True:
                 self._count(verify_failures=1)
                 handle.fail(i)
                 return

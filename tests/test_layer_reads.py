@@ -208,6 +208,24 @@ def test_a_target_without_destinations_gets_every_layer_placed(tmp_path):
     conn.close()
 
 
+def test_staged_layers_evicted_mid_load_are_read_again_waiting_never_placed_unread(tmp_path):
+    conn = file_connector(tmp_path)
+    paths = [conn.store.chunk_path(k) for k in keys_of(conn)]
+
+    class Evicting(LayerEngine):
+        def place_segment(self, i: int, s: int) -> None:
+            if (i, s) == (1, 0):  # chunks 0 and 1 leave the page cache after their headers
+                for path in paths:
+                    drop_from_page_cache(path)
+            super().place_segment(i, s)
+
+    engine = Evicting(N, in_place=False)
+    assert layered(conn, engine).result(10) == [True] * N
+    for i in range(N):
+        assert np.array_equal(engine.kv[i], payload_of(i))
+    conn.close()
+
+
 def test_a_corrupt_layer_fails_only_its_chunk(tmp_path):
     conn = file_connector(tmp_path)
     flip_byte(conn.store.chunk_path(keys_of(conn)[2]), 7)  # chunk 2, last layer
