@@ -788,9 +788,7 @@ class KVConnector:
         """`load_segments_async`'s reads of chunks `first` on (those before have their
         answer)."""
         store = self.store
-        sizes = list(layout.segments) or [layout.payload_nbytes]
-        offsets = [sum(sizes[:s]) for s in range(len(sizes))]
-        expected = list(zip(offsets, sizes, strict=True))
+        expected = _spans(layout)
         gate = asyncio.Semaphore(self.max_in_flight)
         direct = self.chunk_io is not None
         ranged = not direct and isinstance(store, SupportsRangeReads) and bool(layout.segments)
@@ -861,7 +859,7 @@ class KVConnector:
                     if h is not None and [(o, n) for o, n, _ in h.segments] != expected:
                         tasks.append(asyncio.ensure_future(whole(i)))  # no segment checksums
                         headers[i] = None
-                for s in range(len(sizes)):  # segment-major: layer 0 of every chunk first
+                for s in range(len(expected)):  # segment-major: layer 0 of every chunk first
                     for i, h in enumerate(headers):
                         if h is not None:
                             tasks.append(asyncio.ensure_future(segment(i, s, h)))

@@ -515,8 +515,9 @@ class KvstashConnector(KVConnectorBase_V1):
     `direct_io` (default true: a file:// store is read through gds.ChunkIO into the KV
     cache's device), `resident_reads` (default true: chunks of a local file:// directory
     that are all in the page cache are read without a hop through the store's loop: on
-    the engine's thread between steps, on the layers thread within one), `adaptive` (default true: load a stored prefix only while the store
-    delivers it faster than the engine recomputes it), `breaker_failures`,
+    the engine's thread between steps, on the layers thread within one), `adaptive`
+    (default true: load a stored prefix only while the store delivers it faster than the
+    engine recomputes it), `breaker_failures`,
     `breaker_cooldown`, `breaker_max_cooldown` (the circuit breaker, as for every store),
     `exit_flush_s` (default 4: how long a stopping worker writes queued saves)."""
 

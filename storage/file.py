@@ -1130,7 +1130,6 @@ class FileStore(Store):
         }
 
 
-
 class SegmentFile:
     """One chunk file open for reads of its payload a segment at a time, on the calling
     thread (`FileStore.open_segments`), each segment checked against its own checksum; a
