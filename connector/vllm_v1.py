@@ -83,7 +83,7 @@ from connector.core import COUNTERS, KVConnector, LoadHandle, SegmentLoad
 from connector.layout import EngineLayout
 from connector.policy import LoadPolicy, PrefillTimer
 from gds.buffers import aligned_empty
-from hashing import Namespace, keys_from_block_hashes
+from hashing import Namespace, keys_from_block_hashes, token_array
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -336,7 +336,7 @@ class _Req:
         if self.tokens is None:
             ids = self.request.prompt_token_ids
             try:
-                self.tokens = np.asarray(ids if ids is not None else [], dtype="<u4")
+                self.tokens = token_array(ids if ids is not None else [])
             except (OverflowError, TypeError, ValueError):
                 self.tokens = _UNSTORABLE
         return None if self.tokens is _UNSTORABLE else self.tokens

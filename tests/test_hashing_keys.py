@@ -10,7 +10,14 @@ import sys
 import numpy as np
 import pytest
 
-from hashing import InvalidTokenIds, Namespace, chunk_keys, is_valid_key, keys_from_block_hashes
+from hashing import (
+    InvalidTokenIds,
+    Namespace,
+    chunk_keys,
+    is_valid_key,
+    keys_from_block_hashes,
+    token_array,
+)
 
 NS = Namespace(model="org/model", dtype="bfloat16", layout="LBHNC", chunk_tokens=4)
 
@@ -114,3 +121,12 @@ def test_engine_block_hashes_map_to_stable_namespaced_keys():
     other = Namespace(model="org/model", dtype="bfloat16", layout="LBHNC", chunk_tokens=4, salt="t")
     assert not set(keys) & set(keys_from_block_hashes(hashes, other))
     assert keys_from_block_hashes([7, 2**70], NS) != keys_from_block_hashes([8, 2**70], NS)
+
+
+def test_a_list_of_ids_converts_as_numpy_would_and_refuses_the_same_ids():
+    ids = [0, 1, 5, 2**31, 2**32 - 1, np.int64(7), True]
+    assert token_array(ids).tolist() == np.asarray(ids, dtype=np.int64).astype("<u4").tolist()
+    assert token_array(ids).dtype == np.dtype("<u4")
+    for bad in ([1, -1], [2**32], [1, 2.5], [True, False]):
+        with pytest.raises(InvalidTokenIds):
+            token_array(bad)
