@@ -440,18 +440,18 @@ class _ChunkTarget:
         directly (connector.core.InPlaceTarget): every block of it is this request's own
         (none computed locally), so a chunk that fails verification leaves garbage only
         in blocks vLLM recomputes."""
-        chunk = self.chunks[i]
-        if chunk.first or len(chunk.block_ids) != self.worker.chunk_blocks:
-            return None
-        return self.worker._destination(chunk.block_ids)
+        return self._blocks(i, None)
 
     def segment_destination(self, i: int, s: int) -> list[memoryview] | None:
         """Layer s of chunk i in the KV cache (CPU), as `destination` gives the whole chunk
         (connector.core.SegmentInPlaceTarget)."""
+        return self._blocks(i, s)
+
+    def _blocks(self, i: int, only: int | None) -> list[memoryview] | None:
         chunk = self.chunks[i]
         if chunk.first or len(chunk.block_ids) != self.worker.chunk_blocks:
             return None
-        return self.worker._destination(chunk.block_ids, only=s)
+        return self.worker._destination(chunk.block_ids, only)
 
     def place_segment(self, i: int, s: int) -> None:  # layerwise: layer s of chunk i
         self.worker._place(self.chunks[i], self.bufs[i], only=s)
