@@ -26,7 +26,6 @@ import asyncio
 import concurrent.futures
 import functools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -40,6 +39,7 @@ from connector.layout import ChunkLayout, EngineLayout
 from connector.policy import LoadPlan, LoadPolicy
 from connector.writebehind import SaveJob, WriteBehindQueue
 from gds.buffers import for_gpu, host_view
+from gds.chunkio import run_on
 from hashing import Namespace, chunk_keys, token_array
 from storage.base import Store
 from storage.breaker import CircuitBreaker
@@ -334,6 +334,10 @@ class KVConnector:
         if direct_io is not False and isinstance(self.store, SupportsDirectReads):
             given = None if direct_io is True else direct_io
             self.chunk_io = self.store.enable_direct_reads(given, max_in_flight=max_in_flight)
+        if self.io_cpus:  # off the engine's compute cores: the loop, its executor, ChunkIO
+            self.io.run_on(self.io_cpus)
+            if self.chunk_io is not None:
+                self.chunk_io.threads_on(self.io_cpus)
         self._writer = WriteBehindQueue(self.store, self._loop, self._count, save_queue_bytes)
         # A connector dropped or left open at exit still finishes its queued saves.
         self._finalizer = weakref.finalize(self, _shutdown, self.io, self._writer,
@@ -692,7 +696,7 @@ class KVConnector:
     def _layers_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._layers is None:
             self._layers = concurrent.futures.ThreadPoolExecutor(
-                1, thread_name_prefix="kvstash-layers", initializer=_run_on, initargs=(self.io_cpus,))
+                1, thread_name_prefix="kvstash-layers", initializer=run_on, initargs=(self.io_cpus,))
         return self._layers
 
     def _read_layers(self, keys: list[str], tokens: list[Any], dests: list[Any],
@@ -1217,16 +1221,6 @@ def _spans(layout: ChunkLayout | EngineLayout) -> list[tuple[int, int]]:
     where the layout has none)."""
     sizes = list(layout.segments) or [layout.payload_nbytes]
     return [(sum(sizes[:s]), size) for s, size in enumerate(sizes)]
-
-
-def _run_on(cpus: frozenset[int] | None) -> None:
-    """Run the calling thread on `cpus` (None: where it started, on the cores of the thread
-    that started it)."""
-    if cpus and hasattr(os, "sched_setaffinity"):
-        try:
-            os.sched_setaffinity(0, cpus)
-        except OSError as exc:
-            log.info("kvstash I/O thread stays on its cores: cpus %s: %s", sorted(cpus), exc)
 
 
 # The connector counter for each reason ChunkIO gives for a failed read (gds.errors).

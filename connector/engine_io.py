@@ -18,6 +18,7 @@ import threading
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
+from gds.chunkio import run_on
 from storage.base import Store
 from storage.registry import open_store
 
@@ -64,6 +65,15 @@ class StoreLoop:
                 io = cls._shared[key] = cls(key)
             io._refs += 1
             return io
+
+    def run_on(self, cpus: frozenset[int] | None, timeout: float = 5.0) -> None:
+        """Move the loop's thread to `cpus` (None: leave it), and with it the threads it
+        starts from then on (asyncio's executor: the store's file I/O, save encoding)."""
+        if not cpus:
+            return
+        moved = concurrent.futures.Future[None]()
+        self.loop.call_soon_threadsafe(lambda: moved.set_result(run_on(cpus)))
+        moved.result(timeout)
 
     def submit(self, fn: Callable[[Store], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:
         """Run `fn(store)` on the loop; never blocks the caller."""

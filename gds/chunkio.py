@@ -37,7 +37,7 @@ import secrets
 import socket
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -73,6 +73,16 @@ log = logging.getLogger("kvstash.gds")
 
 MiB = 1 << 20
 TMP_MARK = ".tmp."
+
+
+def run_on(cpus: Collection[int] | None) -> None:
+    """Run the calling thread on `cpus` (None: where it started, on the cores of the thread
+    that started it)."""
+    if cpus and hasattr(os, "sched_setaffinity"):
+        try:
+            os.sched_setaffinity(0, cpus)
+        except OSError as exc:
+            log.info("kvstash I/O thread stays on its cores: cpus %s: %s", sorted(cpus), exc)
 
 
 class VerifiedFiles(Protocol):
@@ -122,8 +132,10 @@ class ChunkIO:
         self.caps = caps if caps is not None else probe(str(probe_dir) if probe_dir else None)
         self.cuda_backend = choose_cuda_backend(self.caps, self.config.cuda_backend)
         threads = self.config.threads
-        self._pool = ThreadPoolExecutor(threads, "kvstash-gds-io")
-        self._requests = ThreadPoolExecutor(self.config.max_in_flight, "kvstash-gds-req")
+        self._cpus: frozenset[int] | None = None  # see threads_on
+        self._pool = ThreadPoolExecutor(threads, "kvstash-gds-io", initializer=self._place)
+        self._requests = ThreadPoolExecutor(self.config.max_in_flight, "kvstash-gds-req",
+                                            initializer=self._place)
         self._inflight = threading.Semaphore(self.config.max_in_flight)  # see gds.requests
         self.support = DirectIOSupport(self.config.direct != "never")
         self.host = HostBackend(self._pool, self.config.piece_bytes, self.config.direct, threads)
@@ -434,6 +446,14 @@ class ChunkIO:
         return await asyncio.wrap_future(self.submit_write(path, key, token_ids, payload, meta))
 
     # -- lifecycle and stats ----------------------------------------------------------------
+
+    def threads_on(self, cpus: Collection[int] | None) -> None:
+        """Start the I/O threads from now on on `cpus` (None: on the cores of the thread
+        whose request starts them, which an engine may have bound to its own compute)."""
+        self._cpus = frozenset(cpus) if cpus else None
+
+    def _place(self) -> None:
+        run_on(self._cpus)
 
     def stats(self) -> dict[str, Any]:
         with self._count_lock:

