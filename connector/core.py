@@ -281,8 +281,10 @@ class KVConnector:
     hand-off to an I/O thread: into host staging, or straight into the engine's memory
     where the target gives it (`InPlaceTarget`); the rest as above. A layer-pipelined load
     (`load_segments_async`) of a local directory runs on a thread of its own, the layers
-    thread (on `io_cpus` where given: the adapter's choice of cores, away from the engine's
-    compute threads), while the engine computes.
+    thread, while the engine computes. `io_cpus`: the adapter's choice of cores, away from
+    the engine's compute threads, for every thread the connector runs on (the layers
+    thread, the store's loop and its executor, ChunkIO's); None leaves them where they
+    start, on the cores of the thread that starts them.
     """
 
     def __init__(

