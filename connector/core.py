@@ -265,7 +265,8 @@ class KVConnector:
     `store`: URL(s) (the process shares one loop and store per URL list) or a `Store`
     (driven by a loop of its own). `layout` (how a chunk's K/V sit in its payload) is
     bound by the engine adapter. `max_in_flight` bounds concurrent chunk reads;
-    `save_queue_bytes` bounds the write-behind queue; `lookup_timeout_s` bounds the one
+    `save_queue_bytes` bounds the write-behind queue, and `save_delay_s` holds each save
+    that long after it is queued (see WriteBehindQueue); `lookup_timeout_s` bounds the one
     store call a miss costs. `policy` decides how much of a stored prefix is worth
     loading and how long to wait for it; `breaker_*` set the circuit breaker that
     bypasses a failing store.
@@ -296,6 +297,7 @@ class KVConnector:
         max_in_flight: int = 8,
         lookup_timeout_s: float = 1.0,
         save_queue_bytes: int = 512 * 1024**2,
+        save_delay_s: float = 0.0,
         policy: LoadPolicy | None = None,
         breaker_failures: int = 1,
         breaker_cooldown: float = 1.0,
@@ -340,7 +342,8 @@ class KVConnector:
             self.io.run_on(self.io_cpus)
             if self.chunk_io is not None:
                 self.chunk_io.threads_on(self.io_cpus)
-        self._writer = WriteBehindQueue(self.store, self._loop, self._count, save_queue_bytes)
+        self._writer = WriteBehindQueue(self.store, self._loop, self._count, save_queue_bytes,
+                                        save_delay_s)
         # A connector dropped or left open at exit still finishes its queued saves.
         self._finalizer = weakref.finalize(self, _shutdown, self.io, self._writer,
                                            self._owns_store)

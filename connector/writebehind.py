@@ -1,9 +1,10 @@
 """`WriteBehindQueue`: new chunks go to the store in the background; the engine never waits.
 
 Threading contract: `submit` runs on the engine thread and only does bookkeeping (no I/O,
-no copies). One drain task on the connector's event loop takes jobs in order, asks the
-store which keys already exist (one batched call), then for each missing chunk serializes
-the payload on a worker thread, encodes it and `put`s it. The queue is bounded in bytes;
+no copies). One drain task on the connector's event loop takes jobs in order, no sooner
+than `start_delay_s` after each was submitted, asks the store which keys already exist
+(one batched call), then for each missing chunk serializes the payload on a worker
+thread, encodes it and `put`s it. The queue is bounded in bytes;
 a job that does not fit keeps its leading chunks that do (a chunk is only reachable
 through its predecessors) and the rest are dropped and counted.
 """
@@ -14,6 +15,7 @@ import asyncio
 import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,12 +41,13 @@ class SaveJob:
     done: concurrent.futures.Future[list[bool]] | None = None
     total: int = -1  # chunks asked for (a truncated job answers for the dropped ones too)
     segments: tuple[int, ...] = ()  # per-layer byte lengths: one checksum each in the header
+    queued_at: float = 0.0  # time.monotonic() at submit
 
     def truncate(self, n: int) -> SaveJob:
         return SaveJob(
             self.keys[:n], self.tokens[:n], self.first, self.payload, self.chunk_nbytes,
             self.meta, self.done, len(self.keys) if self.total < 0 else self.total,
-            self.segments,
+            self.segments, self.queued_at,
         )
 
     def answer(self, stored: list[bool]) -> None:
@@ -60,10 +63,15 @@ class WriteBehindQueue:
         loop: asyncio.AbstractEventLoop,
         count: Callable[..., None],
         max_bytes: int,
+        start_delay_s: float = 0.0,
     ):
+        """`start_delay_s`: how long a job waits after `submit` before its first store call,
+        so that the engine step which produced its KV hands its tokens back first instead
+        of sharing the interpreter lock with the job's encoding and requests."""
         self.store = store
         self.loop = loop
         self.max_bytes = max_bytes
+        self.start_delay_s = start_delay_s
         self._count = count
         self._lock = threading.Lock()
         self._pending_bytes = 0
@@ -90,6 +98,7 @@ class WriteBehindQueue:
             self._count(save_drops=dropped, save_dropped_bytes=dropped * job.chunk_nbytes)
         if fits:
             self._count(save_queued=fits)
+            job.queued_at = time.monotonic()
             self.loop.call_soon_threadsafe(self._queue.put_nowait, job.truncate(fits))
         else:
             job.answer([])
@@ -112,6 +121,9 @@ class WriteBehindQueue:
             try:
                 if job is None:
                     return
+                wait = job.queued_at + self.start_delay_s - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
                 await self._save(job)
             except Exception as exc:  # noqa: BLE001 - nothing from a backend may stop the drain
                 self._count(save_errors=1)

@@ -110,6 +110,19 @@ def test_a_full_write_behind_queue_drops_and_counts_instead_of_waiting():
     conn.close()
 
 
+def test_a_save_delay_holds_each_job_back_and_a_flush_still_writes_it():
+    store = MemoryStore()
+    conn = connector(store, save_delay_s=1.5)
+    queued = time.monotonic()
+    assert conn.save(TOKENS, payload_of) == 10
+    time.sleep(0.3)
+    assert conn.lookup(TOKENS) == 0  # not started yet: the step that made it goes first
+    assert conn.flush(10)  # a flush (and shutdown) waits the delay out, then writes
+    assert time.monotonic() - queued >= 1.5
+    assert conn.lookup(TOKENS) == 160 and conn.stats()["saved_chunks"] == 10
+    conn.close()
+
+
 def test_a_missing_chunk_ends_the_hit_before_it():
     store = MemoryStore()
     conn = saved(connector(store))
