@@ -1127,12 +1127,17 @@ class KVConnector:
         return self._writer.submit(self._job(keys, tokens, payload, first))
 
     def write(self, keys: Sequence[str], tokens: Sequence[Any] | None,
-              payload: Callable[[int], Any]) -> concurrent.futures.Future[list[bool]]:
+              payload: Callable[[int], Any], *, check_store: bool = True,
+              ) -> concurrent.futures.Future[list[bool]]:
         """`save_chunks` with an answer: the future resolves, once the queue has written
         them, to whether each chunk is in the store (written, or already there); a chunk
         the queue had no room for, or that failed, is False. For engines that track their
-        offload jobs (vLLM's offloading tier, SGLang's backup thread)."""
+        offload jobs (vLLM's offloading tier, SGLang's backup thread). `check_store`
+        False: a lookup has just found these chunks missing, so write-behind does not
+        ask the store which of them exist before writing (one request a chunk fewer on
+        S3)."""
         job = self._job(keys, [()] * len(keys) if tokens is None else tokens, payload, 0)
+        job.check_store = check_store
         job.done = concurrent.futures.Future()
         if self._closed:
             job.done.set_result([False] * len(keys))

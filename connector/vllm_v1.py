@@ -301,6 +301,7 @@ class ReqChunks:
     chunks: list[ChunkRef]
     deadline_s: float | None = None  # loads: the policy's bound on waiting for them
     sync: bool = False  # loads: within the step, each layer waited for before it computes
+    absent: bool = False  # saves: the request's lookup found the store's prefix ends before them
 
 
 @dataclass
@@ -327,6 +328,7 @@ class _Req:
     load_planned: bool = False
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0
+    stored: int | None = None  # leading chunks the store held at the lookup (None: none ran)
     loaded_tokens: int = 0  # the hit vLLM was told of (0 when nothing was loaded)
     failed_tokens: int = 0  # of those, tokens recomputed after a failed chunk
     saves_planned: int = 0  # chunks this process sends to the store for this request
@@ -725,9 +727,10 @@ class KvstashConnector(KVConnectorBase_V1):
             if not st.lookup.done():
                 concurrent.futures.wait([st.lookup], timeout=max(
                     self.lookup_wait_s, self.lookup_idle_wait_s if alone else 0.0))
+        answered = False
         if st.lookup.done():
             try:
-                stored = st.lookup.result()
+                stored, answered = st.lookup.result(), True
             except Exception as exc:  # noqa: BLE001 - cancelled: a miss
                 log.warning("lookup on %s failed: %s", self.core.store, exc)
                 stored = 0
@@ -738,6 +741,7 @@ class KvstashConnector(KVConnectorBase_V1):
         else:
             return None
         st.saved_chunks = max(st.saved_chunks, stored)  # already stored
+        st.stored = stored if answered else None
         # What is not in vLLM's own prefix cache yet is loaded only where it beats a recompute.
         local = min(st.num_computed // self.chunk_tokens, stored)
         plan = self.core.plan((stored - local) * self.chunk_tokens, self._chunk_nbytes_seen or 1)
@@ -787,7 +791,11 @@ class KvstashConnector(KVConnectorBase_V1):
                     len(req.block_hashes) * self.block_size) // self.chunk_tokens
         limit = min(limit, len(st.block_ids) // self.chunk_blocks)
         if limit > st.saved_chunks:
-            out.append(ReqChunks(req.request_id, self._chunk_refs(st, st.saved_chunks, limit)))
+            # Chunks from the end of the stored prefix on were missing at the lookup; after
+            # a failed load (saved_chunks cut below it) write-behind asks the store again.
+            absent = st.stored is not None and st.saved_chunks >= st.stored
+            out.append(ReqChunks(req.request_id, self._chunk_refs(st, st.saved_chunks, limit),
+                                 absent=absent))
             st.saves_planned += limit - st.saved_chunks
             st.saved_chunks = limit
 
@@ -1205,7 +1213,8 @@ class KvstashConnector(KVConnectorBase_V1):
             held = [next(buffers) for _ in req.chunks]
             bufs = [b.numpy() for b in held]
             keys, tokens = self._keys(req.chunks, self.rank), [c.token_ids for c in req.chunks]
-            saved = self.core.write(keys, tokens, _once_copied(copied, bufs.__getitem__))
+            saved = self.core.write(keys, tokens, _once_copied(copied, bufs.__getitem__),
+                                    check_store=not req.absent)
             saved.add_done_callback(lambda _, held=held: self._return_save_buffers(held))
             if self.kv_events:  # the answer says which chunks the store now holds
                 self._saves_reported.append((req.chunks, saved))

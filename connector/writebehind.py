@@ -3,7 +3,7 @@
 Threading contract: `submit` runs on the engine thread and only does bookkeeping (no I/O,
 no copies). One drain task on the connector's event loop takes jobs in order, no sooner
 than `start_delay_s` after each was submitted, asks the store which keys already exist
-(one batched call), then for each missing chunk serializes the payload on a worker
+(one batched call; not for a job whose caller knows they are missing), then for each missing chunk serializes the payload on a worker
 thread, encodes it and `put`s it. The queue is bounded in bytes;
 a job that does not fit keeps its leading chunks that do (a chunk is only reachable
 through its predecessors) and the rest are dropped and counted.
@@ -42,12 +42,16 @@ class SaveJob:
     total: int = -1  # chunks asked for (a truncated job answers for the dropped ones too)
     segments: tuple[int, ...] = ()  # per-layer byte lengths: one checksum each in the header
     queued_at: float = 0.0  # time.monotonic() at submit
+    # False: the caller knows the chunks were missing (a lookup just said so), and the
+    # store is not asked again; one saved meanwhile by another engine is written twice
+    # (every backend keeps the first copy or an identical one).
+    check_store: bool = True
 
     def truncate(self, n: int) -> SaveJob:
         return SaveJob(
             self.keys[:n], self.tokens[:n], self.first, self.payload, self.chunk_nbytes,
             self.meta, self.done, len(self.keys) if self.total < 0 else self.total,
-            self.segments, self.queued_at,
+            self.segments, self.queued_at, self.check_store,
         )
 
     def answer(self, stored: list[bool]) -> None:
@@ -135,7 +139,8 @@ class WriteBehindQueue:
         remaining = len(job.keys)
         stored: list[bool] = []
         try:
-            present: Sequence[bool] = await self.store.exists(job.keys)
+            present: Sequence[bool] = (await self.store.exists(job.keys) if job.check_store
+                                       else [False] * len(job.keys))
             for j, key in enumerate(job.keys):
                 if present[j]:
                     self._count(save_skipped=1)

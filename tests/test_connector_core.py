@@ -123,6 +123,28 @@ def test_a_save_delay_holds_each_job_back_and_a_flush_still_writes_it():
     conn.close()
 
 
+@pytest.mark.parametrize("kind", ["memory", "file"])
+def test_a_write_told_not_to_ask_the_store_rewrites_a_stored_chunk_harmlessly(kind, tmp_path):
+    store = MemoryStore() if kind == "memory" else f"file://{tmp_path}"
+    conn = saved(connector(store))
+    asked = []
+    exists = conn.store.exists
+
+    async def counted(keys):
+        asked.append(list(keys))
+        return await exists(keys)
+
+    conn.store.exists = counted
+    keys = chunk_keys(TOKENS, conn.ns)
+    tokens = [TOKENS[i * 16 : (i + 1) * 16] for i in range(10)]
+    done = conn.write(keys, tokens, payload_of, check_store=False)
+    assert done.result(10) == [True] * 10 and asked == []
+    engine = ListEngine(10)
+    assert conn.load(TOKENS, 160, engine) == 160
+    assert all(np.array_equal(engine.bufs[i], payload_of(i)) for i in range(10))
+    conn.close()
+
+
 def test_a_missing_chunk_ends_the_hit_before_it():
     store = MemoryStore()
     conn = saved(connector(store))

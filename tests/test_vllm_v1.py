@@ -293,6 +293,65 @@ def test_chunks_evicted_between_lookup_and_load_are_recomputed(tmp_path):
     assert errors == set(range(10, 16))
 
 
+def count_exists(store) -> list[list[str]]:
+    """The key lists `store.exists` is asked for from now on."""
+    asked: list[list[str]] = []
+    exists = store.exists
+
+    async def counted(keys):
+        asked.append(list(keys))
+        return await exists(keys)
+
+    store.exists = counted
+    return asked
+
+
+def test_saves_skip_asking_the_store_only_for_chunks_the_lookup_found_missing(tmp_path):
+    from vllm.v1.outputs import KVConnectorOutput
+
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        req = make_request(PROMPT)
+        assert writer.lookup(req) == (0, False)  # the store's prefix ends at chunk 0
+        writer.scheduler.update_state_after_alloc(req, blocks(range(7)), 0)
+        asked = count_exists(writer.worker.core.store)
+        meta, _, _ = writer.step([req], {req.request_id: list(range(7))}, {req.request_id: 100})
+        assert writer.worker.flush()
+    finally:
+        writer.shutdown()
+    assert [(len(r.chunks), r.absent) for r in meta.saves] == [(3, True)]
+    assert asked == [] and writer.worker.counters["saved_chunks"] == 3
+
+    # Found stored, then failed to load: recomputed and saved again, asking the store first.
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        req = make_request(PROMPT)
+        ext, _ = reader.lookup(req)
+        for f in (tmp_path / "kv").rglob("*"):
+            if f.is_file() and not f.name.startswith("."):
+                f.write_bytes(b"\0" * f.stat().st_size)  # foreign bytes: every load fails
+        reader.scheduler.update_state_after_alloc(req, blocks(range(10, 17)), ext)
+        errors: set[int] = set()
+
+        def step():
+            _, done, errs = reader.step()
+            errors.update(errs)
+            return req.request_id in done
+
+        wait_until(step)
+        reader.scheduler.update_connector_output(KVConnectorOutput(invalid_block_ids=errors))
+        asked = count_exists(reader.worker.core.store)
+        meta, _, _ = reader.step(cached=[(req, [], 0)], scheduled={req.request_id: 100})
+        assert reader.worker.flush()
+    finally:
+        reader.shutdown()
+    assert ext == 6 * BLOCK_SIZE and errors == set(range(10, 16))
+    assert [(len(r.chunks), r.absent) for r in meta.saves] == [(3, False)]
+    assert len(asked) == 1 and len(asked[0]) == 3
+    assert reader.worker.counters["saved_chunks"] >= 1  # the one found bad, set aside, is rewritten
+
+
 def test_unreachable_store_is_a_miss_not_an_error():
     engine = V1Engine("http://127.0.0.1:9", chunk_tokens=CHUNK_TOKENS)  # nothing listens
     try:
