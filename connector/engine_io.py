@@ -71,7 +71,7 @@ class StoreLoop:
         starts from then on (asyncio's executor: the store's file I/O, save encoding)."""
         if not cpus:
             return
-        moved = concurrent.futures.Future[None]()
+        moved: concurrent.futures.Future[None] = concurrent.futures.Future()
         self.loop.call_soon_threadsafe(lambda: moved.set_result(run_on(cpus)))
         moved.result(timeout)
 

@@ -3,10 +3,10 @@
 Threading contract: `submit` runs on the engine thread and only does bookkeeping (no I/O,
 no copies). One drain task on the connector's event loop takes jobs in order, no sooner
 than `start_delay_s` after each was submitted, asks the store which keys already exist
-(one batched call; not for a job whose caller knows they are missing), then for each missing chunk serializes the payload on a worker
-thread, encodes it and `put`s it. The queue is bounded in bytes;
-a job that does not fit keeps its leading chunks that do (a chunk is only reachable
-through its predecessors) and the rest are dropped and counted.
+(one batched call; not for a job whose caller knows they are missing), then for each
+missing chunk serializes the payload on a worker thread, encodes it and `put`s it. The
+queue is bounded in bytes; a job that does not fit keeps its leading chunks that do (a
+chunk is only reachable through its predecessors) and the rest are dropped and counted.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ class SaveJob:
     queued_at: float = 0.0  # time.monotonic() at submit
     # False: the caller knows the chunks were missing (a lookup just said so), and the
     # store is not asked again; one saved meanwhile by another engine is written twice
-    # (every backend keeps the first copy or an identical one).
+    # (every backend then keeps one whole chunk: the first, or the second in its place).
     check_store: bool = True
 
     def truncate(self, n: int) -> SaveJob:
