@@ -332,6 +332,8 @@ class _Req:
     loaded_tokens: int = 0  # the hit vLLM was told of (0 when nothing was loaded)
     failed_tokens: int = 0  # of those, tokens recomputed after a failed chunk
     saves_planned: int = 0  # chunks this process sends to the store for this request
+    load: bool = True  # the request's own switches (`request_switches`)
+    save: bool = True
 
     def prompt_tokens(self) -> np.ndarray | None:
         """The prompt's token ids as chunk headers hold them (uint32), made once (none for a
@@ -348,6 +350,26 @@ class _Req:
 
 
 _UNSTORABLE = np.zeros(0, dtype="<u4")  # `prompt_tokens` of a prompt no header can hold
+
+
+def request_switches(request: Request) -> tuple[bool, bool]:
+    """(load, save) for one request, from its `kv_transfer_params` (vLLM's per-request
+    connector parameters: the OpenAI server's `kv_transfer_params` field, or
+    `SamplingParams(extra_args={"kv_transfer_params": ...})`): {"kvstash": {"load":
+    false}} skips the lookup and any load, {"kvstash": {"save": false}} keeps the prompt out
+    of the store. A "kvstash" entry that is not such an object of booleans turns both off
+    for that request, with a warning: a misspelt "save": "no" must not save the prompt."""
+    params = getattr(request, "kv_transfer_params", None)
+    entry = params.get("kvstash") if isinstance(params, dict) else None
+    if entry is None:
+        return True, True
+    if isinstance(entry, dict) and set(entry) <= {"load", "save"} and all(
+            isinstance(v, bool) for v in entry.values()):
+        return entry.get("load", True), entry.get("save", True)
+    log.warning('kvstash: request %s: kv_transfer_params "kvstash" must be an object with '
+                'boolean "load" and "save", not %.200r; neither loaded nor saved',
+                getattr(request, "request_id", "?"), entry)
+    return False, False
 
 
 @dataclass
@@ -527,7 +549,11 @@ class KvstashConnector(KVConnectorBase_V1):
     (default true: load a stored prefix only while the store delivers it faster than the
     engine recomputes it), `breaker_failures`,
     `breaker_cooldown`, `breaker_max_cooldown` (the circuit breaker, as for every store),
-    `exit_flush_s` (default 4: how long a stopping worker writes queued saves)."""
+    `exit_flush_s` (default 4: how long a stopping worker writes queued saves).
+
+    Per request, `kv_transfer_params` {"kvstash": {"load": false, "save": false}} (either
+    key alone) keeps kvstash from looking up or loading its prompt, or from saving it (a
+    prompt that must not reach a shared store); see `request_switches`."""
 
     _cache_hit_source = CacheHitSource.DISK
 
@@ -758,10 +784,12 @@ class KvstashConnector(KVConnectorBase_V1):
         st = self._reqs.get(request.request_id)
         if st is None:
             st = self._reqs[request.request_id] = _Req(request)
+            st.load, st.save = request_switches(request)
         st.num_computed = num_computed_tokens
         # A request that must compute its whole prompt (prompt logprobs ask for every
         # position): vLLM drops any hit for it, so it is not looked up; it is still saved.
-        if st.load_planned or not self.loads or getattr(request, "skip_reading_prefix_cache", False):
+        if (st.load_planned or not self.loads or not st.load
+                or getattr(request, "skip_reading_prefix_cache", False)):
             return 0, False
         hit = self._hit_chunks(st)
         if hit is None:
@@ -784,7 +812,7 @@ class KvstashConnector(KVConnectorBase_V1):
         st.loaded_tokens = num_external_tokens
 
     def _plan_save(self, st: _Req, done_tokens: int, out: list[ReqChunks]) -> None:
-        if not self.saves or st.prompt_tokens() is None:
+        if not self.saves or not st.save or st.prompt_tokens() is None:
             return
         req = st.request
         limit = min(done_tokens, req.num_prompt_tokens,

@@ -207,8 +207,10 @@ def test_an_unreachable_store_is_a_miss_with_the_right_output(model, saved):
 def test_openai_server_hits_and_flushes_queued_saves_on_sigterm(model, saved, stores, tmp_path):
     """The server hits what A saved, and its SIGTERM shutdown (vLLM aborts the requests and
     gives its engine processes `--shutdown-timeout` seconds) still writes the saves of a
-    new prompt that are queued behind a slow store."""
+    new prompt that are queued behind a slow store; a request that turns saving off in its
+    `kv_transfer_params` leaves nothing in the store."""
     new_prompt = _tokens(2 * CHUNK + 100)
+    private = _tokens(2 * CHUNK + 100)
     with running_kvserver("--store", f"file://{tmp_path}/slow") as target, \
             SlowWrites(target.url, delay=1.0) as slow:
         with openai_server(model, [stores.file, slow.url], tmp_path / "server.log",
@@ -219,6 +221,7 @@ def test_openai_server_hits_and_flushes_queued_saves_on_sigterm(model, saved, st
             choice = hit["choices"][0]
             ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
             assert ids == saved.generations[A_FULL_CACHED].token_ids
+            complete(url, private, max_tokens=1, kv_transfer_params={"kvstash": {"save": False}})
             # a miss: two new chunks go to file:// and, behind it, through the slow proxy
             complete(url, new_prompt, max_tokens=1)
             proc.send_signal(signal.SIGTERM)
@@ -229,6 +232,10 @@ def test_openai_server_hits_and_flushes_queued_saves_on_sigterm(model, saved, st
     assert "kvstash: request" in log
     # FULL's 3 chunks cascade from file:// too; the new prompt's 2 chunks must be there
     assert len(behind) >= 2 and all(behind.values())
+    heads = [decode_header(p.read_bytes()) for p in [*stores.root.rglob("*.kv"),
+                                                      *(tmp_path / "slow").rglob("*.kv")]]
+    assert any(h.matches_tokens(new_prompt[:CHUNK]) for h in heads)
+    assert not any(h.matches_tokens(private[:CHUNK]) for h in heads)
 
 
 def test_a_chunk_no_prompt_can_fill_is_refused_at_start(model):

@@ -804,6 +804,53 @@ def test_a_consumer_only_loads_and_a_producer_only_saves(tmp_path):
         reader.shutdown()
 
 
+@pytest.mark.parametrize("params, load, save, warns", [
+    ({"kvstash": {"save": False}}, True, False, False),
+    ({"kvstash": {"load": False}}, False, True, False),
+    ({"kvstash": {"load": False, "save": False}}, False, False, False),
+    ({"kvstash": {"save": "no"}}, False, False, True),  # malformed: neither
+    ({"kvstash": False}, False, False, True),
+    ({"other_connector": {"x": 1}}, True, True, False),
+])
+def test_a_request_can_turn_off_its_own_lookup_or_save(tmp_path, caplog, params, load, save,
+                                                       warns):
+    """`kv_transfer_params` {"kvstash": {"load": false / "save": false}} per request: no
+    lookup (nor load) for it, or no chunk of it sent to the store; anything else under
+    "kvstash" turns both off, with a warning."""
+    import logging
+
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(writer, list(range(7)))  # the store holds PROMPT's three chunks
+    finally:
+        writer.shutdown()
+    other = list(reversed(PROMPT))  # and not this one
+    engine = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        stored, fresh = make_request(PROMPT), make_request(other)
+        for req in (stored, fresh):
+            req.kv_transfer_params = params
+        lookups = engine.scheduler.core.stats()["lookups"]
+        with caplog.at_level(logging.WARNING, logger="kvstash"):
+            assert engine.lookup(stored)[0] == (3 * CHUNK_TOKENS if load else 0)
+        assert engine.lookup(fresh) == (0, False)
+        assert engine.scheduler.core.stats()["lookups"] - lookups == (2 if load else 0)
+        assert ("neither loaded nor saved" in caplog.text) == warns
+        engine.scheduler.update_state_after_alloc(fresh, blocks(range(7, 14)), 0)
+        meta, _, _ = engine.step([fresh], {fresh.request_id: list(range(7, 14))},
+                                 {fresh.request_id: len(other)})
+        assert engine.worker.flush()
+    finally:
+        engine.shutdown()
+    assert [len(r.chunks) for r in meta.saves] == ([3] if save else [])
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        assert reader.lookup(make_request(other))[0] == (3 * CHUNK_TOKENS if save else 0)
+    finally:
+        reader.shutdown()
+
+
 def store_with_prompt(tmp_path) -> str:
     """The URL of a file:// store in `tmp_path` that holds PROMPT's three chunks."""
     url = f"file://{tmp_path}"

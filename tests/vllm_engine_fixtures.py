@@ -211,12 +211,14 @@ def openai_server(model: Path, store: str | list[str], log_path: Path,
                 proc.wait()
 
 
-def complete(url: str, prompt: list[int], max_tokens: int = 8, logprobs: int = 5) -> dict:
-    """One greedy completion of a token-id prompt through the OpenAI API."""
+def complete(url: str, prompt: list[int], max_tokens: int = 8, logprobs: int = 5,
+             **fields: Any) -> dict:
+    """One greedy completion of a token-id prompt through the OpenAI API (`fields`: more
+    of the request's JSON, e.g. `kv_transfer_params`)."""
     r = httpx.post(f"{url}/v1/completions", timeout=120, json={
         "model": json.loads(httpx.get(f"{url}/v1/models").text)["data"][0]["id"],
         "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-        "logprobs": logprobs, "ignore_eos": True,
+        "logprobs": logprobs, "ignore_eos": True, **fields,
     })
     r.raise_for_status()
     return r.json()
