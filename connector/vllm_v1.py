@@ -48,6 +48,7 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import itertools
+import json
 import logging
 import os
 import signal
@@ -155,7 +156,9 @@ def _positive_int(extra: dict[str, Any], name: str, default: int | None = None) 
 def connector_namespace(
     vllm_config: VllmConfig, rank: int, world_size: int, chunk_tokens: int | None = None,
 ) -> Namespace:
-    """The key space of one worker rank: model, cache dtype, block and chunk size, hash."""
+    """The key space of one worker rank: model, cache dtype, block and chunk size, hash, and
+    the engine settings that change the K/V a model computes for the same tokens where an
+    engine sets them (`_model_variant`)."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     model_config = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -168,11 +171,38 @@ def connector_namespace(
     if chunk_tokens is None:
         chunk_tokens, _ = chunk_geometry(vllm_config)
     layout = f"{FORMAT};block={cache.block_size};hash={cache.prefix_caching_hash_algo}"
+    layout += "".join(f";{part}" for part in _model_variant(model_config))
     return Namespace(
         model=model, dtype=str(dtype), layout=layout,
         chunk_tokens=chunk_tokens, rank=rank, world_size=world_size,
         salt=str(extra.get("salt", "")),
     )
+
+
+def _model_variant(model_config: Any) -> list[str]:
+    """What, besides the model's name and dtype, makes an engine compute other K/V for the
+    same tokens, where the engine sets it (nothing for the defaults, so the key space of
+    an engine that sets none stays the same): weights quantized on load
+    (`--quantization`), another revision of the weights, `--hf-overrides` (rope scaling,
+    layer counts, ...), and `--disable-sliding-window` (full attention where the model was
+    trained with a window). Engines that differ in any of these share no chunk."""
+    if model_config is None:
+        return []
+    out = []
+    for name in ("quantization", "revision"):
+        value = getattr(model_config, name, None)
+        if value:
+            out.append(f"{name}={value}")
+    overrides = getattr(model_config, "hf_overrides", None)
+    if callable(overrides):
+        described = f"{getattr(overrides, '__module__', '')}.{getattr(overrides, '__qualname__', '')}"
+        out.append(f"hf_overrides=fn:{xxhash.xxh3_64_hexdigest(described.encode())}")
+    elif overrides:
+        described = json.dumps(overrides, sort_keys=True, default=repr)
+        out.append(f"hf_overrides={xxhash.xxh3_64_hexdigest(described.encode())}")
+    if getattr(model_config, "disable_sliding_window", False):
+        out.append("sliding_window=off")
+    return out
 
 
 # The core's counters (connector.core.COUNTERS) travel in vLLM's KV-connector stats: logged
@@ -403,6 +433,18 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.view(torch.uint8).numpy()
 
 
+# vLLM's null block (vllm/v1/core/block_pool.py: the first block of the pool, never handed
+# to a request's computation): a request's block list holds it in place of blocks whose
+# K/V the model no longer reads, e.g. those outside a sliding window. Its bytes are shared
+# scratch: nothing is loaded into it, and no chunk holding it is saved.
+NULL_BLOCK_ID = 0
+
+
+def _real_blocks(block_ids: list[int], first: int) -> list[int]:
+    """Positions from `first` on of the blocks that are not vLLM's null block."""
+    return [j for j in range(first, len(block_ids)) if block_ids[j] != NULL_BLOCK_ID]
+
+
 def place_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], src: torch.Tensor) -> None:
     """`kv[block_ids]` (along `block_dim`) = `src`, from any thread. On a GPU one
     `index_copy_`; on CPU a memory copy per run of consecutive blocks, through numpy: torch
@@ -476,7 +518,8 @@ class _ChunkTarget:
 
     def _blocks(self, i: int, only: int | None) -> list[memoryview] | None:
         chunk = self.chunks[i]
-        if chunk.first or len(chunk.block_ids) != self.worker.chunk_blocks:
+        if (chunk.first or len(chunk.block_ids) != self.worker.chunk_blocks
+                or NULL_BLOCK_ID in chunk.block_ids):
             return None
         return self.worker._destination(chunk.block_ids, only)
 
@@ -822,9 +865,13 @@ class KvstashConnector(KVConnectorBase_V1):
             # Chunks from the end of the stored prefix on were missing at the lookup; after
             # a failed load (saved_chunks cut below it) write-behind asks the store again.
             absent = st.stored is not None and st.saved_chunks >= st.stored
-            out.append(ReqChunks(req.request_id, self._chunk_refs(st, st.saved_chunks, limit),
-                                 absent=absent))
-            st.saves_planned += limit - st.saved_chunks
+            # A chunk holding vLLM's null block has blocks whose K/V is gone (outside a
+            # sliding window, before this step): it is not saved.
+            chunks = [c for c in self._chunk_refs(st, st.saved_chunks, limit)
+                      if NULL_BLOCK_ID not in c.block_ids]
+            if chunks:
+                out.append(ReqChunks(req.request_id, chunks, absent=absent))
+            st.saves_planned += len(chunks)
             st.saved_chunks = limit
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -1048,11 +1095,19 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def _place(self, chunk: ChunkRef, buf: torch.Tensor, only: int | None = None) -> None:
         """Copy a verified chunk (`only`: that layer of it) into its blocks, skipping the
-        ones computed locally."""
+        ones computed locally and vLLM's null block (a block the model no longer reads,
+        e.g. outside a sliding window: its chunk is read and checked whole all the same)."""
         k = len(chunk.block_ids)
+        real = _real_blocks(chunk.block_ids, chunk.first)
+        if not real:
+            return
+        ids = [chunk.block_ids[j] for j in real]
         for layer, kv, view in self._views(buf, k, only):
-            src = view.narrow(layer.block_dim, chunk.first, k - chunk.first)
-            place_blocks(kv, layer.block_dim, chunk.block_ids[chunk.first :], src)
+            if real == list(range(real[0], k)):
+                src = view.narrow(layer.block_dim, real[0], k - real[0])
+            else:
+                src = view.index_select(layer.block_dim, torch.tensor(real))
+            place_blocks(kv, layer.block_dim, ids, src)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layerwise loads: wait until this layer of every chunk loading in this step is
@@ -1115,7 +1170,7 @@ class KvstashConnector(KVConnectorBase_V1):
         `get_block_ids_with_load_errors` (vLLM recomputes them)."""
         self._load_errors |= {
             b for chunk, good in zip(req.chunks, ok, strict=True) if not good
-            for b in chunk.block_ids[chunk.first :]
+            for b in chunk.block_ids[chunk.first :] if b != NULL_BLOCK_ID
         }
         self._report_gone(req, handle, ok)
 

@@ -47,6 +47,7 @@ from tests.vllm_engine_fixtures import (  # noqa: E402
     VOCAB,
     SlowWrites,
     build_tiny_llama,
+    build_tiny_sliding_window,
     complete,
     openai_server,
     run_engine,
@@ -236,6 +237,21 @@ def test_openai_server_hits_and_flushes_queued_saves_on_sigterm(model, saved, st
                                                       *(tmp_path / "slow").rglob("*.kv")]]
     assert any(h.matches_tokens(new_prompt[:CHUNK]) for h in heads)
     assert not any(h.matches_tokens(private[:CHUNK]) for h in heads)
+
+
+def test_a_sliding_window_model_hits_across_processes(tmp_path):
+    """A model with a 128-token window on every layer: vLLM gives a hit's request its null
+    block for the blocks outside the window. A fresh process loads the rest and continues
+    exactly like A's own prefix cache; the stored chunks stay (none quarantined)."""
+    model = build_tiny_sliding_window(tmp_path / "swa")
+    store = f"file://{tmp_path}/kv"
+    prompt = FULL[: 2 * CHUNK + 1]
+    a = run_engine(model, store, [prompt, prompt], chunk_tokens=CHUNK)
+    b = run_engine(model, store, [prompt], chunk_tokens=CHUNK)
+    assert [g.num_cached_tokens for g in a.generations] == [0, 2 * CHUNK]
+    assert b.generations[0].num_cached_tokens == 2 * CHUNK, b.log[-4000:]
+    same_output(a.generations[1], b.generations[0])
+    assert "quarantined" not in b.log and len(stored_chunks(store)) == 2
 
 
 def test_a_chunk_no_prompt_can_fill_is_refused_at_start(model):

@@ -851,6 +851,91 @@ def test_a_request_can_turn_off_its_own_lookup_or_save(tmp_path, caplog, params,
         reader.shutdown()
 
 
+def test_vllms_null_block_is_the_first_block_of_its_pool():
+    """The connector skips block id 0 (NULL_BLOCK_ID) in loads and saves: vLLM's own."""
+    from vllm.v1.core.block_pool import BlockPool
+
+    from connector.vllm_v1 import NULL_BLOCK_ID
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=BLOCK_SIZE)
+    assert pool.null_block.is_null and pool.null_block.block_id == NULL_BLOCK_ID
+
+
+@pytest.mark.parametrize("load_mode", ["async", "layerwise"])
+def test_a_sliding_window_hit_loads_only_the_blocks_vllm_still_reads(tmp_path, load_mode):
+    """A sliding-window model's request holds vLLM's null block in place of blocks outside
+    its window ([0, 0, 0, 9, 10, 11] here): a hit reads and checks every chunk whole and
+    places only the real blocks, never writes the shared null block, reports no error and
+    leaves the stored chunks in place (reads into the null block twice in one chunk used to
+    fail its checksum and quarantine a good chunk)."""
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode=load_mode)
+    try:
+        write_prompt(writer, list(range(1, 8)))
+        for kv in reader.kv.values():
+            kv[0] = 7  # the null block: whatever is there stays
+        read = read_prompt_layerwise if load_mode == "layerwise" else read_prompt
+        ext, _, errors = read(reader, [0, 0, 0, 9, 10, 11, 12])
+        quarantined = reader.worker.core.stats().get("verify_failures", 0)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert ext == 6 * BLOCK_SIZE and errors == set() and quarantined == 0
+    for name in writer.kv:
+        assert torch.equal(reader.kv[name][9:12], writer.kv[name][4:7])
+        assert (reader.kv[name][0] == 7).all()
+    assert len(list((tmp_path / "kv").rglob("*.kv"))) == 3
+
+
+def test_no_chunk_holding_the_null_block_is_saved(tmp_path):
+    """Blocks outside a sliding window may already be vLLM's null block when their chunk
+    completes (a long prompt computed over several steps): that chunk's K/V is gone, so it
+    is not saved; the request's other chunks are."""
+    engine = V1Engine(f"file://{tmp_path}/kv", chunk_tokens=CHUNK_TOKENS)
+    try:
+        req = make_request(PROMPT)
+        assert engine.lookup(req) == (0, False)
+        engine.scheduler.update_state_after_alloc(req, blocks([0, 0, 3, 4, 5, 6, 7]), 0)
+        meta, _, _ = engine.step([req], {req.request_id: [0, 0, 3, 4, 5, 6, 7]},
+                                 {req.request_id: len(PROMPT)})
+        assert engine.worker.flush()
+    finally:
+        engine.shutdown()
+    assert [[c.block_ids for c in r.chunks] for r in meta.saves] == [[[3, 4], [5, 6]]]
+    assert len(list((tmp_path / "kv").rglob("*.kv"))) == 2
+
+
+def test_engine_settings_that_change_the_kv_change_the_key_space():
+    """Quantized weights, another revision, hf_overrides or sliding window turned off make
+    other K/V for the same tokens: each gets a key space of its own; an engine that sets
+    none keeps the plain one."""
+    from types import SimpleNamespace
+
+    from connector.vllm_v1 import _model_variant, connector_namespace
+
+    plain = dict(model="m", dtype="bfloat16", quantization=None, revision=None,
+                 hf_overrides={}, disable_sliding_window=False)
+    variants = [dict(quantization="fp8"), dict(revision="0123abc"),
+                dict(hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}),
+                dict(hf_overrides={"rope_scaling": {"rope_type": "yarn", "factor": 2.0}}),
+                dict(hf_overrides=lambda config: config), dict(disable_sliding_window=True)]
+
+    def space(**changes):
+        model = SimpleNamespace(**{**plain, **changes})
+        cfg = SimpleNamespace(
+            model_config=model,
+            cache_config=SimpleNamespace(cache_dtype="auto", block_size=16,
+                                         prefix_caching_hash_algo="sha256"),
+            kv_transfer_config=SimpleNamespace(kv_connector_extra_config={}))
+        return connector_namespace(cfg, 0, 1, chunk_tokens=256)
+
+    assert _model_variant(None) == [] and _model_variant(SimpleNamespace(**plain)) == []
+    spaces = [space(**v) for v in variants]
+    assert len({*spaces, space()}) == len(variants) + 1
+    assert space() == space(hf_overrides={})  # defaults: the plain key space
+
+
 def store_with_prompt(tmp_path) -> str:
     """The URL of a file:// store in `tmp_path` that holds PROMPT's three chunks."""
     url = f"file://{tmp_path}"

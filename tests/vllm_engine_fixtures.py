@@ -57,6 +57,22 @@ def build_tiny_llama(path: Path) -> Path:
     return path
 
 
+def build_tiny_sliding_window(path: Path, window: int = 128) -> Path:
+    """A random-weight bf16 Mistral with a sliding window on every layer (2 layers): vLLM
+    hands its requests its null block in place of blocks outside the window."""
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    config = MistralConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
+        sliding_window=window, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    MistralForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
 def kv_transfer_config(store: str | list[str], **extra: Any) -> dict[str, Any]:
     return {
         "kv_connector": "KvstashConnector",
