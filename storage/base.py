@@ -26,7 +26,7 @@ log = logging.getLogger("kvstash.storage")
 TENANT_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
 COUNTERS = (
-    "gets", "hits", "misses", "errors", "corrupt", "puts", "put_skipped", "put_errors",
+    "gets", "hits", "misses", "errors", "corrupt", "rechecked", "puts", "put_skipped", "put_errors",
     "evictions", "bytes_read", "bytes_written", "deletes",
 )
 

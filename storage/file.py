@@ -482,8 +482,18 @@ class FileStore(Store):
         if self.capacity is not None:
             self._evict_to(self.capacity - incoming)
 
-    def _quarantine(self, key: str, path: Path | str, why: str) -> None:
+    def _quarantine(self, key: str, path: Path | str, why: str, recheck: bool = True) -> None:
+        """Move a chunk file that failed a check out of the store. With `recheck`, the file is
+        first read again whole into memory of this store's own and checked there: a reader
+        that reads into someone else's memory (an engine's KV cache) can see a good file
+        fail because its buffers changed under the read (two destinations that are one
+        block, say); such a file is kept, and only that read was a miss."""
         path = Path(path)
+        if recheck and _checks_whole(path, key):
+            self.counters["rechecked"] += 1
+            log.warning("%s: chunk %s failed a check (%s) in the reader's buffers but checks "
+                        "read again on its own: kept", self, key, why)
+            return
         self.counters["corrupt"] += 1
         self._forget(key)
         log.warning("%s: quarantined corrupt chunk %s: %s", self, key, why)
@@ -549,7 +559,7 @@ class FileStore(Store):
             return os.open(path, os.O_RDONLY | os.O_NOFOLLOW), path
         except OSError as exc:
             if exc.errno == errno.ELOOP:  # a symlink planted as a chunk: never read it
-                self._quarantine(key, path, "a symlink, not a chunk file")
+                self._quarantine(key, path, "a symlink, not a chunk file", recheck=False)
                 return None
             if exc.errno not in _MISS_ERRNOS:
                 self.counters["errors"] += 1
@@ -1128,6 +1138,29 @@ class FileStore(Store):
             "capacity_bytes": self.capacity, "chunks": n, "used": format_size(used),
             "tmp_bytes": tmp,
         }
+
+
+def _checks_whole(path: Path, key: str) -> bool:
+    """Whether the regular file at `path` is a whole, valid chunk of `key`: header, length,
+    payload checksum and every segment's checksum, read into memory of its own."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        size = os.fstat(fd).st_size
+        blob = bytearray(size)
+        if read_parts_at(fd, [memoryview(blob)], 0) != size:
+            return False
+        header = decode_chunk(blob, key).header
+        payload = memoryview(blob)[header.header_len :]
+        for i, (offset, length, _) in enumerate(header.segments):
+            header.verify_segment(i, payload[offset : offset + length])
+        return True
+    except (OSError, ChunkError):
+        return False
+    finally:
+        os.close(fd)
 
 
 class SegmentFile:

@@ -97,6 +97,28 @@ def test_a_corrupt_segment_is_a_miss_and_its_file_quarantined(chunk):
     assert stats["corrupt"] == 1 and stats["misses"] == 1
 
 
+def test_a_segment_read_into_buffers_that_change_under_it_keeps_its_good_file(chunk):
+    """Segment 1 (3000 bytes) read into two views of one buffer (as two destinations that
+    are one block): its check fails in those buffers, yet the file checks read again on
+    its own, so only that read is a miss and the file stays; a truly corrupt file is still
+    quarantined (above)."""
+    store, payload = chunk
+    f, _ = store.open_segments(KEY)
+    assert f.head([memoryview(np.zeros(SEGMENTS[0], np.uint8))]) is not None
+    shared = np.zeros(1500, np.uint8)
+    assert f.read(1, [memoryview(shared), memoryview(shared)]) is False
+    f.close()
+    assert store.chunk_path(KEY).exists()
+    stats = store.stats()
+    assert stats["corrupt"] == 0 and stats["rechecked"] == 1
+    again, _ = store.open_segments(KEY)  # and the next reader gets it whole
+    segs = segment_views(payload)
+    assert again.head([memoryview(segs[0][1])]) is not None
+    assert all(again.read(s, [memoryview(buf)]) is True for s, (_, buf) in enumerate(segs))
+    again.close()
+    assert all(np.array_equal(buf, want) for want, buf in segs)
+
+
 def test_a_chunk_not_in_the_page_cache_is_read_only_once_the_reader_may_wait(chunk):
     store, payload = chunk
     segs = segment_views(payload)
