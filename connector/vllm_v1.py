@@ -1106,7 +1106,7 @@ class KvstashConnector(KVConnectorBase_V1):
             if real == list(range(real[0], k)):
                 src = view.narrow(layer.block_dim, real[0], k - real[0])
             else:
-                src = view.index_select(layer.block_dim, torch.tensor(real))
+                src = view.index_select(layer.block_dim, torch.tensor(real, device=view.device))
             place_blocks(kv, layer.block_dim, ids, src)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -862,7 +862,12 @@ def test_vllms_null_block_is_the_first_block_of_its_pool():
 
 
 @pytest.mark.parametrize("load_mode", ["async", "layerwise"])
-def test_a_sliding_window_hit_loads_only_the_blocks_vllm_still_reads(tmp_path, load_mode):
+@pytest.mark.parametrize("dst, placed", [
+    ([0, 0, 0, 9, 10, 11, 12], {9: 4, 10: 5, 11: 6}),
+    ([9, 0, 10, 0, 11, 0, 12], {9: 1, 10: 3, 11: 5}),  # not a leading run: placed all the same
+])
+def test_a_sliding_window_hit_loads_only_the_blocks_vllm_still_reads(tmp_path, load_mode, dst,
+                                                                     placed):
     """A sliding-window model's request holds vLLM's null block in place of blocks outside
     its window ([0, 0, 0, 9, 10, 11] here): a hit reads and checks every chunk whole and
     places only the real blocks, never writes the shared null block, reports no error and
@@ -876,14 +881,15 @@ def test_a_sliding_window_hit_loads_only_the_blocks_vllm_still_reads(tmp_path, l
         for kv in reader.kv.values():
             kv[0] = 7  # the null block: whatever is there stays
         read = read_prompt_layerwise if load_mode == "layerwise" else read_prompt
-        ext, _, errors = read(reader, [0, 0, 0, 9, 10, 11, 12])
+        ext, _, errors = read(reader, dst)
         quarantined = reader.worker.core.stats().get("verify_failures", 0)
     finally:
         writer.shutdown()
         reader.shutdown()
     assert ext == 6 * BLOCK_SIZE and errors == set() and quarantined == 0
     for name in writer.kv:
-        assert torch.equal(reader.kv[name][9:12], writer.kv[name][4:7])
+        for block, source in placed.items():
+            assert torch.equal(reader.kv[name][block], writer.kv[name][source])
         assert (reader.kv[name][0] == 7).all()
     assert len(list((tmp_path / "kv").rglob("*.kv"))) == 3
 
