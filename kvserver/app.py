@@ -25,7 +25,7 @@ from fastapi import Depends, FastAPI, Header, Path, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from pydantic import BaseModel, Field, StringConstraints, ValidationError
+from pydantic import BaseModel, Field, StrictBool, StringConstraints, ValidationError
 from starlette.exceptions import HTTPException
 
 from hashing import KEY_PATTERN
@@ -67,7 +67,7 @@ class PutResult(BaseModel):
 
 class LookupRequest(BaseModel):
     keys: list[Key] = Field(description="chunk keys in prompt order")
-    stop_at_gap: bool = Field(
+    stop_at_gap: StrictBool = Field(
         False, description="only check keys up to the first absent one (cheaper for prefix_len)"
     )
 

@@ -134,7 +134,9 @@ class V1Engine:
     tensors standing in for the paged GPU KV cache: 2 layers of [blocks, heads, block, K|V].
 
     Loads are async (between steps) unless `load_mode` says otherwise: the default "auto"
-    would load chunks just written (all in the page cache) within the step instead."""
+    would load chunks just written (all in the page cache) within the step instead. Block 0
+    is vLLM's null block, as in a real engine: tests hand requests blocks from 1 on, or 0
+    where a block is outside a sliding window."""
 
     def __init__(self, store: str | list[str], num_blocks: int = 32, **extra: Any):
         import torch

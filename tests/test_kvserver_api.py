@@ -96,6 +96,8 @@ def test_lookup_handles_thousands_of_keys_in_one_request(kvserver_url, ns):
     {"keys": ["0123456789abcdef/0123456789ABCDEF0123456789abcdef"]},
     {"keys": "not a list"},
     {},
+    {"keys": [], "stop_at_gap": 0},  # a boolean, not a number that reads as one
+    {"keys": [], "stop_at_gap": "true"},
 ])
 def test_lookup_rejects_malformed_requests_with_400(kvserver_url, body):
     assert_json_error(httpx.post(f"{kvserver_url}/v1/lookup", json=body), 400)

@@ -90,7 +90,7 @@ def test_saved_blocks_load_into_another_engine(store_url):
     writer = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
         io = reader.worker.core.chunk_io
         if store_url.startswith("file://"):  # from the page cache, else through gds.ChunkIO
@@ -105,7 +105,7 @@ def test_saved_blocks_load_into_another_engine(store_url):
     assert (ext, is_async) == (6 * BLOCK_SIZE, True)
     assert errors == set()
     for name in writer.kv:
-        assert torch.equal(reader.kv[name][10:16], writer.kv[name][0:6])
+        assert torch.equal(reader.kv[name][10:16], writer.kv[name][1:7])
         assert not reader.kv[name][16].any(), "the partial block is computed, not loaded"
 
 
@@ -115,13 +115,13 @@ def test_save_buffers_come_back_once_written_and_each_save_holds_its_own_prompt(
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     other = list(range(2000, 2100))
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         pooled = {id(b) for b in writer.worker._save_pool}
-        first = {name: kv[0:6].clone() for name, kv in writer.kv.items()}
+        first = {name: kv[1:7].clone() for name, kv in writer.kv.items()}
         write_prompt(writer, list(range(20, 27)), other)
         reused = {id(b) for b in writer.worker._save_pool}
         ext_other, _, errors_other = read_prompt(reader, list(range(10, 17)), prompt=other)
-        ext, _, errors = read_prompt(reader, list(range(0, 7)))
+        ext, _, errors = read_prompt(reader, list(range(1, 8)))
     finally:
         writer.shutdown()
         reader.shutdown()
@@ -129,7 +129,7 @@ def test_save_buffers_come_back_once_written_and_each_save_holds_its_own_prompt(
     assert (ext_other, ext, errors_other, errors) == (6 * BLOCK_SIZE, 6 * BLOCK_SIZE, set(), set())
     for name in writer.kv:
         assert torch.equal(reader.kv[name][10:16], writer.kv[name][20:26])
-        assert torch.equal(reader.kv[name][0:6], first[name])
+        assert torch.equal(reader.kv[name][1:7], first[name])
 
 
 def test_a_tier_list_reads_its_file_tier_through_chunkio_and_the_rest_from_below(tmp_path):
@@ -140,7 +140,7 @@ def test_a_tier_list_reads_its_file_tier_through_chunkio_and_the_rest_from_below
     writer = V1Engine(urls, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(urls, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         files = sorted(fast.rglob("*.kv"))
         assert len(files) == 3
         wait_until(lambda: len(list(slow.rglob("*.kv"))) == 3)  # the tier cascade runs behind
@@ -159,14 +159,14 @@ def test_a_tier_list_reads_its_file_tier_through_chunkio_and_the_rest_from_below
     assert (ext, errors) == (6 * BLOCK_SIZE, set())
     assert counters["chunk_reads"] == 1 and counters["read_corrupt"] == 1
     for name in writer.kv:
-        assert torch.equal(reader.kv[name][10:16], writer.kv[name][0:6])
+        assert torch.equal(reader.kv[name][10:16], writer.kv[name][1:7])
 
 
 def test_local_prefix_blocks_are_not_overwritten(store_url):
     writer = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         # The GPU prefix cache already holds block 0 (in the middle of chunk 0).
         for kv in reader.kv.values():
             kv[10] = 7
@@ -177,7 +177,7 @@ def test_local_prefix_blocks_are_not_overwritten(store_url):
     assert ext == 5 * BLOCK_SIZE and errors == set()
     for name in writer.kv:
         assert (reader.kv[name][10] == 7).all()
-        assert torch.equal(reader.kv[name][11:16], writer.kv[name][1:6])
+        assert torch.equal(reader.kv[name][11:16], writer.kv[name][2:7])
 
 
 def test_miss_when_store_is_empty(store_url):
@@ -195,7 +195,7 @@ def test_token_ids_no_chunk_can_hold_are_neither_looked_up_nor_saved(tmp_path, b
     a chunk header cannot hold (uint32) makes the request a plain miss, never an error."""
     engine = V1Engine(f"file://{tmp_path}/kv", chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(engine, list(range(7)))
+        write_prompt(engine, list(range(1, 8)))
         req = make_request([*PROMPT[:at], bad_id, *PROMPT[at + 1 :]])
         assert engine.lookup(req) == (0, False)  # at the end: its chunks are stored, though
         engine.scheduler.update_state_after_alloc(req, blocks(range(7, 14)), 0)
@@ -215,7 +215,7 @@ def test_corrupt_chunks_become_load_errors_not_exceptions(tmp_path, resident_rea
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
     finally:
         writer.shutdown()
     assert corrupt_chunks(tmp_path / "kv") == 3
@@ -237,7 +237,7 @@ def test_chunks_of_other_shapes_are_never_placed(tmp_path):
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
     finally:
         writer.shutdown()
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
@@ -258,8 +258,8 @@ def test_metadata_is_picklable_for_the_worker_processes(store_url):
     try:
         req = make_request(PROMPT)
         engine.lookup(req)
-        engine.scheduler.update_state_after_alloc(req, blocks(range(7)), 0)
-        meta, _, _ = engine.step([req], {req.request_id: list(range(7))}, {req.request_id: 100})
+        engine.scheduler.update_state_after_alloc(req, blocks(range(1, 8)), 0)
+        meta, _, _ = engine.step([req], {req.request_id: list(range(1, 8))}, {req.request_id: 100})
     finally:
         engine.shutdown()
     again = pickle.loads(pickle.dumps(meta))
@@ -273,7 +273,7 @@ def test_chunks_evicted_between_lookup_and_load_are_recomputed(tmp_path):
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         req = make_request(PROMPT)
         ext, _ = reader.lookup(req)
         shutil.rmtree(tmp_path / "kv")  # another node's gc wins the race
@@ -314,9 +314,9 @@ def test_saves_skip_asking_the_store_only_for_chunks_the_lookup_found_missing(tm
     try:
         req = make_request(PROMPT)
         assert writer.lookup(req) == (0, False)  # the store's prefix ends at chunk 0
-        writer.scheduler.update_state_after_alloc(req, blocks(range(7)), 0)
+        writer.scheduler.update_state_after_alloc(req, blocks(range(1, 8)), 0)
         asked = count_exists(writer.worker.core.store)
-        meta, _, _ = writer.step([req], {req.request_id: list(range(7))}, {req.request_id: 100})
+        meta, _, _ = writer.step([req], {req.request_id: list(range(1, 8))}, {req.request_id: 100})
         assert writer.worker.flush()
     finally:
         writer.shutdown()
@@ -366,17 +366,17 @@ def test_chunked_prefill_saves_each_chunk_once_as_it_completes(store_url):
     try:
         req = make_request(PROMPT)
         assert writer.lookup(req) == (0, False)
-        writer.scheduler.update_state_after_alloc(req, blocks(range(3)), 0)
+        writer.scheduler.update_state_after_alloc(req, blocks(range(1, 4)), 0)
         for kv in writer.kv.values():
-            kv[0:7] = torch.randn(7, *kv.shape[1:]).to(kv.dtype)
-        # step 1: 40 of 100 tokens (blocks 0-2 allocated) -> chunk 0 (tokens 0-31) is complete
-        meta1, _, _ = writer.step([req], {req.request_id: [0, 1, 2]}, {req.request_id: 40})
-        # step 2: the other 60 tokens, blocks 3-6 added -> chunks 1 and 2 complete
+            kv[1:8] = torch.randn(7, *kv.shape[1:]).to(kv.dtype)
+        # step 1: 40 of 100 tokens (blocks 1-3 allocated) -> chunk 0 (tokens 0-31) is complete
+        meta1, _, _ = writer.step([req], {req.request_id: [1, 2, 3]}, {req.request_id: 40})
+        # step 2: the other 60 tokens, blocks 4-7 added -> chunks 1 and 2 complete
         meta2, _, _ = writer.step(
-            scheduled={req.request_id: 60}, cached=[(req, [3, 4, 5, 6], 40)]
+            scheduled={req.request_id: 60}, cached=[(req, [4, 5, 6, 7], 40)]
         )
         assert [len(r.chunks) for r in meta1.saves] == [1]
-        assert [c.block_ids for r in meta2.saves for c in r.chunks] == [[2, 3], [4, 5]]
+        assert [c.block_ids for r in meta2.saves for c in r.chunks] == [[3, 4], [5, 6]]
         assert writer.worker.flush()
         ext, _, errors = read_prompt(reader, list(range(10, 17)))
     finally:
@@ -384,7 +384,7 @@ def test_chunked_prefill_saves_each_chunk_once_as_it_completes(store_url):
         reader.shutdown()
     assert ext == 6 * BLOCK_SIZE and errors == set()
     for name in writer.kv:
-        assert torch.equal(reader.kv[name][10:16], writer.kv[name][0:6])
+        assert torch.equal(reader.kv[name][10:16], writer.kv[name][1:7])
 
 
 def test_chunk_tokens_round_up_to_whole_engine_blocks():
@@ -403,7 +403,7 @@ def test_the_former_chunk_blocks_setting_keeps_its_stored_chunks(tmp_path):
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
         assert writer.scheduler.ns_by_rank == reader.scheduler.ns_by_rank
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         ext, _, errors = read_prompt(reader, list(range(10, 17)))
     finally:
         writer.shutdown()
@@ -430,7 +430,7 @@ def test_counters_reach_vllms_connector_stats_once_each(tmp_path):
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         read_prompt(reader, list(range(10, 17)))
         worker, again = writer.worker.get_kv_connector_stats(), writer.worker.get_kv_connector_stats()
         scheduler = reader.scheduler.get_kv_connector_stats()
@@ -457,7 +457,7 @@ def test_chunk_staging_buffers_are_reused_between_loads(store_url):
     writer = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         read_prompt(reader, list(range(10, 17)))
         kept = {kind: [b.data_ptr() for b in free]
                 for kind, free in reader.worker._load_buffers.items()}
@@ -471,7 +471,7 @@ def test_chunk_staging_buffers_are_reused_between_loads(store_url):
     assert (ext, errors) == (6 * BLOCK_SIZE, set())
     assert again == {kind: sorted(ptrs) for kind, ptrs in kept.items()}
     for name in writer.kv:
-        assert torch.equal(reader.kv[name][20:26], writer.kv[name][0:6])
+        assert torch.equal(reader.kv[name][20:26], writer.kv[name][1:7])
 
 
 def worker_stats(**data):
@@ -486,7 +486,7 @@ def test_the_policy_declines_stored_chunks_that_load_slower_than_a_recompute(tmp
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         # the reader's workers measured loads at 1 MB/s and prefill at 10,000 tokens/s
         reader.scheduler.update_connector_output(worker_stats(
             loads=1, loaded_chunks=1, hit_bytes=10**6, load_seconds=1.0,
@@ -506,7 +506,7 @@ def test_loads_carry_the_policys_deadline_to_the_workers(tmp_path):
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         # fast loads (1 GB/s), slow prefill (100 tokens/s): load, and wait at most half
         # of what recomputing the 96 stored tokens would take
         reader.scheduler.update_connector_output(worker_stats(
@@ -567,7 +567,7 @@ def test_layerwise_loads_place_each_layer_before_its_attention_runs(ranged_store
     url = ranged_store_url
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise")
-    src, dst = list(range(7)), list(range(10, 17))
+    src, dst = list(range(1, 8)), list(range(10, 17))
     seen = []
 
     def check_layer(name):  # what this layer's attention would read
@@ -607,7 +607,7 @@ def layerwise_read_of_a_corrupt_chunk_1(tmp_path, **reader_extra):
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise", **reader_extra)
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         corrupt_last_layer_of_chunk_1(tmp_path)
         ext, _, errors = read_prompt_layerwise(reader, list(range(10, 17)))
     finally:
@@ -623,7 +623,7 @@ def test_a_ranged_layerwise_load_fails_only_the_chunk_with_a_corrupt_layer(tmp_p
     writer, reader, ext, errors = layerwise_read_of_a_corrupt_chunk_1(
         tmp_path, direct_io=False, resident_reads=False)
     layer0 = next(iter(reader.kv))
-    assert torch.equal(reader.kv[layer0][10:12], writer.kv[layer0][0:2])
+    assert torch.equal(reader.kv[layer0][10:12], writer.kv[layer0][1:3])
     counters = reader.worker.counters
     assert ext == 3 * CHUNK_TOKENS
     assert errors == {12, 13}  # chunk 1's blocks: vLLM recomputes from there
@@ -640,7 +640,7 @@ def test_a_direct_layerwise_load_reads_whole_chunks_and_fails_from_the_corrupt_o
     block anyway)."""
     writer, reader, ext, errors = layerwise_read_of_a_corrupt_chunk_1(
         tmp_path, resident_reads=resident_reads)
-    chunk0 = all(torch.equal(reader.kv[n][10:12], writer.kv[n][0:2]) for n in reader.kv)
+    chunk0 = all(torch.equal(reader.kv[n][10:12], writer.kv[n][1:3]) for n in reader.kv)
     counters = reader.worker.counters
     assert reader.worker.core.reads_direct
     assert ext == 3 * CHUNK_TOKENS and chunk0
@@ -657,7 +657,7 @@ def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path):
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="auto")
-    src, dst = list(range(7)), list(range(10, 17))
+    src, dst = list(range(1, 8)), list(range(10, 17))
     try:
         write_prompt(writer, src)
         if not all(page_cached(f) for f in (tmp_path / "kv").rglob("*.kv")):
@@ -683,7 +683,7 @@ def test_auto_loads_a_hit_not_in_the_page_cache_between_steps(tmp_path):
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="auto")
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         for f in (tmp_path / "kv").rglob("*.kv"):
             drop_from_page_cache(f)
         ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
@@ -700,7 +700,7 @@ def test_chunks_saved_without_layer_checksums_still_load_layerwise(tmp_path):
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     writer.worker.core.segment_checksums = False  # as chunks written before they existed
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="layerwise")
-    src, dst = list(range(7)), list(range(10, 17))
+    src, dst = list(range(1, 8)), list(range(10, 17))
     try:
         write_prompt(writer, src)
         ext, _, errors = read_prompt_layerwise(reader, dst)
@@ -733,7 +733,7 @@ def test_saved_chunks_reach_vllms_kv_event_stream_as_block_stored(tmp_path):
 
     engine = events_engine(f"file://{tmp_path}/kv")
     try:
-        req = write_prompt(engine, list(range(7)))
+        req = write_prompt(engine, list(range(1, 8)))
         worker_events = engine.worker.get_kv_connector_kv_cache_events()
         again = engine.worker.get_kv_connector_kv_cache_events()
         engine.scheduler.update_connector_output(KVConnectorOutput(kv_cache_events=worker_events))
@@ -758,7 +758,7 @@ def test_chunks_found_gone_at_load_are_reported_removed(tmp_path):
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = events_engine(url)
     try:
-        write_prompt(writer, list(range(7)))
+        write_prompt(writer, list(range(1, 8)))
         assert corrupt_chunks(tmp_path / "kv") == 3
         _, _, errors = read_prompt(reader, list(range(10, 17)))
         worker_events = reader.worker.get_kv_connector_kv_cache_events()
@@ -777,8 +777,8 @@ def test_a_consumer_only_loads_and_a_producer_only_saves(tmp_path):
     try:
         req = make_request(PROMPT)
         assert consumer.lookup(req) == (0, False)
-        consumer.scheduler.update_state_after_alloc(req, blocks(range(7)), 0)
-        meta, _, _ = consumer.step([req], {req.request_id: list(range(7))},
+        consumer.scheduler.update_state_after_alloc(req, blocks(range(1, 8)), 0)
+        meta, _, _ = consumer.step([req], {req.request_id: list(range(1, 8))},
                                    {req.request_id: len(PROMPT)})
     finally:
         consumer.shutdown()
@@ -787,8 +787,8 @@ def test_a_consumer_only_loads_and_a_producer_only_saves(tmp_path):
     try:
         req = make_request(PROMPT)
         assert producer.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)  # no lookup
-        producer.scheduler.update_state_after_alloc(req, blocks(range(7)), 0)
-        meta, _, _ = producer.step([req], {req.request_id: list(range(7))},
+        producer.scheduler.update_state_after_alloc(req, blocks(range(1, 8)), 0)
+        meta, _, _ = producer.step([req], {req.request_id: list(range(1, 8))},
                                    {req.request_id: len(PROMPT)})
         assert producer.worker.flush()
         # what it saved, a later consumer loads
@@ -822,7 +822,7 @@ def test_a_request_can_turn_off_its_own_lookup_or_save(tmp_path, caplog, params,
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(writer, list(range(7)))  # the store holds PROMPT's three chunks
+        write_prompt(writer, list(range(1, 8)))  # the store holds PROMPT's three chunks
     finally:
         writer.shutdown()
     other = list(reversed(PROMPT))  # and not this one
@@ -947,7 +947,7 @@ def store_with_prompt(tmp_path) -> str:
     url = f"file://{tmp_path}"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(writer, list(range(6)))
+        write_prompt(writer, list(range(1, 7)))
     finally:
         writer.shutdown()
     return url
@@ -1067,7 +1067,7 @@ def saved_then_slow_reader(tmp_path, monkeypatch, seconds: float) -> tuple[V1Eng
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_wait_ms=30_000, resident_reads=False)
-    write_prompt(writer, list(range(7)))
+    write_prompt(writer, list(range(1, 8)))
     slow_chunk_reads(monkeypatch, seconds)
     return writer, reader
 
@@ -1205,7 +1205,7 @@ def test_a_request_asking_for_prompt_logprobs_is_not_looked_up_but_is_saved(tmp_
     url = f"file://{tmp_path}/kv"
     engine = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
-        write_prompt(engine, list(range(7)))
+        write_prompt(engine, list(range(1, 8)))
         req = make_request(PROMPT)
         req.sampling_params = SamplingParams(max_tokens=1, prompt_logprobs=1)
         req.skip_reading_prefix_cache = req.get_skip_reading_prefix_cache()
