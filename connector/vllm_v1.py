@@ -1103,7 +1103,7 @@ class KvstashConnector(KVConnectorBase_V1):
             return
         ids = [chunk.block_ids[j] for j in real]
         for layer, kv, view in self._views(buf, k, only):
-            if real == list(range(real[0], k)):
+            if len(real) == k - real[0]:  # one run to the chunk's end
                 src = view.narrow(layer.block_dim, real[0], k - real[0])
             else:
                 src = view.index_select(layer.block_dim, torch.tensor(real, device=view.device))
