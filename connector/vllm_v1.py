@@ -211,6 +211,11 @@ def _model_variant(model_config: Any) -> list[str]:
 # measurements from them, for its load-vs-recompute policy.
 
 
+# Counted by worker rank 0 alone: every rank of a tensor- or pipeline-parallel engine loads
+# and computes its own part of the same prompt tokens.
+RANK_ZERO_COUNTERS = ("hit_tokens", "prefill_tokens", "prefill_seconds")
+
+
 @dataclass
 class KvstashConnectorStats(KVConnectorStats):
     """kvstash counters since the last report; vLLM sums them over the scheduler and the
@@ -724,6 +729,13 @@ class KvstashConnector(KVConnectorBase_V1):
         now = self.core.counters()
         delta = {k: v - self._reported.get(k, 0) for k, v in now.items()}
         self._reported = now
+        if self.role == KVConnectorRole.WORKER and self.rank:
+            # vLLM sums the workers' stats: with several ranks (tensor or pipeline
+            # parallel) each loads and computes its own part of the same prompt tokens,
+            # so tokens and prefill time are counted by rank 0 alone. Chunks and bytes are
+            # per rank, each rank's part being a chunk of its own in the store.
+            for name in RANK_ZERO_COUNTERS:
+                delta.pop(name, None)
         delta = {k: v for k, v in delta.items() if v}
         return KvstashConnectorStats(data=delta) if delta else None
 

