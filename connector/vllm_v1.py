@@ -85,6 +85,7 @@ from connector.layout import EngineLayout
 from connector.policy import LoadPolicy, PrefillTimer
 from gds.buffers import aligned_empty
 from hashing import Namespace, keys_from_block_hashes, token_array
+from kvstash.vllm_plugin import register as register_name
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -1405,3 +1406,6 @@ class KvstashConnector(KVConnectorBase_V1):
         self._loading.clear()
         self._layer_loads = []
         self.core.close()
+
+
+register_name()  # where vLLM's plugins were not loaded (kvstash/vllm_plugin.py)

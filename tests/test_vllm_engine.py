@@ -191,10 +191,14 @@ def test_a_partial_prefix_and_then_the_rest_hit_through_http(model, saved, store
     assert run.metrics["vllm:kvstash_prefill_tokens"] > 0
 
 
-def test_a_fresh_process_hits_through_s3(model, saved, stores):
-    run = run_engine(model, stores.s3, [FULL], chunk_tokens=CHUNK)
+def test_a_fresh_process_hits_through_s3_inside_vllms_multiconnector(model, saved, stores):
+    """Named only (`"kv_connector": "KvstashConnector"`, no module path) inside vLLM's
+    MultiConnector, whose front end rebuilds each connector's stats by its registered
+    name: before kvstash's vLLM plugin registered it, that raised and stopped the engine."""
+    run = run_engine(model, stores.s3, [FULL], chunk_tokens=CHUNK, multi=True)
     assert run.generations[0].num_cached_tokens == 3 * CHUNK
     same_output(saved.generations[A_FULL_CACHED], run.generations[0])
+    assert run.metrics["vllm:kvstash_hit_tokens"] == 3 * CHUNK
 
 
 def test_an_unreachable_store_is_a_miss_with_the_right_output(model, saved):

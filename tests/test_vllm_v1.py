@@ -86,6 +86,35 @@ def test_factory_resolves_the_out_of_tree_connector():
     assert KVConnectorFactory.get_connector_class(cfg.kv_transfer_config) is KvstashConnector
 
 
+def test_vllms_plugin_loading_registers_the_connector_by_name_in_any_process():
+    """vLLM loads its general plugins in each of its processes. kvstash's (an entry point of
+    this package) registers `KvstashConnector` by name, lazily: a process that never
+    imported the connector resolves it without a module path, and MultiConnector's front
+    end rebuilds its stats by name (it raised "not registered" and stopped the engine)."""
+    import subprocess
+    import sys
+
+    code = """
+import sys
+from vllm.plugins import load_general_plugins
+load_general_plugins()
+assert "connector.vllm_v1" not in sys.modules, "registered lazily"
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+cls = KVConnectorFactory.get_connector_class(
+    KVTransferConfig(kv_connector="KvstashConnector", kv_role="kv_both"))
+stats = MultiConnector.build_kv_connector_stats({"KvstashConnector": {"hit_tokens": 64}})
+print(cls.__module__, type(stats.data["KvstashConnector"]).__name__, stats.reduce())
+"""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_PLUGINS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == (
+        "connector.vllm_v1 KvstashConnectorStats {'KvstashConnector': {'hit_tokens': 64}}")
+
+
 def test_saved_blocks_load_into_another_engine(store_url):
     writer = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)

@@ -83,6 +83,17 @@ def kv_transfer_config(store: str | list[str], **extra: Any) -> dict[str, Any]:
     }
 
 
+def multi_connector_config(store: str | list[str], **extra: Any) -> dict[str, Any]:
+    """kvstash inside vLLM's MultiConnector (as beside NIXL), named only: vLLM finds it
+    through kvstash's plugin (kvstash/vllm_plugin.py), with no module path."""
+    inner = kv_transfer_config(store, **extra)
+    for name in ("kv_connector_module_path", "kv_load_failure_policy"):
+        del inner[name]
+    return {"kv_connector": "MultiConnector", "kv_role": "kv_both",
+            "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": {"connectors": [inner]}}
+
+
 def engine_env() -> dict[str, str]:
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     return {**os.environ, **ENGINE_ENV, "PYTHONPATH": path}
@@ -105,11 +116,14 @@ class EngineRun:
 
 def run_engine(model: Path, store: str | list[str], prompts: list[list[int]], *,
                max_tokens: int = 8, logprobs: int = 5, timeout: float = 300,
-               kv_events: dict[str, Any] | None = None, **extra: Any) -> EngineRun:
-    """One engine process: start, generate each prompt in order, shut down, report."""
+               kv_events: dict[str, Any] | None = None, multi: bool = False,
+               **extra: Any) -> EngineRun:
+    """One engine process: start, generate each prompt in order, shut down, report
+    (`multi`: the connector inside vLLM's MultiConnector)."""
+    config = (multi_connector_config if multi else kv_transfer_config)(store, **extra)
     with tempfile.TemporaryDirectory(prefix="kvstash-engine-") as tmp:
         result = Path(tmp) / "result.json"
-        spec = {"model": str(model), "kv_transfer_config": kv_transfer_config(store, **extra),
+        spec = {"model": str(model), "kv_transfer_config": config,
                 "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs,
                 "result": str(result), "kv_events": kv_events}
         proc = subprocess.run(
