@@ -10,14 +10,19 @@ connectors up by name only (without the name registered, its stats logger raised
 
 from __future__ import annotations
 
+import logging
+
 CONNECTOR = "KvstashConnector"
 MODULE = "connector.vllm_v1"
 
 
 def register() -> None:
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
+    """Runs in every vLLM process where kvstash is installed, used or not: it never raises."""
     try:
+        from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
         KVConnectorFactory.register_connector(CONNECTOR, MODULE, CONNECTOR)
     except ValueError:  # registered already (the plugin, or connector.vllm_v1 on import)
         pass
+    except (ImportError, AttributeError) as exc:  # a vLLM without this factory
+        logging.getLogger("vllm.kvstash").debug("KvstashConnector not registered: %s", exc)
