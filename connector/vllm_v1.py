@@ -212,6 +212,10 @@ def _model_variant(model_config: Any) -> list[str]:
 # measurements from them, for its load-vs-recompute policy.
 
 
+# vLLM's block-hash algorithms whose seed is random in each process unless PYTHONHASHSEED is
+# set (vllm.v1.core.kv_cache_utils.resolve_none_hash_seed): no other process finds the keys.
+UNSEEDED_HASHES = ("xxhash", "xxhash_cbor")
+
 # Counted by worker rank 0 alone: every rank of a tensor- or pipeline-parallel engine loads
 # and computes its own part of the same prompt tokens.
 RANK_ZERO_COUNTERS = ("hit_tokens", "prefill_tokens", "prefill_seconds")
@@ -712,6 +716,14 @@ class KvstashConnector(KVConnectorBase_V1):
                          "for the model): the model runs on other cores than without one. "
                          "VLLM_CPU_NUM_OF_RESERVED_CPU set to the number of workers (1 "
                          "without tensor parallelism) keeps the cores it gets without one")
+        else:
+            algo = vllm_config.cache_config.prefix_caching_hash_algo
+            if algo in UNSEEDED_HASHES and "PYTHONHASHSEED" not in os.environ:
+                # vLLM then seeds its block hashes, from which keys are made, at random.
+                log.warning("kvstash: --prefix-caching-hash-algo %s without PYTHONHASHSEED: "
+                            "vLLM seeds its block hashes at random in each process, so the "
+                            "chunks this engine saves are found by this process alone; set "
+                            "the same PYTHONHASHSEED on every instance to share them", algo)
         log.info("kvstash vLLM connector (%s) on %s, rank %d/%d, chunks of %d tokens "
                  "(%d blocks)", role.name.lower(), self.core.store, self.rank,
                  self.world_size, self.chunk_tokens, self.chunk_blocks)

@@ -115,6 +115,29 @@ print(cls.__module__, type(stats.data["KvstashConnector"]).__name__, stats.reduc
         "connector.vllm_v1 KvstashConnectorStats {'KvstashConnector': {'hit_tokens': 64}}")
 
 
+@pytest.mark.parametrize("algo, seed, warns", [
+    ("xxhash", None, True), ("xxhash_cbor", None, True), ("xxhash", "0", False),
+    ("sha256", None, False),
+])
+def test_an_unseeded_block_hash_is_told_at_start(monkeypatch, caplog, algo, seed, warns):
+    """With `--prefix-caching-hash-algo xxhash` and no PYTHONHASHSEED, vLLM seeds its block
+    hashes (the chunks' keys) at random in each process: no other process finds them."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    cfg = vllm_config("memory://")
+    cfg.cache_config.prefix_caching_hash_algo = algo
+    with caplog.at_level("WARNING", logger="vllm.kvstash"):
+        KvstashConnector(cfg, KVConnectorRole.SCHEDULER, None).shutdown()
+    told = [r.getMessage() for r in caplog.records if "PYTHONHASHSEED" in r.getMessage()]
+    assert len(told) == warns
+    if warns:
+        assert "\n" not in told[0] and f"--prefix-caching-hash-algo {algo}" in told[0]
+
+
 def test_saved_blocks_load_into_another_engine(store_url):
     writer = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
