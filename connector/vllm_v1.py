@@ -375,6 +375,7 @@ class _Req:
     load: bool = True  # the request's own switches (`request_switches`)
     save: bool = True
     preemptions: int = 0  # vLLM's count when this state was last planned
+    loading: bool = False  # an async load the workers have not reported done yet
     earlier_loaded: int = 0  # tokens loaded before a preemption (for the request's log line)
 
     def prompt_tokens(self) -> np.ndarray | None:
@@ -892,7 +893,7 @@ class KvstashConnector(KVConnectorBase_V1):
         end_chunk = (st.num_computed + num_external_tokens) // self.chunk_tokens
         chunks = self._chunk_refs(st, first_block // self.chunk_blocks, end_chunk, first_block)
         self._loads.append(ReqChunks(request.request_id, chunks, st.deadline_s, st.sync))
-        st.load_planned = True
+        st.load_planned, st.loading = True, not st.sync
         st.loaded_tokens = num_external_tokens
 
     def _plan_save(self, st: _Req, done_tokens: int, out: list[ReqChunks]) -> None:
@@ -956,6 +957,9 @@ class KvstashConnector(KVConnectorBase_V1):
 
         The workers' counters in it feed the policy: how fast loads delivered bytes, and
         how fast the engine computed prompt tokens."""
+        for req_id in connector_output.finished_recving or ():
+            if (st := self._reqs.get(req_id)) is not None:
+                st.loading = False
         events = connector_output.kv_cache_events
         if isinstance(events, KvstashKVEvents):
             if self._collected is None:
@@ -1008,10 +1012,13 @@ class KvstashConnector(KVConnectorBase_V1):
                 if st.failed_tokens else ""
             if st.earlier_loaded:
                 failed += f" ({st.earlier_loaded} of them before a preemption)"
-            log.info("kvstash: request %s: %d prompt tokens, %d loaded from the store%s, "
-                     "%d chunks of %d tokens sent for saving", request.request_id,
-                     request.num_prompt_tokens,
-                     st.earlier_loaded + st.loaded_tokens - st.failed_tokens, failed,
+            # A request aborted while its load is in flight: vLLM keeps its blocks until
+            # the load ends, but the request's state ends here.
+            loaded = "being loaded from the store as it ended" if st.loading \
+                else "loaded from the store"
+            log.info("kvstash: request %s: %d prompt tokens, %d %s%s, %d chunks of %d tokens "
+                     "sent for saving", request.request_id, request.num_prompt_tokens,
+                     st.earlier_loaded + st.loaded_tokens - st.failed_tokens, loaded, failed,
                      st.saves_planned, self.chunk_tokens)
         # Saves copy their blocks to host memory inside the step, so blocks free at once.
         return False, None

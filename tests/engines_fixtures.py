@@ -209,6 +209,10 @@ class V1Engine:
         _, recving = self.worker.get_finished(set())
         errors = self.worker.get_block_ids_with_load_errors()
         self.worker.clear_connector_metadata()
+        if recving:  # as vLLM's scheduler hears of loads done (tests hand on load errors)
+            from vllm.v1.outputs import KVConnectorOutput
+
+            self.scheduler.update_connector_output(KVConnectorOutput(finished_recving=recving))
         return meta, recving or set(), errors
 
     def shutdown(self) -> None:

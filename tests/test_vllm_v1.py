@@ -555,6 +555,34 @@ def test_a_preempted_request_is_looked_up_and_loaded_again(tmp_path, caplog):
     assert "192 loaded from the store (96 of them before a preemption)" in caplog.text
 
 
+def test_a_request_that_ends_during_its_load_is_not_logged_as_loaded(tmp_path, caplog):
+    """vLLM ends a request aborted while its async load is in flight at once (and keeps its
+    blocks until the load ends): its INFO line says the tokens were being loaded, not
+    loaded. A request whose load the workers reported done says loaded."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(writer, list(range(1, 8)))
+        aborted, finished = make_request(PROMPT), make_request(PROMPT)
+        for req, ids in ((aborted, range(10, 17)), (finished, range(20, 27))):
+            ext, _ = reader.lookup(req)
+            reader.scheduler.update_state_after_alloc(req, blocks(list(ids)), ext)
+        reader.scheduler.update_connector_output(
+            KVConnectorOutput(finished_recving={finished.request_id}))
+        with caplog.at_level("INFO", logger="vllm.kvstash"):
+            reader.scheduler.request_finished(aborted, list(range(10, 17)))
+            reader.scheduler.request_finished(finished, list(range(20, 27)))
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    lines = [r.getMessage() for r in caplog.records if "prompt tokens" in r.getMessage()]
+    assert "96 being loaded from the store as it ended" in lines[0]
+    assert "96 loaded from the store" in lines[1]
+
+
 def test_chunk_staging_buffers_are_reused_between_loads(store_url):
     """Each load reads into staging kept from the previous one (fresh memory costs a page
     fault per page), and a second load into other blocks is as exact as the first."""
