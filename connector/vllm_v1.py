@@ -876,8 +876,6 @@ class KvstashConnector(KVConnectorBase_V1):
         so chunks loaded before, and those it saved itself since, come from the store
         instead of being recomputed. Chunks already sent for saving are not sent again."""
         st.preemptions = st.request.num_preemptions
-        if st.lookup is not None:
-            st.lookup.cancel()
         st.earlier_loaded += st.loaded_tokens - st.failed_tokens
         st.lookup, st.hit_chunks, st.load_planned = None, None, False
         st.loaded_tokens = st.failed_tokens = 0

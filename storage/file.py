@@ -1149,8 +1149,8 @@ def _checks_whole(path: Path, key: str) -> bool:
         return False
     try:
         size = os.fstat(fd).st_size
-        blob = bytearray(size)
-        if read_parts_at(fd, [memoryview(blob)], 0) != size:
+        blob = read_at(fd, size)
+        if len(blob) != size:
             return False
         header = decode_chunk(blob, key).header
         payload = memoryview(blob)[header.header_len :]
