@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The checks that need a GPU, in one run: the CUDA tests of gds/ and the connector, then
-# `kvstash bench gds` (page-cached and cold) and `kvstash bench ttft --device cuda`.
+# The checks that need a GPU, in one run: the CUDA tests of gds/ and the connectors, then
+# `kvstash bench gds` (page-cached and cold), `kvstash bench ttft --device cuda` and
+# `kvstash bench vllm-gpu-worker`.
 #
 #   scripts/gpu-check.sh [OUT_DIR]      # from the repository root, kvstash importable
 #
@@ -39,7 +40,7 @@ print("probe:", probe(sys.argv[1]))
 EOF
 step "$py" -m pytest -q -p no:cacheprovider tests/test_gds_cuda.py tests/test_gds_selection.py \
     tests/test_gds_host_reads.py tests/test_gds_bounce.py tests/test_gds_bench.py \
-    tests/test_connector_direct.py tests/test_hf_prefill.py
+    tests/test_connector_direct.py tests/test_hf_prefill.py tests/test_vllm_v1_cuda.py
 if ! ls /dev/nvidia-fs* >/dev/null 2>&1; then
     # No GDS kernel driver: cuFile can still read in compatibility mode (POSIX reads into
     # its own bounce buffers) where its config allows it. Run the CUDA tests through it.
@@ -59,4 +60,8 @@ step "$py" -m kvstash.cli bench ttft --device cuda --model llama-1.5b --always-l
     --prompt-tokens 4096 --cached-tokens 3584 --repeat 7 --store "file://$dir/store" \
     --json "$out/ttft-gpu-always-load.json"
 rm -rf "$dir/store"
+# The vLLM connector's worker on CUDA tensors (vLLM's base classes stood in where vLLM is
+# not installed): loads against the store's read and a step's compute.
+step "$py" -m kvstash.cli bench vllm-gpu-worker --dir "$dir/worker" --json "$out/vllm-gpu-worker.json"
+rm -rf "$dir/worker"
 exit $status
