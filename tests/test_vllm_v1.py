@@ -827,6 +827,27 @@ def test_auto_loads_a_hit_not_in_the_page_cache_between_steps(tmp_path):
     assert reader.worker.core.chunk_io.stats()["counters"]["chunk_reads"] >= 1
 
 
+def test_auto_loads_between_steps_on_other_platforms_than_vllms_cpu_build(tmp_path, monkeypatch):
+    """On a GPU a layerwise step was no faster than an async load and the forward after it,
+    and it holds up the batch: there `auto` loads even page-cached chunks between steps."""
+    import connector.vllm_v1 as v1
+
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    monkeypatch.setattr(v1, "_cpu_platform", lambda: False)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="auto")
+    try:
+        write_prompt(writer, list(range(1, 8)))
+        ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert not reader.scheduler.auto_layerwise
+    assert (ext, is_async) == (6 * BLOCK_SIZE, True) and errors == set()
+    assert reader.worker.counters["loaded_chunks"] == 3
+    assert reader.worker.counters["layered_chunks"] == 0
+
+
 def test_chunks_saved_without_layer_checksums_still_load_layerwise(tmp_path):
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
