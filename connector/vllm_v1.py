@@ -779,6 +779,15 @@ class KvstashConnector(KVConnectorBase_V1):
                  "(%d blocks)", role.name.lower(), self.core.store, self.rank,
                  self.world_size, self.chunk_tokens, self.chunk_blocks)
 
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """Layerwise loads wait for each layer in `wait_for_layer_load`, a hook that a full
+        CUDA graph skips on replay (a hit that leaves one token to compute can run as a
+        decode batch, which vLLM replays as a full graph by default): vLLM then captures
+        piecewise graphs only. Async loads and saves need nothing inside the graph (layers a graph
+        did not hand to `save_kv_layer` are gathered in `wait_for_save`)."""
+        return (extra_config or {}).get("load_mode", "auto") == "layerwise"
+
     @property
     def requires_kv_delivery(self) -> bool:
         return False  # a cache: a dropped save is a future miss

@@ -86,6 +86,17 @@ def test_factory_resolves_the_out_of_tree_connector():
     assert KVConnectorFactory.get_connector_class(cfg.kv_transfer_config) is KvstashConnector
 
 
+@pytest.mark.parametrize("extra, piecewise", [
+    ({}, False), ({"load_mode": "auto"}, False), ({"load_mode": "async"}, False),
+    ({"load_mode": "layerwise"}, True),
+])
+def test_layerwise_loads_ask_vllm_for_piecewise_cuda_graphs(extra, piecewise):
+    """A full CUDA graph skips `wait_for_layer_load` on replay: an engine that loads layer
+    by layer must run its attention outside graphs (vLLM's VllmConfig asks the connector
+    class; `auto` loads between steps on GPUs)."""
+    assert KvstashConnector.requires_piecewise_for_cudagraph(extra) is piecewise
+
+
 def test_vllms_plugin_loading_registers_the_connector_by_name_in_any_process():
     """vLLM loads its general plugins in each of its processes. kvstash's (an entry point of
     this package) registers `KvstashConnector` by name, lazily: a process that never
