@@ -486,10 +486,10 @@ class GpuPlacement:
 
     On the engine's own stream, each chunk of an async load waited for the forward queued
     there when it landed (a copy from pinned memory on that stream waits for its queue):
-    on an H100, 8 chunks of 32 MiB took 156 ms to load behind a 100 ms forward, 61 ms
-    behind none; here 49 and 49 ms (`kvstash bench vllm-gpu-worker`, 2026-11-27). The
-    layers of a layerwise load stay on the engine's stream: with a side stream their
-    steps took 102-120 ms against 78 ms there (same bench)."""
+    on an H100, 8 chunks of 32 MiB took 152-155 ms to load behind a 100 ms forward,
+    60-72 ms behind none; here 39-47 ms either way (`kvstash bench vllm-gpu-worker`,
+    2026-11-27). The layers of a layerwise load stay on the engine's stream: with a side
+    stream their steps took 102-120 ms against 78-95 ms there (same bench)."""
 
     def __init__(self) -> None:
         self._local = threading.local()
@@ -784,8 +784,8 @@ class KvstashConnector(KVConnectorBase_V1):
         """Layerwise loads wait for each layer in `wait_for_layer_load`, a hook that a full
         CUDA graph skips on replay (a hit that leaves one token to compute can run as a
         decode batch, which vLLM replays as a full graph by default): vLLM then captures
-        piecewise graphs only. Async loads and saves need nothing inside the graph (layers a graph
-        did not hand to `save_kv_layer` are gathered in `wait_for_save`)."""
+        piecewise graphs only. Async loads and saves need nothing inside the graph (the
+        layers a graph did not hand to `save_kv_layer` are gathered in `wait_for_save`)."""
         return (extra_config or {}).get("load_mode", "auto") == "layerwise"
 
     @property
