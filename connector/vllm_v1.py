@@ -86,6 +86,7 @@ from connector.core import COUNTERS, KVConnector, LoadHandle, SegmentLoad
 from connector.layout import EngineLayout
 from connector.policy import LoadPolicy, PrefillTimer
 from gds.buffers import aligned_empty
+from gds.streams import SideStreams
 from hashing import Namespace, keys_from_block_hashes, token_array
 from kvstash.vllm_plugin import register as register_name
 
@@ -477,7 +478,7 @@ def place_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], src: to
         dst[(*lead, slice(b, b + n))] = raw[(*lead, slice(j, j + n))]
 
 
-class GpuPlacement:
+class GpuPlacement(SideStreams):
     """Where whole chunks are placed into a CUDA KV cache: a side stream per placing
     thread, after `after` (an event the engine's stream passed as the step that started
     the load began: blocks handed to a request may still be written by work queued before
@@ -491,24 +492,8 @@ class GpuPlacement:
     2026-11-27). The layers of a layerwise load stay on the engine's stream: with a side
     stream their steps took 102-120 ms against 78-95 ms there (same bench)."""
 
-    def __init__(self) -> None:
-        self._local = threading.local()
-
-    def stream(self, device: torch.device) -> Any:
-        streams = self._local.__dict__.setdefault("streams", {})
-        if device not in streams:
-            streams[device] = torch.cuda.Stream(device=device)
-        return streams[device]
-
     def run(self, device: torch.device, after: Any, place: Callable[[], None]) -> None:
-        stream = self.stream(device)
-        with torch.cuda.stream(stream):
-            if after is not None:
-                stream.wait_event(after)
-            place()
-            done = torch.cuda.Event()
-            done.record(stream)
-        done.synchronize()
+        self.start(device, after, place).synchronize()
 
 
 def device_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
@@ -1230,20 +1215,20 @@ class KvstashConnector(KVConnectorBase_V1):
         run = len(real) == k - real[0]  # one run to the chunk's end
         device = self._device()
         if device.type == "cuda" and only is None:
-            self._gpu.run(device, after, lambda: self._place_on_gpu(buf, k, real, ids, run))
+            self._gpu.run(device, after,
+                          lambda: self._place_on_gpu(device, buf, k, real, ids, run))
             return
         for layer, kv, view in self._views(buf, k, only):
             src = (view.narrow(layer.block_dim, real[0], k - real[0]) if run
                    else view.index_select(layer.block_dim, torch.tensor(real, device=view.device)))
             place_blocks(kv, layer.block_dim, ids, src)
 
-    def _place_on_gpu(self, buf: torch.Tensor, k: int, real: list[int], ids: list[int],
-                      run: bool) -> None:
+    def _place_on_gpu(self, device: torch.device, buf: torch.Tensor, k: int, real: list[int],
+                      ids: list[int], run: bool) -> None:
         """A whole chunk into a GPU cache, on the current (side) stream: host staging goes
         over in one copy, then each layer is one `index_copy_` on the device. With a copy
         and an index per layer, as `place_blocks` makes them, a chunk of 32 layers took
         55 ms to place among 8 placing at once, against 29 ms so (H100, 2026-11-27)."""
-        device = self._device()
         if not buf.is_cuda:
             buf = buf.to(device, non_blocking=True)
         idx = device_index(ids, device)

@@ -27,6 +27,7 @@ import xxhash
 from gds.buffers import ALIGN, aligned_empty
 from gds.errors import IO, SHORT, ReadError
 from gds.hostio import OpenFile, read_error, read_range
+from gds.streams import SideStreams
 
 # Below this a split costs more than it saves: a thread hand-off took 20-150 us on this
 # shared 2-core VM, about what copying 1 MiB out of the page cache takes.
@@ -160,30 +161,13 @@ class BounceBackend:
 
     def __init__(self, pool: Executor, piece_bytes: int, mode: str, slots: BounceSlots):
         self.pool, self.piece_bytes, self.mode, self.slots = pool, piece_bytes, mode, slots
-        self._local = threading.local()
-
-    def _stream(self, device: Any) -> Any:
-        import torch
-
-        streams = self._local.__dict__.setdefault("streams", {})
-        if device not in streams:
-            streams[device] = torch.cuda.Stream(device=device)
-        return streams[device]
+        self._streams = SideStreams()
 
     def _copy(self, dest: Any, src: Any, ready: Any) -> Any:
         if dest.device.type != "cuda":
             dest.copy_(src)
             return None
-        import torch
-
-        stream = self._stream(dest.device)
-        with torch.cuda.stream(stream):
-            if ready is not None:
-                stream.wait_event(ready)
-            dest.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(stream)
-        return done
+        return self._streams.start(dest.device, ready, lambda: dest.copy_(src, non_blocking=True))
 
     def read(self, f: OpenFile, offset: int, dest: Any, ready: Any = None) -> None:
         def work(a: int, b: int) -> Any:
