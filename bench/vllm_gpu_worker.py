@@ -38,6 +38,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.vllm_standin import worker_config
+
 BLOCK = 16
 
 
@@ -73,15 +75,8 @@ class _Bench:
 
     def worker(self) -> tuple[Any, dict[str, Any]]:
         a, torch = self.args, self.torch
-        cfg = SimpleNamespace(
-            kv_transfer_config=SimpleNamespace(kv_role="kv_both", kv_connector_extra_config={
-                "store": self.store, "model": "bench/gpu-worker", "adaptive": False,
-                "chunk_tokens": a.chunk_tokens, "salt": self.salt}),
-            cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto",
-                                         prefix_caching_hash_algo="sha256"),
-            model_config=None, parallel_config=SimpleNamespace(rank=0, world_size=1),
-            kv_events_config=None,
-        )
+        cfg = worker_config(self.store, BLOCK, model="bench/gpu-worker", adaptive=False,
+                            chunk_tokens=a.chunk_tokens, salt=self.salt)
         worker = self.mod.KvstashConnector(cfg, self.mod.KVConnectorRole.WORKER,
                                            SimpleNamespace(num_blocks=self.num_blocks))
         kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(

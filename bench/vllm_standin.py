@@ -13,6 +13,7 @@ import enum
 import sys
 import types
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 from typing import Any
 
 
@@ -123,6 +124,20 @@ MODULES = {
     "vllm.v1.metrics": {},
     "vllm.v1.metrics.cache_hit_source": {"CacheHitSource": CacheHitSource},
 }
+
+
+def worker_config(store: str, block_size: int, **extra: Any) -> SimpleNamespace:
+    """What the connector reads of a `VllmConfig`, for a worker of one rank driven by hand
+    (vLLM's own config needs a platform vLLM supports): `extra` goes to
+    `kv_connector_extra_config` (a `model` name is required there without a model config)."""
+    return SimpleNamespace(
+        kv_transfer_config=SimpleNamespace(kv_role="kv_both",
+                                           kv_connector_extra_config={"store": store, **extra}),
+        cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto",
+                                     prefix_caching_hash_algo="sha256"),
+        model_config=None, parallel_config=SimpleNamespace(rank=0, world_size=1),
+        kv_events_config=None,
+    )
 
 
 def import_connector() -> Any:

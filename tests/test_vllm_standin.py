@@ -28,21 +28,15 @@ class NoVllm:
 sys.meta_path.insert(0, NoVllm())
 import numpy as np
 import torch
-from bench.vllm_standin import import_connector
+from bench.vllm_standin import import_connector, worker_config
 
 mod = import_connector()
 assert not any(n == "vllm" or n.startswith("vllm.") for n in sys.modules), "stand-ins left"
 store, BLOCK, CHUNK_BLOCKS = sys.argv[1], 16, 4
 
 def worker():
-    cfg = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(kv_role="kv_both", kv_connector_extra_config={
-            "store": store, "model": "test/standin", "chunk_tokens": BLOCK * CHUNK_BLOCKS,
-            "load_mode": "async", "adaptive": False}),
-        cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto",
-                                     prefix_caching_hash_algo="sha256"),
-        model_config=None, parallel_config=SimpleNamespace(rank=0, world_size=1),
-        kv_events_config=None)
+    cfg = worker_config(store, BLOCK, model="test/standin", chunk_tokens=BLOCK * CHUNK_BLOCKS,
+                        load_mode="async", adaptive=False)
     w = mod.KvstashConnector(cfg, mod.KVConnectorRole.WORKER, SimpleNamespace(num_blocks=32))
     kv = {f"layers.{i}.attn": torch.zeros(2, 32, BLOCK, 2, 8, dtype=torch.bfloat16)
           for i in range(3)}

@@ -38,19 +38,9 @@ def make_worker(store: str, layout: str, load_mode: str = "async", **extra):
     FlashAttention shape per layer `(2, blocks, block_size, heads, head_dim)`, `blocks` the
     newer `(blocks, 2, block_size, heads, head_dim)`."""
     mod = connector_module()
-    cfg = SimpleNamespace(
-        kv_transfer_config=SimpleNamespace(
-            kv_role="kv_both",
-            kv_connector_extra_config={"store": store, "model": "test/cuda-llama",
-                                       "chunk_tokens": CHUNK_BLOCKS * BLOCK,
-                                       "load_mode": load_mode, "adaptive": False, **extra},
-        ),
-        cache_config=SimpleNamespace(block_size=BLOCK, cache_dtype="auto",
-                                     prefix_caching_hash_algo="sha256"),
-        model_config=None,
-        parallel_config=SimpleNamespace(rank=0, world_size=1),
-        kv_events_config=None,
-    )
+    cfg = vllm_standin.worker_config(store, BLOCK, model="test/cuda-llama",
+                                     chunk_tokens=CHUNK_BLOCKS * BLOCK, load_mode=load_mode,
+                                     adaptive=False, **extra)
     worker = mod.KvstashConnector(cfg, mod.KVConnectorRole.WORKER, SimpleNamespace(num_blocks=NUM_BLOCKS))
     shape = ((2, NUM_BLOCKS) if layout == "flash" else (NUM_BLOCKS, 2)) + (BLOCK, HEADS, HEAD_DIM)
     kv = {f"model.layers.{i}.self_attn.attn": torch.zeros(shape, dtype=torch.bfloat16,
