@@ -178,6 +178,29 @@ def test_a_corrupt_chunk_is_recomputed_counted_and_saved_again(saved, from_file,
     assert len(chunks) == 6 and all(chunks.values())
 
 
+def test_vllms_async_scheduler_loads_between_steps_and_recovers_a_corrupt_chunk(
+        model, saved, from_file, stores):
+    """vLLM's GPU defaults, scheduler side: async scheduling (the `AsyncScheduler` and two
+    batches in flight, turned on here against the CPU platform's choice) and loads
+    between steps (`load_mode: auto` on a GPU), which park a request in
+    WAITING_FOR_REMOTE_KVS until its workers report the load. Hits and a failed chunk come
+    out as under the synchronous scheduler."""
+    damage_second_chunk_of_corrupt(stores.root)  # B saved it again
+    run = run_engine(model, stores.file, [FULL, CORRUPT], chunk_tokens=CHUNK,
+                     load_mode="async", async_scheduling=True)
+    assert run.scheduler == "AsyncScheduler"
+    full, corrupt = run.generations
+    assert full.num_cached_tokens == 3 * CHUNK
+    same_output(saved.generations[A_FULL_CACHED], full)
+    assert corrupt.num_cached_tokens == CHUNK
+    same_output(saved.generations[A_CORRUPT], corrupt)
+    assert run.metrics["vllm:kvstash_failed_load_tokens"] == 2 * CHUNK
+    assert run.metrics["vllm:kvstash_save_queued"] == 2  # chunks 2 and 3 again
+    assert run.metrics.get("vllm:kvstash_layered_chunks", 0) == 0  # none within a step
+    chunks = stored_chunks(stores.file)
+    assert len(chunks) == 6 and all(chunks.values())
+
+
 def test_a_partial_prefix_and_then_the_rest_hit_through_http(model, saved, stores):
     run = run_engine(model, stores.http, [PARTIAL, FULL], chunk_tokens=CHUNK)
     partial, full = run.generations

@@ -112,20 +112,23 @@ class EngineRun:
     generations: list[Generation]
     metrics: dict[str, float]  # vLLM's Prometheus counters and gauges named *kvstash*
     log: str
+    scheduler: str  # the class name of the engine core's scheduler
 
 
 def run_engine(model: Path, store: str | list[str], prompts: list[list[int]], *,
                max_tokens: int = 8, logprobs: int = 5, timeout: float = 300,
                kv_events: dict[str, Any] | None = None, multi: bool = False,
-               **extra: Any) -> EngineRun:
+               async_scheduling: bool = False, **extra: Any) -> EngineRun:
     """One engine process: start, generate each prompt in order, shut down, report
-    (`multi`: the connector inside vLLM's MultiConnector)."""
+    (`multi`: the connector inside vLLM's MultiConnector; `async_scheduling`: see
+    `schedule_async_on_cpu`)."""
     config = (multi_connector_config if multi else kv_transfer_config)(store, **extra)
     with tempfile.TemporaryDirectory(prefix="kvstash-engine-") as tmp:
         result = Path(tmp) / "result.json"
         spec = {"model": str(model), "kv_transfer_config": config,
                 "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs,
-                "result": str(result), "kv_events": kv_events}
+                "result": str(result), "kv_events": kv_events,
+                "async_scheduling": async_scheduling}
         proc = subprocess.run(
             [sys.executable, "-m", "tests.vllm_engine_fixtures", json.dumps(spec)],
             cwd=ROOT, env=engine_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -140,10 +143,29 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int]], *,
                    g["num_cached_tokens"], g["seconds"])
         for g in out["generations"]
     ]
-    return EngineRun(gens, out["metrics"], log)
+    return EngineRun(gens, out["metrics"], log, out["scheduler"])
+
+
+def schedule_async_on_cpu() -> None:
+    """vLLM's default on GPUs, in this process: async scheduling (the `AsyncScheduler`,
+    which schedules step N+1 while step N runs, and an executor with two batches in
+    flight). vLLM's CPU platform turns it off in `check_and_update_config` ("not
+    required on CPU"); this turns it back on after that, before an `LLM` is made. The
+    engine config is built here and handed to the engine core and workers as is."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    configure = CpuPlatform.check_and_update_config.__func__
+
+    def check_and_update_config(cls: type, vllm_config: Any) -> None:
+        configure(cls, vllm_config)
+        vllm_config.scheduler_config.async_scheduling = True
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _main(spec: dict[str, Any]) -> None:
+    if spec.get("async_scheduling"):
+        schedule_async_on_cpu()
     from vllm import LLM, SamplingParams
 
     llm = LLM(
@@ -171,7 +193,9 @@ def _main(spec: dict[str, Any]) -> None:
     for m in llm.get_metrics():
         if "kvstash" in m.name and hasattr(m, "value"):
             metrics[m.name] = m.value
-    Path(spec["result"]).write_text(json.dumps({"generations": generations, "metrics": metrics}))
+    scheduler = llm.llm_engine.vllm_config.scheduler_config.get_scheduler_cls().__name__
+    Path(spec["result"]).write_text(json.dumps(
+        {"generations": generations, "metrics": metrics, "scheduler": scheduler}))
 
 
 if __name__ == "__main__":
