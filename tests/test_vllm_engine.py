@@ -47,6 +47,7 @@ from tests.vllm_engine_fixtures import (  # noqa: E402
     VOCAB,
     SlowWrites,
     build_tiny_llama,
+    build_tiny_mla,
     build_tiny_sliding_window,
     complete,
     openai_server,
@@ -279,6 +280,24 @@ def test_a_sliding_window_model_hits_across_processes(tmp_path):
     assert b.generations[0].num_cached_tokens == 2 * CHUNK, b.log[-4000:]
     same_output(a.generations[1], b.generations[0])
     assert "quarantined" not in b.log and len(stored_chunks(store)) == 2
+
+
+def test_an_mla_model_hits_across_processes_like_vllms_own_prefix_cache(tmp_path):
+    """Multi-head latent attention (a dense DeepSeek-V3): one latent per token and layer,
+    no K/V split, 16-token blocks. vLLM's CPU platform turns its own prefix cache off for
+    MLA; A turns it back on for the reference (its second prompt continues from vLLM's
+    own cache). A fresh process on the connector alone (vLLM's cache off) loads the two
+    chunks and continues exactly like that."""
+    model = build_tiny_mla(tmp_path / "mla")
+    store = f"file://{tmp_path}/kv"
+    prompt = FULL[: 2 * CHUNK + 1]
+    a = run_engine(model, store, [prompt, prompt], chunk_tokens=CHUNK, prefix_caching=True)
+    b = run_engine(model, store, [prompt], chunk_tokens=CHUNK)
+    assert "MLA" in b.log
+    assert [g.num_cached_tokens for g in a.generations] == [0, 2 * CHUNK]
+    assert b.generations[0].num_cached_tokens == 2 * CHUNK, b.log[-4000:]
+    same_output(a.generations[1], b.generations[0])
+    assert b.metrics["vllm:kvstash_hit_bytes"] == 2 * CHUNK * 2 * 576 * 2  # tokens, layers, width, bf16
 
 
 def test_a_chunk_no_prompt_can_fill_is_refused_at_start(model):

@@ -73,6 +73,25 @@ def build_tiny_sliding_window(path: Path, window: int = 128) -> Path:
     return path
 
 
+def build_tiny_mla(path: Path) -> Path:
+    """A random-weight bf16 DeepSeek-V3 of 2 dense layers (no experts): multi-head latent
+    attention, whose KV cache holds one 576-wide latent per token (512 + 64 rotary; the
+    only width vLLM's CPU MLA decode kernel takes), in 16-token blocks on CPU."""
+    import torch
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    torch.manual_seed(0)
+    config = DeepseekV3Config(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4,
+        kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=64,
+        v_head_dim=64, max_position_embeddings=MAX_MODEL_LEN, bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    DeepseekV3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
 def kv_transfer_config(store: str | list[str], **extra: Any) -> dict[str, Any]:
     return {
         "kv_connector": "KvstashConnector",
@@ -118,17 +137,18 @@ class EngineRun:
 def run_engine(model: Path, store: str | list[str], prompts: list[list[int]], *,
                max_tokens: int = 8, logprobs: int = 5, timeout: float = 300,
                kv_events: dict[str, Any] | None = None, multi: bool = False,
-               async_scheduling: bool = False, **extra: Any) -> EngineRun:
+               async_scheduling: bool = False, prefix_caching: bool = False,
+               **extra: Any) -> EngineRun:
     """One engine process: start, generate each prompt in order, shut down, report
-    (`multi`: the connector inside vLLM's MultiConnector; `async_scheduling`: see
-    `schedule_async_on_cpu`)."""
+    (`multi`: the connector inside vLLM's MultiConnector; `async_scheduling` and
+    `prefix_caching`: see `override_cpu_platform`)."""
     config = (multi_connector_config if multi else kv_transfer_config)(store, **extra)
     with tempfile.TemporaryDirectory(prefix="kvstash-engine-") as tmp:
         result = Path(tmp) / "result.json"
         spec = {"model": str(model), "kv_transfer_config": config,
                 "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs,
                 "result": str(result), "kv_events": kv_events,
-                "async_scheduling": async_scheduling}
+                "async_scheduling": async_scheduling, "prefix_caching": prefix_caching}
         proc = subprocess.run(
             [sys.executable, "-m", "tests.vllm_engine_fixtures", json.dumps(spec)],
             cwd=ROOT, env=engine_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
@@ -146,26 +166,32 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int]], *,
     return EngineRun(gens, out["metrics"], log, out["scheduler"])
 
 
-def schedule_async_on_cpu() -> None:
-    """vLLM's default on GPUs, in this process: async scheduling (the `AsyncScheduler`,
-    which schedules step N+1 while step N runs, and an executor with two batches in
-    flight). vLLM's CPU platform turns it off in `check_and_update_config` ("not
-    required on CPU"); this turns it back on after that, before an `LLM` is made. The
-    engine config is built here and handed to the engine core and workers as is."""
+def override_cpu_platform(async_scheduling: bool, prefix_caching: bool) -> None:
+    """Undo, in this process, two choices vLLM's CPU platform makes in
+    `check_and_update_config`, before an `LLM` is made (the engine config is built here
+    and handed to the engine core and workers as is):
+    - `async_scheduling`: vLLM's default on GPUs (the `AsyncScheduler`, which schedules
+      step N+1 while step N runs, and an executor with two batches in flight), turned
+      off on CPU as "not required";
+    - `prefix_caching`: vLLM's own prefix cache, turned off on CPU for MLA models (with
+      chunked prefill), kept on here so that an MLA hit has vLLM's own hit to equal."""
     from vllm.platforms.cpu import CpuPlatform
 
     configure = CpuPlatform.check_and_update_config.__func__
 
     def check_and_update_config(cls: type, vllm_config: Any) -> None:
         configure(cls, vllm_config)
-        vllm_config.scheduler_config.async_scheduling = True
+        if async_scheduling:
+            vllm_config.scheduler_config.async_scheduling = True
+        if prefix_caching:
+            vllm_config.cache_config.enable_prefix_caching = True
 
     CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
 
 
 def _main(spec: dict[str, Any]) -> None:
-    if spec.get("async_scheduling"):
-        schedule_async_on_cpu()
+    if spec.get("async_scheduling") or spec.get("prefix_caching"):
+        override_cpu_platform(spec.get("async_scheduling"), spec.get("prefix_caching"))
     from vllm import LLM, SamplingParams
 
     llm = LLM(
