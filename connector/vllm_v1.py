@@ -183,6 +183,21 @@ def connector_namespace(
     )
 
 
+def key_ranks(vllm_config: VllmConfig) -> list[int]:
+    """Per worker rank, the rank whose key space holds its chunks: its own, except that the
+    tensor-parallel ranks of an MLA model (one latent per token, the same on every rank:
+    it is not split by heads) share their group's first rank's, which alone saves them.
+    A tensor-parallel group is consecutive ranks (vLLM's innermost dimension). Not with
+    decode or prefill context parallelism, which split the tokens across those ranks."""
+    par = vllm_config.parallel_config
+    world, tp = par.world_size, par.tensor_parallel_size
+    model_config = vllm_config.model_config
+    shared = (tp > 1 and bool(getattr(model_config, "use_mla", False))
+              and getattr(par, "decode_context_parallel_size", 1) == 1
+              and getattr(par, "prefill_context_parallel_size", 1) == 1)
+    return [r - r % tp if shared else r for r in range(world)]
+
+
 def _model_variant(model_config: Any) -> list[str]:
     """What, besides the model's name and dtype, makes an engine compute other K/V for the
     same tokens, where the engine sets it (nothing for the defaults, so the key space of
@@ -666,10 +681,16 @@ class KvstashConnector(KVConnectorBase_V1):
         self.max_in_flight = int(extra.get("max_in_flight", 8))
         par = vllm_config.parallel_config
         self.rank, self.world_size = par.rank, par.world_size
+        by_rank = key_ranks(vllm_config)
         self.ns_by_rank = [
             connector_namespace(vllm_config, r, self.world_size, self.chunk_tokens)
-            for r in range(self.world_size)
+            for r in by_rank
         ]
+        # The key spaces a lookup asks for (one per rank, or per MLA group), and whether
+        # this worker saves (and reports its saves as KV events) or leaves that to its
+        # group's first rank.
+        self._lookup_ns = [self.ns_by_rank[r] for r in sorted(set(by_rank))]
+        self.saves_here = by_rank[self.rank] == self.rank
         self.exit_flush_s = float(extra.get("exit_flush_s", 4.0))
         mode = extra.get("load_mode", "auto")
         if mode not in LOAD_MODES:
@@ -772,6 +793,10 @@ class KvstashConnector(KVConnectorBase_V1):
         log.info("kvstash vLLM connector (%s) on %s, rank %d/%d, chunks of %d tokens "
                  "(%d blocks)", role.name.lower(), self.core.store, self.rank,
                  self.world_size, self.chunk_tokens, self.chunk_blocks)
+        if worker and by_rank[self.rank] != self.rank:
+            log.info("kvstash: MLA: rank %d loads the chunks rank %d saves (one latent per "
+                     "token, the same on every tensor-parallel rank)", self.rank,
+                     by_rank[self.rank])
 
     @classmethod
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
@@ -833,7 +858,7 @@ class KvstashConnector(KVConnectorBase_V1):
         with theirs took ~0.15 ms of a 2048-token lookup, 2026-11-26)."""
         k, hashes = self.chunk_blocks, req.block_hashes
         last = [hashes[(c + 1) * k - 1] for c in range(n)]
-        return [keys_from_block_hashes(last, ns) for ns in self.ns_by_rank]
+        return [keys_from_block_hashes(last, ns) for ns in self._lookup_ns]
 
     def _chunk_refs(self, st: _Req, start: int, stop: int, first_block: int = 0) -> list[ChunkRef]:
         req, k = st.request, self.chunk_blocks
@@ -1306,7 +1331,7 @@ class KvstashConnector(KVConnectorBase_V1):
     def _report_gone(self, req: ReqChunks, handle: LoadHandle, ok: list[bool]) -> None:
         """BlockRemoved for chunks a load found missing or unusable (not for a load cut by
         its deadline or skipped while the store was bypassed: those may still be there)."""
-        if not self.kv_events or handle.stalled or handle.fetch is None:
+        if not (self.kv_events and self.saves_here) or handle.stalled or handle.fetch is None:
             return
         for chunk, good in zip(req.chunks, ok, strict=True):
             if not good and chunk.block_hashes:
@@ -1315,8 +1340,9 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def get_kv_connector_kv_cache_events(self) -> KvstashKVEvents | None:
         """Worker: BlockStored for every chunk the store now holds (saved, or found there),
-        BlockRemoved for chunks found gone, since the last call."""
-        if not self.kv_events:
+        BlockRemoved for chunks found gone, since the last call. The other ranks of an
+        MLA group read their first rank's chunks and leave the reporting to it."""
+        if not (self.kv_events and self.saves_here):
             return None
         pending = []
         for chunks, future in self._saves_reported:
@@ -1400,7 +1426,7 @@ class KvstashConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any,
     ) -> None:
-        if self.has_connector_metadata():
+        if self.saves_here and self.has_connector_metadata():
             meta = self._get_connector_metadata()
             assert isinstance(meta, KvstashMetadata)
             if meta.saves:
@@ -1412,7 +1438,7 @@ class KvstashConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstashMetadata)
         self._time_step()
-        if not meta.saves or self.core.layout is None:
+        if not (meta.saves and self.saves_here) or self.core.layout is None:
             return
         for name, kv in self._kv.items():  # layers the forward did not hand to save_kv_layer
             self._gather(name, kv, meta.saves)

@@ -282,22 +282,27 @@ def test_a_sliding_window_model_hits_across_processes(tmp_path):
     assert "quarantined" not in b.log and len(stored_chunks(store)) == 2
 
 
-def test_an_mla_model_hits_across_processes_like_vllms_own_prefix_cache(tmp_path):
+def test_an_mla_model_on_two_ranks_stores_one_copy_and_hits_like_vllms_own_cache(tmp_path):
     """Multi-head latent attention (a dense DeepSeek-V3): one latent per token and layer,
-    no K/V split, 16-token blocks. vLLM's CPU platform turns its own prefix cache off for
+    no K/V split, 16-token blocks, the same on both tensor-parallel ranks: rank 0 saves
+    it, and both ranks load it. vLLM's CPU platform turns its own prefix cache off for
     MLA; A turns it back on for the reference (its second prompt continues from vLLM's
-    own cache). A fresh process on the connector alone (vLLM's cache off) loads the two
-    chunks and continues exactly like that."""
+    own cache, each rank from the latent it computed). A fresh process on the connector
+    alone (vLLM's cache off) loads the two chunks and continues exactly like that."""
     model = build_tiny_mla(tmp_path / "mla")
     store = f"file://{tmp_path}/kv"
     prompt = FULL[: 2 * CHUNK + 1]
-    a = run_engine(model, store, [prompt, prompt], chunk_tokens=CHUNK, prefix_caching=True)
-    b = run_engine(model, store, [prompt], chunk_tokens=CHUNK)
-    assert "MLA" in b.log
+    a = run_engine(model, store, [prompt, prompt], chunk_tokens=CHUNK, prefix_caching=True,
+                   tensor_parallel_size=2)
+    b = run_engine(model, store, [prompt], chunk_tokens=CHUNK, tensor_parallel_size=2)
+    assert "MLA: rank 1 loads the chunks rank 0 saves" in b.log
     assert [g.num_cached_tokens for g in a.generations] == [0, 2 * CHUNK]
+    assert len(stored_chunks(store)) == 2  # one copy, not one per rank
     assert b.generations[0].num_cached_tokens == 2 * CHUNK, b.log[-4000:]
     same_output(a.generations[1], b.generations[0])
-    assert b.metrics["vllm:kvstash_hit_bytes"] == 2 * CHUNK * 2 * 576 * 2  # tokens, layers, width, bf16
+    assert a.metrics["vllm:kvstash_saved_chunks"] == 2
+    chunk_bytes = CHUNK * 2 * 576 * 2  # tokens, layers, latent width, bf16
+    assert b.metrics["vllm:kvstash_hit_bytes"] == 2 * 2 * chunk_bytes  # by each rank
 
 
 def test_a_chunk_no_prompt_can_fill_is_refused_at_start(model):

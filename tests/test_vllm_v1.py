@@ -536,6 +536,29 @@ def test_with_several_ranks_tokens_are_counted_by_rank_0_alone(rank):
     assert stats.data == ({**per_rank, **rank_0} if rank == 0 else per_rank)
 
 
+@pytest.mark.parametrize("tp, pp, dcp, mla, expected", [
+    (2, 1, 1, True, [0, 0]),
+    (4, 2, 1, True, [0, 0, 0, 0, 4, 4, 4, 4]),  # each pipeline stage its own layers
+    (2, 1, 1, False, [0, 1]),  # K/V split by heads
+    (2, 1, 2, True, [0, 1]),  # decode context parallel: tokens split across the ranks
+    (1, 1, 1, True, [0]),
+])
+def test_an_mla_models_tensor_parallel_ranks_share_one_key_space(tp, pp, dcp, mla, expected):
+    """An MLA model's latent is the same on every tensor-parallel rank: a group stores one
+    copy, under its first rank's key space (checked in a real TP=2 engine,
+    test_vllm_engine.py)."""
+    from types import SimpleNamespace
+
+    from connector.vllm_v1 import key_ranks
+
+    cfg = SimpleNamespace(
+        parallel_config=SimpleNamespace(world_size=tp * pp, tensor_parallel_size=tp,
+                                        decode_context_parallel_size=dcp,
+                                        prefill_context_parallel_size=1),
+        model_config=SimpleNamespace(use_mla=mla))
+    assert key_ranks(cfg) == expected
+
+
 def test_a_preempted_request_is_looked_up_and_loaded_again(tmp_path, caplog):
     """vLLM preempts a running request when blocks run short: it frees the blocks, sets
     its computed tokens to 0 and schedules it again later. Its chunks are then loaded
