@@ -135,7 +135,8 @@ def worker_config(store: str, block_size: int, **extra: Any) -> SimpleNamespace:
                                            kv_connector_extra_config={"store": store, **extra}),
         cache_config=SimpleNamespace(block_size=block_size, cache_dtype="auto",
                                      prefix_caching_hash_algo="sha256"),
-        model_config=None, parallel_config=SimpleNamespace(rank=0, world_size=1),
+        model_config=None,
+        parallel_config=SimpleNamespace(rank=0, world_size=1, tensor_parallel_size=1),
         kv_events_config=None,
     )
 
