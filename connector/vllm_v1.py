@@ -48,6 +48,7 @@ write-behind queue, so neither the forward nor the scheduler ever waits on stora
 from __future__ import annotations
 
 import atexit
+import collections
 import concurrent.futures
 import itertools
 import json
@@ -233,6 +234,10 @@ def _model_variant(model_config: Any) -> list[str]:
 # vLLM's block-hash algorithms whose seed is random in each process unless PYTHONHASHSEED is
 # set (vllm.v1.core.kv_cache_utils.resolve_none_hash_seed): no other process finds the keys.
 UNSEEDED_HASHES = ("xxhash", "xxhash_cbor")
+
+# BlockStored events some ranks reported and others not yet, kept by the scheduler (the
+# oldest dropped beyond this many).
+MAX_WAITING_EVENTS = 65536
 
 # Counted by worker rank 0 alone: every rank of a tensor- or pipeline-parallel engine loads
 # and computes its own part of the same prompt tokens.
@@ -716,6 +721,10 @@ class KvstashConnector(KVConnectorBase_V1):
         self._saves_reported: list[tuple[list[ChunkRef], concurrent.futures.Future]] = []
         self._events: list[Any] = []  # worker: built, not yet handed to vLLM
         self._collected: KvstashKVEvents | None = None  # scheduler: from the workers
+        # Scheduler: a BlockStored goes out once every rank that saves has reported it;
+        # ranks' saves end in different steps, so the count is kept across steps.
+        self._event_ranks = len(set(by_rank))
+        self._stored_reports: collections.Counter[KVCacheEvent] = collections.Counter()
         self._signal_handlers: dict[int, tuple[Any, Any]] = {}
         _route_kvstash_warnings()
         worker = role == KVConnectorRole.WORKER
@@ -1369,12 +1378,27 @@ class KvstashConnector(KVConnectorBase_V1):
         return out
 
     def take_events(self) -> Iterable[KVCacheEvent]:
-        """Scheduler: the workers' events, each once every worker reported it (a chunk is
-        usable only when every rank's part of it is stored)."""
+        """Scheduler: the workers' events since the last step. A BlockStored once every
+        rank that saves has reported it, in this step or an earlier one (a chunk is usable
+        only when every rank's part of it is stored); a BlockRemoved once, as soon as one
+        rank reported it (one rank's part gone makes the chunk unusable)."""
         collected, self._collected = self._collected, None
         if collected is None:
             return ()
-        return collected.aggregate().get_all_events()
+        out: list[KVCacheEvent] = []
+        waiting = self._stored_reports
+        for event in collected.get_all_events():  # once per rank that reported it
+            if not isinstance(event, BlockStored):
+                if event not in out:
+                    out.append(event)
+                continue
+            waiting[event] += 1
+            if waiting[event] >= self._event_ranks:
+                del waiting[event]
+                out.append(event)
+        while len(waiting) > MAX_WAITING_EVENTS:  # a rank whose save failed never reports
+            del waiting[next(iter(waiting))]
+        return out
 
     # -- saves ---------------------------------------------------------------------------
 

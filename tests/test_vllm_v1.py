@@ -958,6 +958,52 @@ def test_chunks_found_gone_at_load_are_reported_removed(tmp_path):
     assert all(e.medium == "kvstash" and len(e.block_hashes) == 2 for e in events)
 
 
+def test_with_two_ranks_a_chunk_is_published_stored_once_both_reported_it(tmp_path):
+    """Each rank reports its own save when it ends, and two ranks' saves end in different
+    steps: a BlockStored waits across steps for the second rank and goes out once; a
+    BlockRemoved goes out as soon as one rank found its part gone."""
+    from vllm.config import KVEventsConfig, ParallelConfig
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from connector.vllm_v1 import KvstashKVEvents
+
+    cfg = vllm_config(f"file://{tmp_path}/kv", chunk_tokens=CHUNK_TOKENS)
+    cfg.kv_events_config = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    cfg.parallel_config = ParallelConfig(tensor_parallel_size=2)
+    scheduler = KvstashConnector(cfg, KVConnectorRole.SCHEDULER, None)
+
+    def stored(i: int) -> BlockStored:
+        return BlockStored(block_hashes=[bytes([i])], parent_block_hash=None, token_ids=[i],
+                           block_size=1, lora_id=None, medium="kvstash", lora_name=None)
+
+    def step(*per_rank: list) -> list:
+        """One step's outputs of the ranks that had events, combined as vLLM does."""
+        combined = None
+        for events in per_rank:
+            out = KvstashKVEvents(num_workers=1)
+            out.add_events(events)
+            if combined is None:
+                combined = out
+            else:
+                combined.add_events(out.get_all_events())
+                combined.increment_workers(1)
+        scheduler.update_connector_output(KVConnectorOutput(kv_cache_events=combined))
+        return list(scheduler.take_events())
+
+    gone = BlockRemoved(block_hashes=[b"x"], medium="kvstash")
+    try:
+        assert step([stored(1), stored(2)]) == []  # rank 0's saves end first
+        assert step([stored(2), gone], [stored(3)]) == [stored(2), gone]
+        assert step([stored(1), stored(3)]) == [stored(1), stored(3)]
+        assert step([stored(4)], [stored(4)]) == [stored(4)]  # both in one step
+        assert step([gone], [gone]) == [gone]
+        assert step([]) == []
+    finally:
+        scheduler.shutdown()
+
+
 def test_a_consumer_only_loads_and_a_producer_only_saves(tmp_path):
     url = f"file://{tmp_path}/kv"
     consumer = V1Engine(url, chunk_tokens=CHUNK_TOKENS, kv_role_override="kv_consumer")
