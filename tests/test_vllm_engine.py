@@ -250,6 +250,8 @@ def test_openai_server_hits_and_flushes_queued_saves_on_sigterm(model, saved, st
             choice = hit["choices"][0]
             ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
             assert ids == saved.generations[A_FULL_CACHED].token_ids
+            # the hit in the server's Prometheus metrics, as a scraper reads them
+            assert prometheus_value(url, "vllm:kvstash_hit_tokens_total") == 3 * CHUNK
             complete(url, private, max_tokens=1, kv_transfer_params={"kvstash": {"save": False}})
             # a miss: two new chunks go to file:// and, behind it, through the slow proxy
             complete(url, new_prompt, max_tokens=1)
@@ -265,6 +267,23 @@ def test_openai_server_hits_and_flushes_queued_saves_on_sigterm(model, saved, st
                                                       *(tmp_path / "slow").rglob("*.kv")]]
     assert any(h.matches_tokens(new_prompt[:CHUNK]) for h in heads)
     assert not any(h.matches_tokens(private[:CHUNK]) for h in heads)
+
+
+def prometheus_value(url: str, name: str, timeout: float = 10.0) -> float:
+    """The sum of metric `name` over its label sets on the server's /metrics, once it is
+    there (the front end records each step's stats as their outputs arrive)."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        text = httpx.get(f"{url}/metrics", timeout=5).text
+        values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                  if line.startswith(name + "{") or line.startswith(name + " ")]
+        if (values and sum(values)) or time.monotonic() > deadline:
+            return sum(values)
+        time.sleep(0.2)
 
 
 def test_a_sliding_window_model_hits_across_processes(tmp_path):
