@@ -67,6 +67,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import textwrap
 import time
 import uuid
 from collections.abc import Iterator, Sequence
@@ -884,7 +885,10 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ax.invert_yaxis()
         ax.set_xlabel(label)
         ax.grid(True, axis="x", alpha=0.3)
-    fig.suptitle(result["title"], fontsize=8)
+    # about 100 characters of 8-point text fit across one 6.5-inch panel
+    title = "\n".join(textwrap.fill(line, 100 * len(panels))
+                      for line in result["title"].splitlines())
+    fig.suptitle(title, fontsize=8)
     _save(fig, path)
 
 
