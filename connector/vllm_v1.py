@@ -193,7 +193,7 @@ def key_ranks(vllm_config: VllmConfig) -> list[int]:
     par = vllm_config.parallel_config
     world, tp = par.world_size, par.tensor_parallel_size
     model_config = vllm_config.model_config
-    shared = (tp > 1 and bool(getattr(model_config, "use_mla", False))
+    shared = (bool(getattr(model_config, "use_mla", False))
               and getattr(par, "decode_context_parallel_size", 1) == 1
               and getattr(par, "prefill_context_parallel_size", 1) == 1)
     return [r - r % tp if shared else r for r in range(world)]
@@ -721,9 +721,9 @@ class KvstashConnector(KVConnectorBase_V1):
         self._saves_reported: list[tuple[list[ChunkRef], concurrent.futures.Future]] = []
         self._events: list[Any] = []  # worker: built, not yet handed to vLLM
         self._collected: KvstashKVEvents | None = None  # scheduler: from the workers
-        # Scheduler: a BlockStored goes out once every rank that saves has reported it;
-        # ranks' saves end in different steps, so the count is kept across steps.
-        self._event_ranks = len(set(by_rank))
+        # Scheduler: a BlockStored goes out once every rank that saves (one per key space
+        # in `_lookup_ns`) has reported it; ranks' saves end in different steps, so the
+        # count is kept across steps.
         self._stored_reports: collections.Counter[KVCacheEvent] = collections.Counter()
         self._signal_handlers: dict[int, tuple[Any, Any]] = {}
         _route_kvstash_warnings()
@@ -802,7 +802,7 @@ class KvstashConnector(KVConnectorBase_V1):
         log.info("kvstash vLLM connector (%s) on %s, rank %d/%d, chunks of %d tokens "
                  "(%d blocks)", role.name.lower(), self.core.store, self.rank,
                  self.world_size, self.chunk_tokens, self.chunk_blocks)
-        if worker and by_rank[self.rank] != self.rank:
+        if worker and not self.saves_here:
             log.info("kvstash: MLA: rank %d loads the chunks rank %d saves (one latent per "
                      "token, the same on every tensor-parallel rank)", self.rank,
                      by_rank[self.rank])
@@ -1393,7 +1393,7 @@ class KvstashConnector(KVConnectorBase_V1):
                     out.append(event)
                 continue
             waiting[event] += 1
-            if waiting[event] >= self._event_ranks:
+            if waiting[event] >= len(self._lookup_ns):
                 del waiting[event]
                 out.append(event)
         while len(waiting) > MAX_WAITING_EVENTS:  # a rank whose save failed never reports
