@@ -349,9 +349,11 @@ class ChunkRef:
     block_ids: list[int]
     first: int = 0
     # For KV events only (else empty): vLLM's hashes of every block of the chunk, and of
-    # the block before it.
-    block_hashes: list[bytes] = field(default_factory=list)
-    parent_hash: bytes | None = None
+    # the block before it, and the rest of what vLLM's own BlockStored says of them
+    # (`event_fields`).
+    block_hashes: list[Any] = field(default_factory=list)  # as vLLM publishes them
+    parent_hash: Any = None
+    event_fields: dict[str, Any] = field(default_factory=dict)
 
     @property
     def token_ids(self) -> np.ndarray:
@@ -400,6 +402,8 @@ class _Req:
     preemptions: int = 0  # vLLM's count when this state was last planned
     loading: bool = False  # an async load the workers have not reported done yet
     earlier_loaded: int = 0  # tokens loaded before a preemption (for the request's log line)
+    extra_keys: list[Any] = field(default_factory=list)  # KV events: `event_fields`, per block
+    extra_mm: int = 0  # ... and the multimodal item the next block's keys start from
 
     def prompt_tokens(self) -> np.ndarray | None:
         """The prompt's token ids as chunk headers hold them (uint32), made once (none for a
@@ -416,6 +420,47 @@ class _Req:
 
 
 _UNSTORABLE = np.zeros(0, dtype="<u4")  # `prompt_tokens` of a prompt no header can hold
+
+_STORED_FIELDS = frozenset(getattr(BlockStored, "__struct_fields__", ()))
+
+
+def external_hash(block_hash: bytes) -> Any:
+    """A block hash as vLLM's own KV events publish it (by default its last 8 bytes as an
+    int, `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`), so that a router matches kvstash's
+    events with vLLM's and with the hashes it computes itself."""
+    try:
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+    except ImportError:
+        return bytes(block_hash)
+    return maybe_convert_block_hash(bytes(block_hash))
+
+
+def event_fields(st: _Req, block_size: int, first: int, stop: int) -> dict[str, Any]:
+    """The fields of a BlockStored of the request's blocks `first`..`stop`-1 that vLLM's
+    own events give them beside their hashes (vllm/v1/core/block_pool.py): the LoRA
+    adapter, per block the extra keys of its hash (LoRA name and path, multimodal items,
+    cache salt, prompt-embeds digests), and the session. A router that keys blocks by them
+    would otherwise index a LoRA request's or a salted tenant's chunks as a plain
+    prompt's. Only the fields this vLLM's BlockStored has; none it cannot make."""
+    try:
+        from vllm.v1.core.kv_cache_utils import (
+            generate_block_hash_extra_keys,
+            to_event_extra_keys,
+        )
+    except ImportError:
+        return {}
+    request, extra = st.request, st.extra_keys
+    while len(extra) < stop:  # made once a block: multimodal items are counted from block 0
+        b = len(extra)
+        keys, st.extra_mm = generate_block_hash_extra_keys(
+            request, b * block_size, (b + 1) * block_size, st.extra_mm)
+        extra.append(keys)
+    lora = request.lora_request
+    fields = {"lora_id": lora.adapter_id if lora else None,
+              "lora_name": lora.name if lora else None, "group_idx": 0,
+              "session_id": getattr(request, "session_id", None),
+              "extra_keys": to_event_extra_keys(extra[first:stop])}
+    return {k: v for k, v in fields.items() if k in _STORED_FIELDS}
 
 
 def request_switches(request: Request) -> tuple[bool, bool]:
@@ -880,9 +925,11 @@ class KvstashConnector(KVConnectorBase_V1):
                 token_bytes=tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens].tobytes(),
                 block_ids=st.block_ids[c * k : (c + 1) * k],
                 first=max(0, first_block - c * k),
-                block_hashes=[bytes(h) for h in hashes[c * k : (c + 1) * k]]
+                block_hashes=[external_hash(h) for h in hashes[c * k : (c + 1) * k]]
                 if self.kv_events else [],
-                parent_hash=bytes(hashes[c * k - 1]) if self.kv_events and c else None,
+                parent_hash=external_hash(hashes[c * k - 1]) if self.kv_events and c else None,
+                event_fields=event_fields(st, self.block_size, c * k, (c + 1) * k)
+                if self.kv_events else {},
             )
             for c in range(start, stop)
         ]
@@ -1345,7 +1392,7 @@ class KvstashConnector(KVConnectorBase_V1):
         for chunk, good in zip(req.chunks, ok, strict=True):
             if not good and chunk.block_hashes:
                 self._events.append(BlockRemoved(block_hashes=list(chunk.block_hashes),
-                                                 medium=MEDIUM))
+                                                 medium=MEDIUM, group_idx=0))
 
     def get_kv_connector_kv_cache_events(self) -> KvstashKVEvents | None:
         """Worker: BlockStored for every chunk the store now holds (saved, or found there),
@@ -1367,7 +1414,8 @@ class KvstashConnector(KVConnectorBase_V1):
                     self._events.append(BlockStored(
                         block_hashes=list(chunk.block_hashes), parent_block_hash=chunk.parent_hash,
                         token_ids=chunk.token_ids.tolist(), block_size=self.block_size,
-                        lora_id=None, medium=MEDIUM, lora_name=None,
+                        medium=MEDIUM, **{"lora_id": None, "lora_name": None,
+                                          **chunk.event_fields},
                     ))
         self._saves_reported = pending
         if not self._events:

@@ -28,8 +28,9 @@ BLOCK_SIZE = 16
 MODEL = "test/tiny-llama"
 
 
-def make_request(prompt: list[int], req_id: str | None = None) -> Request:
-    """A real vLLM request whose `block_hashes` come from vLLM's own block hasher."""
+def make_request(prompt: list[int], req_id: str | None = None, **extra: Any) -> Request:
+    """A real vLLM request whose `block_hashes` come from vLLM's own block hasher (`extra`:
+    more of `Request`'s arguments, e.g. `lora_request`, `cache_salt`)."""
     from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -42,6 +43,7 @@ def make_request(prompt: list[int], req_id: str | None = None) -> Request:
         sampling_params=SamplingParams(max_tokens=1),
         pooling_params=None,
         block_hasher=get_request_block_hasher(BLOCK_SIZE, sha256),
+        **extra,
     )
 
 

@@ -82,6 +82,7 @@ HEAD = CORRUPT[:CHUNK] + _tokens(100)  # shares exactly CORRUPT's first chunk
 # prompt it may differ by the kernels' rounding (a 1-row prefill takes another matmul path
 # on CPU than a 769-row one).
 PROMPTS = [FULL, PARTIAL, HEAD, CORRUPT, FULL]
+SALTED = {"prompt_token_ids": FULL, "cache_salt": "tenant-a"}  # FULL's tokens, one tenant's
 A_FULL, A_PARTIAL, A_HEAD, A_CORRUPT, A_FULL_CACHED = range(len(PROMPTS))
 
 
@@ -350,7 +351,10 @@ def test_a_chunk_no_prompt_can_fill_is_refused_at_start(model):
 def test_the_connectors_saves_reach_vllms_kv_event_stream(model, tmp_path):
     """A router subscribed to vLLM's KV events (--kv-events-config, ZMQ) sees the chunks
     the connector stored, as BlockStored with medium "kvstash", decoded by vLLM's own
-    decoder, beside vLLM's own GPU/CPU block events."""
+    decoder, beside vLLM's own block events, and saying of each block what vLLM's own
+    event says of it: its hash in the same form, and the extra keys of its hash (here a
+    tenant's cache salt). The salted prompt, the same tokens as FULL, is not a hit for
+    FULL's stored chunks: the salt is in the keys."""
     import threading
 
     import msgspec
@@ -383,15 +387,27 @@ def test_the_connectors_saves_reach_vllms_kv_event_stream(model, tmp_path):
     listener.start()
     try:
         # a save's event leaves with the engine's next step: a second request makes one
-        run_engine(model, f"file://{tmp_path}/kv", [FULL, PARTIAL],
+        run = run_engine(model, f"file://{tmp_path}/kv", [FULL, SALTED, PARTIAL],
                    chunk_tokens=CHUNK, exit_flush_s=10,
                    kv_events={"enable_kv_cache_events": True, "publisher": "zmq",
                               "endpoint": f"tcp://*:{port}"})
     finally:
         done.set()
         listener.join(5)
-    ours = [e for b in batches for e in b.events
-            if isinstance(e, BlockStored) and e.medium == "kvstash"]
-    stored = {tuple(e.token_ids) for e in ours}
-    assert {tuple(FULL[c * CHUNK : (c + 1) * CHUNK]) for c in range(3)} <= stored
-    assert all(len(e.token_ids) == CHUNK and e.block_hashes for e in ours)
+    assert [g.num_cached_tokens for g in run.generations] == [0, 0, 2 * CHUNK]
+    stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
+    ours = [e for e in stored if e.medium == "kvstash"]
+    assert sorted(tuple(e.token_ids) for e in ours) == sorted(
+        2 * [tuple(FULL[c * CHUNK : (c + 1) * CHUNK]) for c in range(3)])  # FULL, SALTED
+    assert all(len(e.token_ids) == CHUNK for e in ours)
+    # per block hash: (parent, extra keys) as each medium's events give them
+    said = {}
+    for e in stored:
+        for i, h in enumerate(e.block_hashes):
+            parent = e.block_hashes[i - 1] if i else e.parent_block_hash
+            keys = e.extra_keys[i] if e.extra_keys else None
+            said.setdefault(e.medium, {})[h] = (parent, keys)
+    (own,) = said.keys() - {"kvstash"}
+    assert said["kvstash"].keys() <= said[own].keys()  # vLLM computed every stored block
+    assert all(said["kvstash"][h] == said[own][h] for h in said["kvstash"])
+    assert ("tenant-a",) in {keys for _, keys in said["kvstash"].values()}

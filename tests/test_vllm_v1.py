@@ -47,9 +47,9 @@ def store_url(request, tmp_path):
     return engine_store_url(request, tmp_path)
 
 
-def write_prompt(engine: V1Engine, block_ids: list[int], prompt: list[int] = PROMPT):
-    """Engine computes `prompt` from scratch (store miss) and saves its full chunks."""
-    req = make_request(prompt)
+def write_prompt(engine: V1Engine, block_ids: list[int], prompt: list[int] = PROMPT, req=None):
+    """Engine computes `prompt` (or `req`) from scratch (store miss) and saves its full chunks."""
+    req = req or make_request(prompt)
     assert engine.lookup(req) == (0, False)
     engine.scheduler.update_state_after_alloc(req, blocks(block_ids), 0)
     for kv in engine.kv.values():  # the forward writes the prompt's KV
@@ -929,12 +929,50 @@ def test_saved_chunks_reach_vllms_kv_event_stream_as_block_stored(tmp_path):
         engine.shutdown()
     assert again is None, "each chunk is reported once"
     assert [type(e) for e in events] == [BlockStored] * 3
-    hashes = [bytes(h) for h in req.block_hashes]
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    # as vLLM's own events give them (by default 64-bit ints, which routers index)
+    hashes = [maybe_convert_block_hash(bytes(h)) for h in req.block_hashes]
+    assert all(type(h) is int for h in hashes)
     for c, ev in enumerate(events):
         assert ev.medium == "kvstash" and ev.block_size == BLOCK_SIZE
         assert ev.block_hashes == hashes[2 * c : 2 * c + 2]  # the chunk's vLLM blocks
         assert ev.parent_block_hash == (hashes[2 * c - 1] if c else None)
         assert ev.token_ids == PROMPT[c * CHUNK_TOKENS : (c + 1) * CHUNK_TOKENS]
+
+
+def test_a_lora_and_salted_requests_chunks_are_published_as_vllm_publishes_its_blocks(tmp_path):
+    """Routers key blocks by more than their hashes: the LoRA adapter, and per block the
+    extra keys of its hash (the adapter's name, the cache salt, multimodal items). A
+    BlockStored from kvstash says of a chunk's blocks what vLLM's own block pool says of
+    the same blocks, so a salted tenant's or an adapter's chunks are not indexed as a
+    plain prompt's."""
+    from vllm.lora.request import LoRARequest
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.outputs import KVConnectorOutput
+
+    req = make_request(PROMPT, lora_request=LoRARequest("sql", 7, "/adapters/sql"),
+                       cache_salt="tenant-a")
+    engine = events_engine(f"file://{tmp_path}/kv")
+    try:
+        write_prompt(engine, list(range(1, 8)), req=req)
+        worker_events = engine.worker.get_kv_connector_kv_cache_events()
+        engine.scheduler.update_connector_output(KVConnectorOutput(kv_cache_events=worker_events))
+        ours = list(engine.scheduler.take_events())
+    finally:
+        engine.shutdown()
+    pool = BlockPool(32, enable_caching=True, hash_block_size=BLOCK_SIZE,
+                     enable_kv_cache_events=True)
+    pool.cache_full_blocks(req, pool.get_new_blocks(6), num_cached_blocks=0, num_full_blocks=6,
+                           block_size=BLOCK_SIZE, kv_cache_group_id=0)
+    (own,) = pool.take_events()  # vLLM's own event for the prompt's 6 full blocks
+    assert own.extra_keys[0] == ("sql", "tenant-a") and own.lora_name == "sql"
+    assert len(ours) == 3
+    for c, ev in enumerate(ours):
+        assert ev.block_hashes == own.block_hashes[2 * c : 2 * c + 2]
+        assert ev.extra_keys == own.extra_keys[2 * c : 2 * c + 2]
+        assert (ev.lora_id, ev.lora_name, ev.group_idx) == (own.lora_id, own.lora_name, 0)
+        assert ev.session_id == own.session_id
 
 
 def test_chunks_found_gone_at_load_are_reported_removed(tmp_path):

@@ -134,7 +134,7 @@ class EngineRun:
     scheduler: str  # the class name of the engine core's scheduler
 
 
-def run_engine(model: Path, store: str | list[str], prompts: list[list[int]], *,
+def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | dict], *,
                max_tokens: int = 8, logprobs: int = 5, timeout: float = 300,
                kv_events: dict[str, Any] | None = None, multi: bool = False,
                async_scheduling: bool = False, prefix_caching: bool = False,
@@ -215,7 +215,9 @@ def _main(spec: dict[str, Any]) -> None:
     generations = []
     for prompt in spec["prompts"]:
         start = time.perf_counter()
-        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+        # a prompt is its token ids, or vLLM's own prompt dict (e.g. with a cache_salt)
+        inputs = prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}
+        (out,) = llm.generate([inputs], params, use_tqdm=False)
         seconds = time.perf_counter() - start
         completion = out.outputs[0]
         generations.append({
