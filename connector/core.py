@@ -82,6 +82,9 @@ COUNTERS = {
     "prefill_seconds": "Wall time of the engine's prefill steps.",
     "save_queued": "Chunks handed to the write-behind queue.",
     "saved_chunks": "Chunks written to the store.",
+    "handoffs": "P/D prefill saves a step waited for (kv_producer, or do_remote_decode).",
+    "handoff_seconds": "Time P/D prefill steps waited for their saves.",
+    "handoff_failures": "P/D prefill saves that failed or outlived handoff_timeout_s.",
     "saved_bytes": "Bytes of chunks written to the store.",
     "save_skipped": "Chunks not written because the store already held them.",
     "save_drops": "Chunks dropped because the write-behind queue was full.",
@@ -1128,16 +1131,17 @@ class KVConnector:
 
     def write(self, keys: Sequence[str], tokens: Sequence[Any] | None,
               payload: Callable[[int], Any], *, check_store: bool = True,
-              ) -> concurrent.futures.Future[list[bool]]:
+              urgent: bool = False) -> concurrent.futures.Future[list[bool]]:
         """`save_chunks` with an answer: the future resolves, once the queue has written
         them, to whether each chunk is in the store (written, or already there); a chunk
         the queue had no room for, or that failed, is False. For engines that track their
         offload jobs (vLLM's offloading tier, SGLang's backup thread). `check_store`
         False: a lookup has just found these chunks missing, so write-behind does not
         ask the store which of them exist before writing (one request a chunk fewer on
-        S3)."""
+        S3). `urgent`: the caller waits for the answer, so the job does not wait out
+        `save_delay_s`."""
         job = self._job(keys, [()] * len(keys) if tokens is None else tokens, payload, 0)
-        job.check_store = check_store
+        job.check_store, job.urgent = check_store, urgent
         job.done = concurrent.futures.Future()
         if self._closed:
             job.done.set_result([False] * len(keys))

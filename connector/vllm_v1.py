@@ -288,6 +288,7 @@ class KvstashPromMetrics(KVConnectorPromMetrics):
 
 
 MEDIUM = "kvstash"  # the medium of kvstash's KV events
+HANDOFF_TIMEOUT_S = 10.0  # the longest a P/D prefill's step waits for its saves
 
 
 class KvstashKVEvents(KVConnectorKVEvents):
@@ -367,6 +368,7 @@ class ReqChunks:
     deadline_s: float | None = None  # loads: the policy's bound on waiting for them
     sync: bool = False  # loads: within the step, each layer waited for before it computes
     absent: bool = False  # saves: the request's lookup found the store's prefix ends before them
+    handoff: bool = False  # saves: stored before the step ends (`handoff_requested`)
 
 
 @dataclass
@@ -490,6 +492,15 @@ class _LayerLayout:
     block_shape: tuple[int, ...]
     dtype: torch.dtype
     block_nbytes: int
+
+
+def handoff_requested(request: Request) -> bool:
+    """Whether the request is the prefill half of a disaggregated pair: vLLM's P/D
+    proxies mark it with kv_transfer_params {"do_remote_decode": true}. Its chunks are
+    stored before its step ends, so that its reply reaches the proxy only once the decode
+    instance, which gets the request next, can load them."""
+    params = getattr(request, "kv_transfer_params", None)
+    return isinstance(params, dict) and params.get("do_remote_decode") is True
 
 
 def _flag(value: Any) -> bool:
@@ -705,7 +716,10 @@ class KvstashConnector(KVConnectorBase_V1):
     (default true: load a stored prefix only while the store delivers it faster than the
     engine recomputes it), `breaker_failures`,
     `breaker_cooldown`, `breaker_max_cooldown` (the circuit breaker, as for every store),
-    `exit_flush_s` (default 4: how long a stopping worker writes queued saves).
+    `exit_flush_s` (default 4: how long a stopping worker writes queued saves),
+    `handoff_timeout_s` (default 10: how long the step of a P/D prefill, a `kv_producer`'s
+    or a request's with `do_remote_decode`, waits for its saves before it replies; 0: it
+    does not wait).
 
     Per request, `kv_transfer_params` {"kvstash": {"load": false, "save": false}} (either
     key alone) keeps kvstash from looking up or loading its prompt, or from saving it (a
@@ -759,6 +773,9 @@ class KvstashConnector(KVConnectorBase_V1):
         role_name = getattr(self._kv_transfer_config, "kv_role", "kv_both") or "kv_both"
         self.loads = role_name != "kv_producer"
         self.saves = role_name != "kv_consumer"
+        self.producer = role_name == "kv_producer"
+        # 0: a P/D prefill replies without waiting for its saves (write-behind only)
+        self.handoff_timeout_s = float(extra.get("handoff_timeout_s", HANDOFF_TIMEOUT_S))
         # KV events (BlockStored / BlockRemoved, medium "kvstash") for cache-aware routers,
         # only when vLLM publishes KV events (--kv-events-config).
         events = getattr(vllm_config, "kv_events_config", None)
@@ -1044,7 +1061,9 @@ class KvstashConnector(KVConnectorBase_V1):
             chunks = [c for c in self._chunk_refs(st, st.saved_chunks, limit)
                       if NULL_BLOCK_ID not in c.block_ids]
             if chunks:
-                out.append(ReqChunks(req.request_id, chunks, absent=absent))
+                out.append(ReqChunks(req.request_id, chunks, absent=absent,
+                                     handoff=self.handoff_timeout_s > 0 and (
+                                         self.producer or handoff_requested(req))))
             st.saves_planned += len(chunks)
             st.saved_chunks = limit
 
@@ -1522,16 +1541,39 @@ class KvstashConnector(KVConnectorBase_V1):
             copied.record()
         self._save_pool_max = max(self._save_pool_max, len(self._save_buffers))
         buffers = iter(self._save_buffers)
+        handoffs = []
         for req in meta.saves:
             held = [next(buffers) for _ in req.chunks]
             bufs = [b.numpy() for b in held]
             keys, tokens = self._keys(req.chunks, self.rank), [c.token_ids for c in req.chunks]
             saved = self.core.write(keys, tokens, _once_copied(copied, bufs.__getitem__),
-                                    check_store=not req.absent)
+                                    check_store=not req.absent, urgent=req.handoff)
             saved.add_done_callback(lambda _, held=held: self._return_save_buffers(held))
             if self.kv_events:  # the answer says which chunks the store now holds
                 self._saves_reported.append((req.chunks, saved))
+            if req.handoff:
+                handoffs.append(saved)
         self._save_buffers, self._save_index, self._saved_layers = [], [], set()
+        if handoffs:
+            self._hand_off(handoffs)
+
+    def _hand_off(self, saves: list[concurrent.futures.Future]) -> None:
+        """The step of a P/D prefill (a `kv_producer`, or a request with
+        `do_remote_decode`) ends once its chunks are stored, or after `handoff_timeout_s`:
+        with write-behind alone its reply would reach the proxy before its chunks reach the
+        store, and the decode instance, asked next, would find none and compute the prompt
+        again. A store that fails or is late costs the decode instance that recompute,
+        never the engine an error."""
+        began = time.monotonic()
+        _, late = concurrent.futures.wait(saves, timeout=self.handoff_timeout_s)
+        self.core.count(handoffs=len(saves), handoff_seconds=time.monotonic() - began)
+        failed = sum(1 for f in saves if f.done() and not all(f.result()))
+        if late or failed:
+            self.core.count(handoff_failures=len(late) + failed)
+            log.warning("kvstash: %d of %d P/D prefill saves to %s %s; the decode instance "
+                        "computes what is missing", len(late) + failed, len(saves),
+                        self.core.store, f"not stored after {self.handoff_timeout_s:g} s"
+                        if late else "failed")
 
     def _time_step(self) -> None:
         """The prompt tokens this step computed and its time, for the scheduler's policy

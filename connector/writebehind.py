@@ -46,12 +46,13 @@ class SaveJob:
     # store is not asked again; one saved meanwhile by another engine is written twice
     # (every backend then keeps one whole chunk: the first, or the second in its place).
     check_store: bool = True
+    urgent: bool = False  # its caller waits for the answer: no `start_delay_s`
 
     def truncate(self, n: int) -> SaveJob:
         return SaveJob(
             self.keys[:n], self.tokens[:n], self.first, self.payload, self.chunk_nbytes,
             self.meta, self.done, len(self.keys) if self.total < 0 else self.total,
-            self.segments, self.queued_at, self.check_store,
+            self.segments, self.queued_at, self.check_store, self.urgent,
         )
 
     def answer(self, stored: list[bool]) -> None:
@@ -126,7 +127,7 @@ class WriteBehindQueue:
                 if job is None:
                     return
                 wait = job.queued_at + self.start_delay_s - time.monotonic()
-                if wait > 0:
+                if wait > 0 and not job.urgent:
                     await asyncio.sleep(wait)
                 await self._save(job)
             except Exception as exc:  # noqa: BLE001 - nothing from a backend may stop the drain

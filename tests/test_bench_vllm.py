@@ -204,3 +204,25 @@ def test_every_engine_computes_on_the_same_cores(bench_run):
     assert None not in cores.values(), cores
     assert len(set(cores.values())) == 1, cores
     assert result["reserved_cpus"] == os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1")
+
+
+def test_the_pd_bench_reads_each_path_against_its_baseline():
+    """`kvstash bench vllm-pd`'s summary on made-up rounds (the engines' path is
+    tests/test_vllm_engine.py's P/D test): each ratio is the median of per-round ratios,
+    and the table names the baseline of each."""
+    from bench.vllm_pd import format_table, summarize
+
+    series = {"prefill_handoff_s": [0.22, 0.24], "prefill_behind_s": [0.20, 0.20],
+              "decode_handoff_s": [0.01, 0.01], "decode_behind_s": [0.2, 0.2],
+              "decode_handoff_cached": [2048, 2048], "decode_behind_cached": [0, 0],
+              "pd_handoff_s": [0.23, 0.25], "pd_behind_s": [0.4, 0.4],
+              "no_cache_s": [0.2, 0.25]}
+    s = summarize(series)
+    assert s["prefill_wait"]["median"] == pytest.approx((1.1 + 1.2) / 2)
+    assert s["pd_vs_behind"]["median"] == pytest.approx((0.575 + 0.625) / 2)
+    assert s["pd_vs_no_cache"]["median"] == pytest.approx((1.15 + 1.0) / 2)
+    lo, hi = s["decode_vs_no_cache"]["ci"]
+    assert lo <= s["decode_vs_no_cache"]["median"] <= hi
+    table = format_table("file", s)
+    assert "2048 tokens loaded" in table and "0 tokens loaded" in table
+    assert "write-behind's" in table and "no cache" in table

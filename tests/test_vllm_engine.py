@@ -411,3 +411,39 @@ def test_the_connectors_saves_reach_vllms_kv_event_stream(model, tmp_path):
     assert said["kvstash"].keys() <= said[own].keys()  # vLLM computed every stored block
     assert all(said["kvstash"][h] == said[own][h] for h in said["kvstash"])
     assert ("tenant-a",) in {keys for _, keys in said["kvstash"].values()}
+
+
+def test_pd_a_decode_instance_loads_what_the_prefill_instance_stored_before_its_reply(
+        model, tmp_path):
+    """Prefill/decode disaggregation through a shared store, as a proxy runs it: both
+    instances up, the request to the prefill instance (kv_producer) and, at its reply, to
+    the decode instance (kv_consumer). The prefill's chunks are stored before it replies
+    (with write-behind alone, the decode instance found none of them: 0 cached tokens
+    every time). The decode instance continues as the prefill instance's own prefix
+    cache does."""
+    from bench.vllm import Engine
+
+    store = f"file://{tmp_path}/kv"
+    spec = {"model_dir": str(model), "dtype": "bfloat16", "max_model_len": 2048,
+            "chunk_tokens": CHUNK, "prefix_caching": True, "store": store}
+    prefill = Engine("prefill", {**spec, "kv_role": "kv_producer"}, tmp_path / "prefill.log")
+    decode = Engine("decode", {**spec, "kv_role": "kv_consumer"}, tmp_path / "decode.log")
+    answers = []
+    try:
+        for engine in (prefill, decode):
+            engine.start()
+        for engine in (prefill, decode):
+            engine.wait_ready()
+        for prompt in (_tokens(3 * CHUNK + 1), _tokens(2 * CHUNK + 50)):
+            (computed,) = prefill.generate([prompt])["requests"]
+            (loaded,) = decode.generate([prompt])["requests"]
+            (own,) = prefill.generate([prompt])["requests"]  # from its own prefix cache
+            answers.append((computed, loaded, own, len(prompt) // CHUNK * CHUNK))
+    finally:
+        prefill.stop()
+        decode.stop()
+    for computed, loaded, own, whole in answers:
+        assert computed["cached_tokens"] == 0
+        assert loaded["cached_tokens"] == whole
+        assert loaded["first_token"] == own["first_token"]
+    assert "P/D prefill saves" not in (tmp_path / "prefill.log").read_text()

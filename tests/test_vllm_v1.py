@@ -1546,3 +1546,53 @@ def test_the_worker_reads_layers_on_the_cores_vllm_keeps_for_connectors(tmp_path
     kept = {max(group) for group in current_platform.discover_numa_topology() if group}
     assert cpus == (kept & os.sched_getaffinity(os.getppid()) or None)
     assert cpus is None or cpus <= kept
+
+
+@pytest.mark.parametrize("role,params,stored_at_reply", [
+    ("kv_producer", None, True),
+    ("kv_both", {"do_remote_decode": True}, True),  # as vLLM's P/D proxies mark a prefill
+    ("kv_both", None, False),
+])
+def test_a_pd_prefills_chunks_are_stored_when_its_step_ends(tmp_path, role, params,
+                                                            stored_at_reply):
+    """P/D through a shared store: a proxy sends the request to the prefill instance and,
+    once it replies, to the decode instance. A prefill's chunks (a kv_producer's, or a
+    request's with vLLM's `do_remote_decode`) are in the store when its step ends, before
+    its reply, even with write-behind held back (`save_delay_ms`); any other request's
+    are saved behind the step."""
+    url = f"file://{tmp_path}/kv"
+    engine = V1Engine(url, chunk_tokens=CHUNK_TOKENS, kv_role_override=role,
+                      save_delay_ms=3000)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, kv_role_override="kv_consumer")
+    try:
+        req = make_request(PROMPT)
+        req.kv_transfer_params = params
+        engine.scheduler.get_num_new_matched_tokens(req, 0)
+        engine.scheduler.update_state_after_alloc(req, blocks(range(1, 8)), 0)
+        engine.step([req], {req.request_id: list(range(1, 8))}, {req.request_id: len(PROMPT)})
+        found = reader.lookup(make_request(PROMPT))[0]  # the decode instance, at once
+        counters = engine.worker.counters
+    finally:
+        engine.shutdown()
+        reader.shutdown()
+    assert found == (3 * CHUNK_TOKENS if stored_at_reply else 0)
+    assert counters["handoffs"] == (1 if stored_at_reply else 0)
+    assert counters["handoff_failures"] == 0
+
+
+def test_a_pd_prefill_whose_store_is_down_replies_within_its_timeout(tmp_path):
+    """A prefill whose store does not answer waits at most `handoff_timeout_s`, counts the
+    failure and goes on: the decode instance computes the prompt."""
+    engine = V1Engine("http://127.0.0.1:9", chunk_tokens=CHUNK_TOKENS,
+                      kv_role_override="kv_producer", handoff_timeout_s=2)
+    try:
+        req = make_request(PROMPT)
+        assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        engine.scheduler.update_state_after_alloc(req, blocks(range(1, 8)), 0)
+        meta, _, _ = engine.step([req], {req.request_id: list(range(1, 8))},
+                                 {req.request_id: len(PROMPT)})
+        counters = engine.worker.counters
+    finally:
+        engine.shutdown()
+    assert [len(r.chunks) for r in meta.saves] == [3]
+    assert counters["handoffs"] == 1 and counters["handoff_failures"] == 1
