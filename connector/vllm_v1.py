@@ -376,6 +376,9 @@ class KvstashMetadata(KVConnectorMetadata):
     loads: list[ReqChunks] = field(default_factory=list)
     saves: list[ReqChunks] = field(default_factory=list)
     prefill_tokens: int = 0  # prompt tokens this step computes (the workers time it)
+    # P/D prefills whose prompt this step completes: their saves, this step's and earlier
+    # ones', are stored before it ends (`_hand_off`)
+    handoffs: list[str] = field(default_factory=list)
     idle: bool = False  # the step computes nothing: its workers may wait for its loads
 
 
@@ -404,6 +407,8 @@ class _Req:
     preemptions: int = 0  # vLLM's count when this state was last planned
     loading: bool = False  # an async load the workers have not reported done yet
     earlier_loaded: int = 0  # tokens loaded before a preemption (for the request's log line)
+    handoff: bool = False  # a P/D prefill (`handoff_requested`), unless handoffs are off
+    handed_off: bool = False  # its prompt is computed: the step that did it waited
     extra_keys: list[Any] = field(default_factory=list)  # KV events: `event_fields`, per block
     extra_mm: int = 0  # ... and the multimodal item the next block's keys start from
 
@@ -781,6 +786,8 @@ class KvstashConnector(KVConnectorBase_V1):
         events = getattr(vllm_config, "kv_events_config", None)
         self.kv_events = bool(events is not None and events.enable_kv_cache_events)
         self._saves_reported: list[tuple[list[ChunkRef], concurrent.futures.Future]] = []
+        # worker: P/D prefills' saves not yet waited for (`_hand_off`), per request
+        self._handoff_saves: dict[str, list[concurrent.futures.Future]] = {}
         self._events: list[Any] = []  # worker: built, not yet handed to vLLM
         self._collected: KvstashKVEvents | None = None  # scheduler: from the workers
         # Scheduler: a BlockStored goes out once every rank that saves (one per key space
@@ -1007,6 +1014,8 @@ class KvstashConnector(KVConnectorBase_V1):
         if st is None:
             st = self._reqs[request.request_id] = _Req(request)
             st.load, st.save = request_switches(request)
+            st.handoff = (self.saves and self.handoff_timeout_s > 0
+                          and (self.producer or handoff_requested(request)))
         st.num_computed = num_computed_tokens
         if getattr(request, "num_preemptions", 0) != st.preemptions:
             self._resumed(st)
@@ -1061,15 +1070,21 @@ class KvstashConnector(KVConnectorBase_V1):
             chunks = [c for c in self._chunk_refs(st, st.saved_chunks, limit)
                       if NULL_BLOCK_ID not in c.block_ids]
             if chunks:
-                out.append(ReqChunks(req.request_id, chunks, absent=absent,
-                                     handoff=self.handoff_timeout_s > 0 and (
-                                         self.producer or handoff_requested(req))))
+                out.append(ReqChunks(req.request_id, chunks, absent=absent, handoff=st.handoff))
             st.saves_planned += len(chunks)
             st.saved_chunks = limit
+
+    def _hand_off_when_done(self, st: _Req, done_tokens: int, out: list[str]) -> None:
+        """A P/D prefill's step that completes its prompt waits for all its saves (those
+        of earlier steps went on while later ones computed)."""
+        if st.handoff and not st.handed_off and done_tokens >= st.request.num_prompt_tokens:
+            st.handed_off = True
+            out.append(st.request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         scheduled = scheduler_output.num_scheduled_tokens
         saves: list[ReqChunks] = []
+        handoffs: list[str] = []
         prefill = 0
 
         def prompt_part(st: _Req, computed: int, n: int) -> int:
@@ -1082,6 +1097,7 @@ class KvstashConnector(KVConnectorBase_V1):
                 n = scheduled.get(new.req_id, 0)
                 prefill += prompt_part(st, new.num_computed_tokens, n)
                 self._plan_save(st, new.num_computed_tokens + n, saves)
+                self._hand_off_when_done(st, new.num_computed_tokens + n, handoffs)
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             st = self._reqs.get(req_id)
@@ -1095,8 +1111,10 @@ class KvstashConnector(KVConnectorBase_V1):
             n = scheduled.get(req_id, 0)
             prefill += prompt_part(st, cached.num_computed_tokens[i], n)
             self._plan_save(st, cached.num_computed_tokens[i] + n, saves)
+            self._hand_off_when_done(st, cached.num_computed_tokens[i] + n, handoffs)
         meta = KvstashMetadata(loads=self._loads, saves=saves, prefill_tokens=prefill,
-                               idle=scheduler_output.total_num_scheduled_tokens == 0)
+                               idle=scheduler_output.total_num_scheduled_tokens == 0,
+                               handoffs=handoffs)
         self._loads = []
         return meta
 
@@ -1529,8 +1547,12 @@ class KvstashConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstashMetadata)
         self._time_step()
-        if not (meta.saves and self.saves_here) or self.core.layout is None:
-            return
+        if meta.saves and self.saves_here and self.core.layout is not None:
+            self._save_step(meta)
+        if meta.handoffs:
+            self._hand_off(meta.handoffs)
+
+    def _save_step(self, meta: KvstashMetadata) -> None:
         for name, kv in self._kv.items():  # layers the forward did not hand to save_kv_layer
             self._gather(name, kv, meta.saves)
         copied = None
@@ -1541,7 +1563,6 @@ class KvstashConnector(KVConnectorBase_V1):
             copied.record()
         self._save_pool_max = max(self._save_pool_max, len(self._save_buffers))
         buffers = iter(self._save_buffers)
-        handoffs = []
         for req in meta.saves:
             held = [next(buffers) for _ in req.chunks]
             bufs = [b.numpy() for b in held]
@@ -1552,21 +1573,29 @@ class KvstashConnector(KVConnectorBase_V1):
             if self.kv_events:  # the answer says which chunks the store now holds
                 self._saves_reported.append((req.chunks, saved))
             if req.handoff:
-                handoffs.append(saved)
+                self._handoff_saves.setdefault(req.req_id, []).append(saved)
         self._save_buffers, self._save_index, self._saved_layers = [], [], set()
-        if handoffs:
-            self._hand_off(handoffs)
+        # A request gone before its prompt was computed (aborted) is never handed off:
+        # its saves that went well are forgotten as they end, and the oldest past a bound.
+        for req_id, futures in list(self._handoff_saves.items()):
+            futures[:] = [f for f in futures if not (f.done() and all(f.result()))]
+            if not futures:
+                del self._handoff_saves[req_id]
+        while len(self._handoff_saves) > MAX_WAITING_EVENTS:
+            del self._handoff_saves[next(iter(self._handoff_saves))]
 
-    def _hand_off(self, saves: list[concurrent.futures.Future]) -> None:
-        """The step of a P/D prefill (a `kv_producer`, or a request with
-        `do_remote_decode`) ends once its chunks are stored, or after `handoff_timeout_s`:
-        with write-behind alone its reply would reach the proxy before its chunks reach the
-        store, and the decode instance, asked next, would find none and compute the prompt
-        again. A store that fails or is late costs the decode instance that recompute,
-        never the engine an error."""
+    def _hand_off(self, req_ids: list[str]) -> None:
+        """The step that completes a P/D prefill's prompt (a `kv_producer`'s, or a
+        request's with `do_remote_decode`) ends once all its chunks are stored, or after
+        `handoff_timeout_s`: with write-behind alone its reply would reach the proxy
+        before its chunks reach the store, and the decode instance, asked next, would find
+        none and compute the prompt again. Saves of the prompt's earlier steps went on
+        while later steps computed. A store that fails or is late costs the decode
+        instance that recompute, never the engine an error."""
+        saves = [f for req_id in req_ids for f in self._handoff_saves.pop(req_id, [])]
         began = time.monotonic()
         _, late = concurrent.futures.wait(saves, timeout=self.handoff_timeout_s)
-        self.core.count(handoffs=len(saves), handoff_seconds=time.monotonic() - began)
+        self.core.count(handoffs=len(req_ids), handoff_seconds=time.monotonic() - began)
         failed = sum(1 for f in saves if f.done() and not all(f.result()))
         if late or failed:
             self.core.count(handoff_failures=len(late) + failed)

@@ -1596,3 +1596,30 @@ def test_a_pd_prefill_whose_store_is_down_replies_within_its_timeout(tmp_path):
         engine.shutdown()
     assert [len(r.chunks) for r in meta.saves] == [3]
     assert counters["handoffs"] == 1 and counters["handoff_failures"] == 1
+
+
+def test_a_pd_prefill_over_several_steps_waits_once_for_all_its_saves(tmp_path):
+    """With chunked prefill, the saves of a P/D prefill's earlier steps go on while later
+    steps compute (no start delay), and only the step that completes the prompt waits,
+    for every chunk of it: when that step ends, the decode instance finds all of them."""
+    url = f"file://{tmp_path}/kv"
+    engine = V1Engine(url, chunk_tokens=CHUNK_TOKENS, kv_role_override="kv_producer",
+                      save_delay_ms=60_000)  # only urgent saves can land in this test
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, kv_role_override="kv_consumer")
+    try:
+        req = make_request(PROMPT)
+        assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        engine.scheduler.update_state_after_alloc(req, blocks(range(1, 4)), 0)
+        meta1, _, _ = engine.step([req], {req.request_id: [1, 2, 3]}, {req.request_id: 40})
+        meta2, _, _ = engine.step(scheduled={req.request_id: 60},
+                                  cached=[(req, [4, 5, 6, 7], 40)])
+        found = reader.lookup(make_request(PROMPT))[0]
+        counters = engine.worker.counters
+    finally:
+        engine.shutdown()
+        reader.shutdown()
+    assert [len(r.chunks) for r in meta1.saves] == [1] and meta1.handoffs == []
+    assert [len(r.chunks) for r in meta2.saves] == [2]
+    assert meta2.handoffs == [req.request_id]
+    assert found == 3 * CHUNK_TOKENS
+    assert counters["handoffs"] == 1 and counters["handoff_failures"] == 0
