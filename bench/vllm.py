@@ -892,13 +892,26 @@ def plot(result: dict[str, Any], path: Path) -> None:
     _save(fig, path)
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """--model, --model-dir, --dtype: what `_build_model` reads."""
     p.add_argument("--model", default="llama-test",
                    help=f"model preset, random weights (default llama-test; known: "
                         f"{', '.join(PRESETS)})")
     p.add_argument("--model-dir", metavar="DIR",
                    help="a local Hugging Face model directory instead of a preset")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+
+
+def add_s3_arguments(p: argparse.ArgumentParser) -> None:
+    """--s3-endpoint, --s3-bucket: what `open_stores` takes."""
+    p.add_argument("--s3-endpoint", metavar="URL",
+                   help="an S3 endpoint to use instead of a moto server on loopback (credentials "
+                        "from the usual AWS environment; the bucket must exist)")
+    p.add_argument("--s3-bucket", default="kvstash-bench", help="bucket at --s3-endpoint")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_model_arguments(p)
     p.add_argument("--cached-tokens", type=int, default=2048,
                    help="shared prefix; prompts are this plus one token (default 2048)")
     p.add_argument("--chunk-tokens", type=int, default=256,
@@ -910,10 +923,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "the step for chunks all in the page cache, else between steps)")
     p.add_argument("--stores", default=",".join(STORES),
                    help=f"stores to measure, comma-separated (default {','.join(STORES)})")
-    p.add_argument("--s3-endpoint", metavar="URL",
-                   help="an S3 endpoint to use instead of a moto server on loopback (credentials "
-                        "from the usual AWS environment; the bucket must exist)")
-    p.add_argument("--s3-bucket", default="kvstash-bench", help="bucket at --s3-endpoint")
+    add_s3_arguments(p)
     p.add_argument("--repeat", type=int, default=10,
                    help="rounds of single requests; medians (default 10)")
     p.add_argument("--warmup", type=int, default=1,

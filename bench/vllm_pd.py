@@ -26,7 +26,6 @@ from typing import Any
 
 import numpy as np
 
-from bench.presets import PRESETS
 from bench.vllm import (
     FIRST_TOKEN_ID,
     KV_CACHE_MIN_BYTES,
@@ -36,6 +35,8 @@ from bench.vllm import (
     _kv_bytes_per_token,
     _paired,
     _paired_ci,
+    add_model_arguments,
+    add_s3_arguments,
     open_stores,
 )
 
@@ -136,20 +137,13 @@ def format_table(scheme: str, s: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="llama-test",
-                   help=f"model preset, random weights (default llama-test; known: "
-                        f"{', '.join(PRESETS)})")
-    p.add_argument("--model-dir", metavar="DIR",
-                   help="a local Hugging Face model directory instead of a preset")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    add_model_arguments(p)
     p.add_argument("--cached-tokens", type=int, default=2048,
                    help="prompts are this plus one token (default 2048)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="kvstash chunk size (256)")
     p.add_argument("--stores", default="file",
                    help=f"stores, comma-separated, of {', '.join(STORES)} (default file)")
-    p.add_argument("--s3-endpoint", metavar="URL",
-                   help="an S3 endpoint instead of a moto server on loopback")
-    p.add_argument("--s3-bucket", default="kvstash-bench", help="bucket at --s3-endpoint")
+    add_s3_arguments(p)
     p.add_argument("--repeat", type=int, default=10, help="counted rounds (default 10)")
     p.add_argument("--warmup", type=int, default=1, help="untimed rounds first (default 1)")
     p.add_argument("--settle-s", type=float, default=0.5,
