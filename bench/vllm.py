@@ -211,7 +211,6 @@ class Engine:
             env.pop("VLLM_CPU_KVCACHE_SPACE", None)
         else:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes most RAM
-        env.setdefault("PYTHONHASHSEED", "0")  # vLLM block hashes equal across processes
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", RESERVED_CPUS)
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(

@@ -868,9 +868,15 @@ class KvstashConnector(KVConnectorBase_V1):
                             "vLLM seeds its block hashes at random in each process, so the "
                             "chunks this engine saves are found by this process alone; set "
                             "the same PYTHONHASHSEED on every instance to share them", algo)
+        # vLLM seeds its block hashes from PYTHONHASHSEED where it is set, whatever the
+        # algorithm: an instance shares chunks only with instances that set the same value
+        # (or, for sha256, none).
+        seed = os.environ.get("PYTHONHASHSEED")
         log.info("kvstash vLLM connector (%s) on %s, rank %d/%d, chunks of %d tokens "
-                 "(%d blocks)", role.name.lower(), self.core.store, self.rank,
-                 self.world_size, self.chunk_tokens, self.chunk_blocks)
+                 "(%d blocks), block hashes seeded %s", role.name.lower(), self.core.store,
+                 self.rank, self.world_size, self.chunk_tokens, self.chunk_blocks,
+                 f"from PYTHONHASHSEED={seed}: chunks are shared with instances that set "
+                 "the same" if seed is not None else "as vLLM's default")
         if worker and not self.saves_here:
             log.info("kvstash: MLA: rank %d loads the chunks rank %d saves (one latent per "
                      "token, the same on every tensor-parallel rank)", self.rank,

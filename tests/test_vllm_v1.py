@@ -149,6 +149,24 @@ def test_an_unseeded_block_hash_is_told_at_start(monkeypatch, caplog, algo, seed
         assert "\n" not in told[0] and f"--prefix-caching-hash-algo {algo}" in told[0]
 
 
+@pytest.mark.parametrize("seed", [None, "7"])
+def test_the_start_line_names_the_block_hash_seed(monkeypatch, caplog, seed):
+    """vLLM seeds even sha256 block hashes from PYTHONHASHSEED where it is set: instances
+    that differ in it share no chunk (an OpenAI server without it and an engine with
+    PYTHONHASHSEED=0 shared nothing), so the start line says which seed this one has."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    if seed is None:
+        monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    else:
+        monkeypatch.setenv("PYTHONHASHSEED", seed)
+    with caplog.at_level("INFO", logger="vllm.kvstash"):
+        KvstashConnector(vllm_config("memory://"), KVConnectorRole.SCHEDULER, None).shutdown()
+    (line,) = [r.getMessage() for r in caplog.records if "block hashes seeded" in r.getMessage()]
+    assert ("from PYTHONHASHSEED=7" in line) == (seed == "7")
+    assert ("as vLLM's default" in line) == (seed is None)
+
+
 def test_saved_blocks_load_into_another_engine(store_url):
     writer = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
