@@ -102,6 +102,15 @@ class CacheHitSource(enum.Enum):
     DISK = "disk"
 
 
+def generate_block_hash_extra_keys(request: Any, start: int, end: int,
+                                   mm_index: int) -> tuple[None, int]:
+    return None, mm_index  # no LoRA, salt or multimodal items without vLLM's requests
+
+
+def to_event_extra_keys(extra_keys: list[Any]) -> list[Any] | None:
+    return list(extra_keys) or None
+
+
 MODULES = {
     "vllm": {},
     "vllm.config": {"VllmConfig": object},
@@ -121,6 +130,11 @@ MODULES = {
         "KVConnectorPromMetrics": KVConnectorPromMetrics, "KVConnectorStats": KVConnectorStats,
     },
     "vllm.v1": {},
+    "vllm.v1.core": {},
+    "vllm.v1.core.kv_cache_utils": {
+        "generate_block_hash_extra_keys": generate_block_hash_extra_keys,
+        "maybe_convert_block_hash": bytes, "to_event_extra_keys": to_event_extra_keys,
+    },
     "vllm.v1.metrics": {},
     "vllm.v1.metrics.cache_hit_source": {"CacheHitSource": CacheHitSource},
 }

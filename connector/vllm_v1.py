@@ -81,6 +81,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     KVConnectorPromMetrics,
     KVConnectorStats,
 )
+from vllm.v1.core.kv_cache_utils import (
+    generate_block_hash_extra_keys,
+    maybe_convert_block_hash,
+    to_event_extra_keys,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.core import COUNTERS, KVConnector, LoadHandle, SegmentLoad
@@ -435,10 +440,6 @@ def external_hash(block_hash: bytes) -> Any:
     """A block hash as vLLM's own KV events publish it (by default its last 8 bytes as an
     int, `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`), so that a router matches kvstash's
     events with vLLM's and with the hashes it computes itself."""
-    try:
-        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
-    except ImportError:
-        return bytes(block_hash)
     return maybe_convert_block_hash(bytes(block_hash))
 
 
@@ -448,14 +449,7 @@ def event_fields(st: _Req, block_size: int, first: int, stop: int) -> dict[str, 
     adapter, per block the extra keys of its hash (LoRA name and path, multimodal items,
     cache salt, prompt-embeds digests), and the session. A router that keys blocks by them
     would otherwise index a LoRA request's or a salted tenant's chunks as a plain
-    prompt's. Only the fields this vLLM's BlockStored has; none it cannot make."""
-    try:
-        from vllm.v1.core.kv_cache_utils import (
-            generate_block_hash_extra_keys,
-            to_event_extra_keys,
-        )
-    except ImportError:
-        return {}
+    prompt's. Only the fields this vLLM's BlockStored has."""
     request, extra = st.request, st.extra_keys
     while len(extra) < stop:  # made once a block: multimodal items are counted from block 0
         b = len(extra)
@@ -1457,8 +1451,7 @@ class KvstashConnector(KVConnectorBase_V1):
                     self._events.append(BlockStored(
                         block_hashes=list(chunk.block_hashes), parent_block_hash=chunk.parent_hash,
                         token_ids=chunk.token_ids.tolist(), block_size=self.block_size,
-                        medium=MEDIUM, **{"lora_id": None, "lora_name": None,
-                                          **chunk.event_fields},
+                        medium=MEDIUM, **chunk.event_fields,
                     ))
         self._saves_reported = pending
         if not self._events:
