@@ -99,7 +99,14 @@ class KVEventAggregator:
 
 
 class CacheHitSource(enum.Enum):
+    HOST = "host"
     DISK = "disk"
+    EXTERNAL_UNSPECIFIED = "external_unspecified"
+
+    @classmethod
+    def outermost(cls, sources: Any) -> CacheHitSource:
+        order = list(cls)
+        return max(sources, key=order.index)
 
 
 def generate_block_hash_extra_keys(request: Any, start: int, end: int,

@@ -204,6 +204,23 @@ def key_ranks(vllm_config: VllmConfig) -> list[int]:
     return [r - r % tp if shared else r for r in range(world)]
 
 
+# The tier vLLM's `vllm:prompt_tokens_cached_by_source` names for hits from each kind of
+# store, as vLLM names its own tiers' (its CPU tier: host; its file tier: disk, whatever
+# file system holds the directory); any store reached over the network (S3, a kvserver,
+# fsspec's remote file systems) is vLLM's "remote store", external_unspecified.
+_HIT_SOURCES = {"memory": CacheHitSource.HOST, "file": CacheHitSource.DISK}
+
+
+def hit_source(store: str | list[str]) -> CacheHitSource:
+    """Where vLLM's metrics say hits from `store` (a URL, or a list of tiers) came from:
+    of a list of tiers, the outermost (any chunk may come from there)."""
+    sources = []
+    for url in [store] if isinstance(store, str) else store:
+        scheme = url.partition("://")[0].lower().removeprefix("fsspec+")
+        sources.append(_HIT_SOURCES.get(scheme, CacheHitSource.EXTERNAL_UNSPECIFIED))
+    return CacheHitSource.outermost(sources)
+
+
 def _model_variant(model_config: Any) -> list[str]:
     """What, besides the model's name and dtype, makes an engine compute other K/V for the
     same tokens, where the engine sets it (nothing for the defaults, so the key space of
@@ -724,8 +741,6 @@ class KvstashConnector(KVConnectorBase_V1):
     key alone) keeps kvstash from looking up or loading its prompt, or from saving it (a
     prompt that must not reach a shared store); see `request_switches`."""
 
-    _cache_hit_source = CacheHitSource.DISK
-
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
@@ -735,6 +750,7 @@ class KvstashConnector(KVConnectorBase_V1):
         store = extra.get("store")
         if not store:
             raise ValueError("kv_connector_extra_config needs 'store' (e.g. file:///mnt/kv)")
+        self._cache_hit_source = hit_source(store)
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens, self.chunk_blocks = chunk_geometry(vllm_config)
         self.lookup_timeout_s = float(extra.get("lookup_timeout_s", 2.0))

@@ -164,6 +164,19 @@ def test_a_fresh_process_hits_through_file_and_generates_the_same(saved, from_fi
     assert full.num_cached_tokens == 3 * CHUNK
     same_output(saved.generations[A_FULL_CACHED], full)
     close_to_recompute(saved.generations[A_FULL], full)
+    # vLLM's cached tokens by source name a directory's hits as its own file tier's
+    assert_hits_by_source(from_file.metrics, "disk")
+
+
+def assert_hits_by_source(metrics: dict[str, float], source: str) -> None:
+    """Every hit vLLM counted from kvstash, in `vllm:prompt_tokens_cached_by_source`
+    under `source` (counted as vLLM admits the requests, before any load fails)."""
+    by_source = {name.rpartition(":")[2]: value for name, value in metrics.items()
+                 if name.startswith("vllm:prompt_tokens_cached_by_source:")}
+    external = metrics["vllm:external_prefix_cache_hits"]
+    assert external > 0
+    assert by_source[source] == external
+    assert sum(v for s, v in by_source.items() if s not in (source, "device")) == 0
 
 
 def test_a_corrupt_chunk_is_recomputed_counted_and_saved_again(saved, from_file, stores):
@@ -224,6 +237,7 @@ def test_a_fresh_process_hits_through_s3_inside_vllms_multiconnector(model, save
     assert run.generations[0].num_cached_tokens == 3 * CHUNK
     same_output(saved.generations[A_FULL_CACHED], run.generations[0])
     assert run.metrics["vllm:kvstash_hit_tokens"] == 3 * CHUNK
+    assert_hits_by_source(run.metrics, "external_unspecified")  # a remote store
 
 
 def test_an_unreachable_store_is_a_miss_with_the_right_output(model, saved):

@@ -86,6 +86,37 @@ def test_factory_resolves_the_out_of_tree_connector():
     assert KVConnectorFactory.get_connector_class(cfg.kv_transfer_config) is KvstashConnector
 
 
+@pytest.mark.parametrize("store, source", [
+    ("memory://?capacity=64MiB", "host"),
+    ("file:///mnt/kv", "disk"),
+    ("FILE:///mnt/kv", "disk"),
+    ("fsspec+memory://kv", "host"),
+    ("s3://bucket/kv?endpoint=http://127.0.0.1:9", "external_unspecified"),
+    ("http://kvserver:8765", "external_unspecified"),
+    ("fsspec+gcs://bucket/kv", "external_unspecified"),
+    (["memory://?capacity=64MiB", "file:///mnt/kv"], "disk"),
+    (["file:///mnt/kv", "s3://bucket/kv"], "external_unspecified"),
+])
+def test_vllms_hits_by_source_name_the_stores_tier(store, source):
+    """vLLM's `vllm:prompt_tokens_cached_by_source` counts a connector's hits under the
+    tier it names: host memory and a directory as vLLM's own CPU and file tiers are
+    named, a store across the network as vLLM's remote store, a list of tiers by its
+    outermost. (A real engine's counter: `test_vllm_engine.py`.)"""
+    from connector.vllm_v1 import hit_source
+
+    assert hit_source(store).value == source
+
+
+def test_the_connector_reports_its_hits_under_its_stores_tier(tmp_path):
+    engine = V1Engine(f"file://{tmp_path}/kv")
+    try:
+        req = make_request(PROMPT)
+        sources = engine.scheduler.get_external_cache_hit_sources(req, CHUNK_TOKENS)
+        assert {s.value: n for s, n in sources.items()} == {"disk": CHUNK_TOKENS}
+    finally:
+        engine.shutdown()
+
+
 @pytest.mark.parametrize("extra, piecewise", [
     ({}, False), ({"load_mode": "auto"}, False), ({"load_mode": "async"}, False),
     ({"load_mode": "layerwise"}, True),

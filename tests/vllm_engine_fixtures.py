@@ -129,7 +129,8 @@ class Generation:
 @dataclass
 class EngineRun:
     generations: list[Generation]
-    metrics: dict[str, float]  # vLLM's Prometheus counters and gauges named *kvstash*
+    metrics: dict[str, float]  # vLLM's Prometheus counters and gauges named *kvstash*,
+    # its external hits, and its cached tokens by source (`...by_source:<source>`)
     log: str
     scheduler: str  # the class name of the engine core's scheduler
 
@@ -231,6 +232,10 @@ def _main(spec: dict[str, Any]) -> None:
     for m in llm.get_metrics():
         if "kvstash" in m.name and hasattr(m, "value"):
             metrics[m.name] = m.value
+        elif m.name == "vllm:external_prefix_cache_hits":
+            metrics[m.name] = m.value
+        elif m.name == "vllm:prompt_tokens_cached_by_source":  # one per source
+            metrics[f"{m.name}:{m.labels['source']}"] = m.value
     scheduler = llm.llm_engine.vllm_config.scheduler_config.get_scheduler_cls().__name__
     Path(spec["result"]).write_text(json.dumps(
         {"generations": generations, "metrics": metrics, "scheduler": scheduler}))
