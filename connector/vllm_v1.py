@@ -54,11 +54,12 @@ import itertools
 import json
 import logging
 import os
+import secrets
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -402,6 +403,7 @@ class KvstashMetadata(KVConnectorMetadata):
     # ones', are stored before it ends (`_hand_off`)
     handoffs: list[str] = field(default_factory=list)
     idle: bool = False  # the step computes nothing: its workers may wait for its loads
+    epoch: str = ""  # the key space since vLLM last reset the connector's cache (`reset_cache`)
 
 
 @dataclass
@@ -769,6 +771,8 @@ class KvstashConnector(KVConnectorBase_V1):
         # this worker saves (and reports its saves as KV events) or leaves that to its
         # group's first rank.
         self._lookup_ns = [self.ns_by_rank[r] for r in sorted(set(by_rank))]
+        self._by_rank, self._base_ns = by_rank, list(self.ns_by_rank)
+        self._epoch = ""  # see `reset_cache`
         self.saves_here = by_rank[self.rank] == self.rank
         self.exit_flush_s = float(extra.get("exit_flush_s", 4.0))
         mode = extra.get("load_mode", "auto")
@@ -1046,6 +1050,32 @@ class KvstashConnector(KVConnectorBase_V1):
         extra = hit * self.chunk_tokens - num_computed_tokens
         return (extra, not st.sync) if extra > 0 else (0, False)
 
+    def reset_cache(self) -> bool:
+        """vLLM's `reset_prefix_cache(reset_connector=True)`, which its
+        `pause_generation(clear_cache=True)` calls around a weight update: the chunks in the
+        store may hold K/V of other weights now. None is deleted (the store may be shared
+        with engines still serving them); this engine moves to a key space of its own, a
+        new random `epoch` in its namespace, so it never again loads a chunk stored before,
+        and what it stores from now on only it finds. Requests it knows at this point
+        (their K/V may come from the old weights) are neither loaded nor saved. The
+        workers move with the next step's metadata."""
+        self._set_epoch(secrets.token_hex(8))
+        for st in self._reqs.values():
+            if st.lookup is not None:
+                st.lookup.cancel()
+            st.load = st.save = False
+        log.warning("kvstash: vLLM reset the connector's cache (e.g. around a weight "
+                    "update): chunks stored before are no longer read by this engine, which "
+                    "stores its new ones in a key space of its own (epoch %s)", self._epoch)
+        return True
+
+    def _set_epoch(self, epoch: str) -> None:
+        self._epoch = epoch
+        mark = f"#reset-{epoch}" if epoch else ""
+        self.ns_by_rank = [replace(ns, salt=ns.salt + mark) for ns in self._base_ns]
+        self._lookup_ns = [self.ns_by_rank[r] for r in sorted(set(self._by_rank))]
+        self.core.ns = self.ns_by_rank[self.rank]
+
     def _resumed(self, st: _Req) -> None:
         """A request preempted since its last lookup: vLLM freed its blocks and computes it
         again from what its own prefix cache still holds. It is looked up and loaded anew,
@@ -1130,7 +1160,7 @@ class KvstashConnector(KVConnectorBase_V1):
             self._hand_off_when_done(st, cached.num_computed_tokens[i] + n, handoffs)
         meta = KvstashMetadata(loads=self._loads, saves=saves, prefill_tokens=prefill,
                                idle=scheduler_output.total_num_scheduled_tokens == 0,
-                               handoffs=handoffs)
+                               handoffs=handoffs, epoch=self._epoch)
         self._loads = []
         return meta
 
@@ -1275,6 +1305,8 @@ class KvstashConnector(KVConnectorBase_V1):
         super().bind_connector_metadata(connector_metadata)
         meta = connector_metadata
         self._step_began = None
+        if isinstance(meta, KvstashMetadata) and meta.epoch != self._epoch:
+            self._set_epoch(meta.epoch)
         if (isinstance(meta, KvstashMetadata) and meta.loads and self._kv
                 and self._device().type == "cuda"):
             self._step_began = torch.cuda.Event()

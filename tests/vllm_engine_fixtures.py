@@ -133,6 +133,14 @@ class EngineRun:
     # its external hits, and its cached tokens by source (`...by_source:<source>`)
     log: str
     scheduler: str  # the class name of the engine core's scheduler
+    resets: list[bool]  # what each `RESET_*` item's `LLM.reset_prefix_cache` returned
+
+
+# Items of `run_engine`'s prompts that are none: vLLM's `LLM.reset_prefix_cache` between
+# two prompts, of its own cache and the connector's (as `pause_generation(clear_cache=True)`
+# around a weight update resets them), or of its own alone.
+RESET_ALL = {"reset_prefix_cache": {"reset_connector": True}}
+RESET_LOCAL = {"reset_prefix_cache": {"reset_connector": False}}
 
 
 def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | dict], *,
@@ -171,7 +179,7 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
                    g["num_cached_tokens"], g["seconds"])
         for g in out["generations"]
     ]
-    return EngineRun(gens, out["metrics"], log, out["scheduler"])
+    return EngineRun(gens, out["metrics"], log, out["scheduler"], out["resets"])
 
 
 def override_cpu_platform(async_scheduling: bool, prefix_caching: bool) -> None:
@@ -213,8 +221,11 @@ def _main(spec: dict[str, Any]) -> None:
     )
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0,
                             logprobs=spec["logprobs"], detokenize=False, ignore_eos=True)
-    generations = []
+    generations, resets = [], []
     for prompt in spec["prompts"]:
+        if isinstance(prompt, dict) and "reset_prefix_cache" in prompt:
+            resets.append(llm.reset_prefix_cache(**prompt["reset_prefix_cache"]))
+            continue
         start = time.perf_counter()
         # a prompt is its token ids, or vLLM's own prompt dict (e.g. with a cache_salt)
         inputs = prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}
@@ -238,7 +249,8 @@ def _main(spec: dict[str, Any]) -> None:
             metrics[f"{m.name}:{m.labels['source']}"] = m.value
     scheduler = llm.llm_engine.vllm_config.scheduler_config.get_scheduler_cls().__name__
     Path(spec["result"]).write_text(json.dumps(
-        {"generations": generations, "metrics": metrics, "scheduler": scheduler}))
+        {"generations": generations, "metrics": metrics, "scheduler": scheduler,
+         "resets": resets}))
 
 
 if __name__ == "__main__":
