@@ -27,6 +27,8 @@ the hit there), never an exception.
 from __future__ import annotations
 
 import logging
+import secrets
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -122,6 +124,19 @@ class KvstashHiCache(HiCacheStorage):
         return torch.empty(self.page_nbytes, dtype=torch.uint8)
 
     # -- the interface SGLang's cache controller uses -----------------------------------
+
+    def clear(self) -> None:
+        """SGLang's `/hicache/storage-backend/clear` (and a P/D role switch): this engine
+        reads none of the pages stored before and writes its new ones in a key space of
+        its own (a random epoch in its namespace). Nothing is deleted: the store may be
+        shared with engines that still serve those pages."""
+        if self.ns is None:
+            return
+        self.ns = replace(self.ns, salt=f"{self.salt}#clear-{secrets.token_hex(8)}")
+        self.core.ns = self.ns
+        log.warning("SGLang cleared its HiCache storage: pages stored before are no longer "
+                    "read by this engine, which stores its new ones in a key space of its "
+                    "own (namespace %s)", self.ns.id)
 
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None,
