@@ -50,6 +50,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import difflib
 import itertools
 import json
 import logging
@@ -117,6 +118,30 @@ LOAD_MODES = ("auto", "async", "layerwise")
 # A step's saves start this long after it queues them: past its sampling and output (3-5 ms
 # on the 2-vCPU Xeon VM), which s3:// saves slowed by about 1 % of a miss's TTFT there.
 SAVE_DELAY_MS = 15.0
+
+
+# Every `kv_connector_extra_config` key the connector reads (see KvstashConnector).
+OPTIONS = frozenset({
+    "store", "model", "chunk_tokens", "chunk_blocks", "salt", "load_mode",
+    "lookup_timeout_s", "lookup_wait_ms", "lookup_idle_wait_ms", "load_wait_ms",
+    "max_in_flight", "save_queue_bytes", "save_delay_ms", "direct_io", "resident_reads",
+    "adaptive", "breaker_failures", "breaker_cooldown", "breaker_max_cooldown",
+    "exit_flush_s", "handoff_timeout_s",
+})
+
+
+def check_options(extra: dict[str, Any]) -> None:
+    """Raise ValueError, in one line, for a `kv_connector_extra_config` key the connector
+    does not read (a misspelt option would otherwise be its default, without a word)."""
+    unknown = sorted(set(extra) - OPTIONS, key=str)
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), OPTIONS, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    raise ValueError(f"kv_connector_extra_config: unknown option {', '.join(hints)}; "
+                     f"kvstash's options: {', '.join(sorted(OPTIONS))}")
 
 
 def chunk_geometry(vllm_config: VllmConfig) -> tuple[int, int]:
@@ -749,6 +774,7 @@ class KvstashConnector(KVConnectorBase_V1):
     ):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
+        check_options(extra)
         store = extra.get("store")
         if not store:
             raise ValueError("kv_connector_extra_config needs 'store' (e.g. file:///mnt/kv)")

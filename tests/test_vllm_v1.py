@@ -528,8 +528,13 @@ def test_the_former_chunk_blocks_setting_keeps_its_stored_chunks(tmp_path):
     ({"chunk_tokens": "256"}, "chunk_tokens='256' must be a positive whole number"),
     ({"chunk_blocks": -1}, "chunk_blocks=-1 must be a positive whole number"),
     ({"chunk_blocks": 16, "chunk_tokens": 512}, "chunk_blocks=16 .* contradicts chunk_tokens=512"),
+    # a misspelt option would otherwise leave its setting at the default without a word
+    ({"chunk_size": 512}, r"unknown option 'chunk_size' \(did you mean 'chunk_tokens'\?\); "
+                          r"kvstash's options: adaptive, "),
+    ({"lookup_timeout": 5, "zzz": 1}, r"unknown option 'lookup_timeout' \(did you mean "
+                                      r"'lookup_timeout_s'\?\), 'zzz'; "),
 ])
-def test_bad_chunk_sizes_are_refused_at_start_in_one_line(extra, message):
+def test_bad_chunk_sizes_and_unknown_options_are_refused_at_start_in_one_line(extra, message):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     with pytest.raises(ValueError, match=f"^kv_connector_extra_config: {message}") as err:
