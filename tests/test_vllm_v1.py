@@ -61,6 +61,16 @@ def write_prompt(engine: V1Engine, block_ids: list[int], prompt: list[int] = PRO
     return req
 
 
+def saved_by_another_engine(url: str, block_ids: range = range(1, 8)) -> V1Engine:
+    """An engine, shut down, that computed PROMPT into `block_ids` and saved its chunks."""
+    engine = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(engine, list(block_ids))
+    finally:
+        engine.shutdown()
+    return engine
+
+
 def read_prompt(engine: V1Engine, block_ids: list[int], local_tokens: int = 0,
                 prompt: list[int] = PROMPT, req=None):
     """A second engine sees `prompt` (or `req`): lookup, async load between steps, then
@@ -325,11 +335,7 @@ def test_corrupt_chunks_become_load_errors_not_exceptions(tmp_path, resident_rea
     it lands in its blocks and is verified there. Either way every block of it is
     reported for recompute (async: vLLM caches them only after the load succeeded)."""
     url = f"file://{tmp_path}/kv"
-    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    try:
-        write_prompt(writer, list(range(1, 8)))
-    finally:
-        writer.shutdown()
+    saved_by_another_engine(url)
     assert corrupt_chunks(tmp_path / "kv") == 3
 
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, resident_reads=resident_reads)
@@ -347,11 +353,7 @@ def test_corrupt_chunks_become_load_errors_not_exceptions(tmp_path, resident_rea
 
 def test_chunks_of_other_shapes_are_never_placed(tmp_path):
     url = f"file://{tmp_path}/kv"
-    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    try:
-        write_prompt(writer, list(range(1, 8)))
-    finally:
-        writer.shutdown()
+    saved_by_another_engine(url)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
         # Same model name and hashes, other KV shapes (e.g. another TP layout): a load error.
@@ -1270,11 +1272,7 @@ def test_engine_settings_that_change_the_kv_change_the_key_space():
 def store_with_prompt(tmp_path) -> str:
     """The URL of a file:// store in `tmp_path` that holds PROMPT's three chunks."""
     url = f"file://{tmp_path}"
-    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    try:
-        write_prompt(writer, list(range(1, 7)))
-    finally:
-        writer.shutdown()
+    saved_by_another_engine(url, range(1, 7))
     return url
 
 
@@ -1562,11 +1560,7 @@ def test_a_reset_of_vllms_caches_moves_the_engine_to_a_key_space_of_its_own(tmp_
     the reset is not saved. An engine that was not reset still loads the old chunks."""
     url = f"file://{tmp_path}/kv"
     files = lambda: len(list((tmp_path / "kv").rglob("*.kv")))  # noqa: E731
-    a = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
-    try:
-        write_prompt(a, list(range(1, 8)))
-    finally:
-        a.shutdown()
+    a = saved_by_another_engine(url)
     b = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
         known = make_request(list(reversed(PROMPT)))
