@@ -908,6 +908,14 @@ class KvstashConnector(KVConnectorBase_V1):
                             "vLLM seeds its block hashes at random in each process, so the "
                             "chunks this engine saves are found by this process alone; set "
                             "the same PYTHONHASHSEED on every instance to share them", algo)
+            # vLLM reads the engine's policy (MultiConnector's, around kvstash's config).
+            policy = getattr(vllm_config.kv_transfer_config, "kv_load_failure_policy",
+                             "recompute")
+            if policy != "recompute":
+                log.warning("kvstash: kv_load_failure_policy is %r (vLLM's default): a chunk "
+                            "that fails to load (damaged, gone, a store error) fails its "
+                            "request instead of being recomputed; set "
+                            "\"kv_load_failure_policy\": \"recompute\"", policy)
         # vLLM seeds its block hashes from PYTHONHASHSEED where it is set, whatever the
         # algorithm: an instance shares chunks only with instances that set the same value
         # (or, for sha256, none).

@@ -208,6 +208,21 @@ def test_the_start_line_names_the_block_hash_seed(monkeypatch, caplog, seed):
     assert ("as vLLM's default" in line) == (seed is None)
 
 
+@pytest.mark.parametrize("policy", ["recompute", "fail"])
+def test_the_start_warns_when_a_failed_load_would_fail_its_request(caplog, policy):
+    """vLLM's default `kv_load_failure_policy` is "fail": a damaged chunk would end its
+    request in an error where a cache should recompute it."""
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    cfg = vllm_config("memory://")
+    cfg.kv_transfer_config.kv_load_failure_policy = policy
+    with caplog.at_level("INFO", logger="vllm.kvstash"):
+        KvstashConnector(cfg, KVConnectorRole.SCHEDULER, None).shutdown()
+    warned = [r for r in caplog.records if "kv_load_failure_policy is 'fail'" in r.getMessage()]
+    assert len(warned) == (policy == "fail")
+    assert all(r.levelname == "WARNING" for r in warned)
+
+
 def test_saved_blocks_load_into_another_engine(store_url):
     writer = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
