@@ -27,8 +27,6 @@ the hit there), never an exception.
 from __future__ import annotations
 
 import logging
-import secrets
-from dataclasses import replace
 from typing import Any
 
 import torch
@@ -126,17 +124,15 @@ class KvstashHiCache(HiCacheStorage):
     # -- the interface SGLang's cache controller uses -----------------------------------
 
     def clear(self) -> None:
-        """SGLang's `/hicache/storage-backend/clear` (and a P/D role switch): this engine
-        reads none of the pages stored before and writes its new ones in a key space of
-        its own (a random epoch in its namespace). Nothing is deleted: the store may be
-        shared with engines that still serve those pages."""
-        if self.ns is None:
-            return
-        self.ns = replace(self.ns, salt=f"{self.salt}#clear-{secrets.token_hex(8)}")
-        self.core.ns = self.ns
-        log.warning("SGLang cleared its HiCache storage: pages stored before are no longer "
-                    "read by this engine, which stores its new ones in a key space of its "
-                    "own (namespace %s)", self.ns.id)
+        """SGLang's `/hicache/storage-backend/clear`, and its release of L3 storage on a
+        P/D role switch: nothing is deleted and the key space stays (the store may be
+        shared with other engines, and its pages stay valid for this one: SGLang calls
+        this on no weight update); said in one log line, so that no one takes the store
+        for empty."""
+        log.warning("SGLang asked to clear its HiCache storage: kvstash deletes nothing "
+                    "from %s, which other engines may share, and this engine goes on "
+                    "reading it (`kvstash gc` removes chunks; a new `salt` starts an empty "
+                    "key space)", self.core.store if self.core is not None else "the store")
 
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None,
