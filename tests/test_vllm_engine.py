@@ -231,34 +231,40 @@ def test_a_partial_prefix_and_then_the_rest_hit_through_http(model, saved, store
     assert run.metrics["vllm:kvstash_prefill_tokens"] > 0
 
 
-def test_a_fresh_process_hits_through_s3_inside_vllms_multiconnector(model, saved, stores):
+@pytest.fixture(scope="module")
+def in_multi(model, stores, saved):
+    """Process C over s3://, named only inside vLLM's MultiConnector: FULL; then vLLM's
+    `reset_prefix_cache(reset_connector=True)` (as `pause_generation(clear_cache=True)`
+    calls it around a weight update, through MultiConnector to kvstash) and FULL; then a
+    reset of vLLM's own cache alone and FULL."""
+    return run_engine(model, stores.s3, [FULL, RESET_ALL, FULL, RESET_LOCAL, FULL],
+                      chunk_tokens=CHUNK, multi=True)
+
+
+def test_a_fresh_process_hits_through_s3_inside_vllms_multiconnector(saved, in_multi):
     """Named only (`"kv_connector": "KvstashConnector"`, no module path) inside vLLM's
     MultiConnector, whose front end rebuilds each connector's stats by its registered
     name: before kvstash's vLLM plugin registered it, that raised and stopped the engine."""
-    run = run_engine(model, stores.s3, [FULL], chunk_tokens=CHUNK, multi=True)
-    assert run.generations[0].num_cached_tokens == 3 * CHUNK
-    same_output(saved.generations[A_FULL_CACHED], run.generations[0])
-    assert run.metrics["vllm:kvstash_hit_tokens"] == 3 * CHUNK
-    assert_hits_by_source(run.metrics, "external_unspecified")  # a remote store
+    first = in_multi.generations[0]
+    assert first.num_cached_tokens == 3 * CHUNK
+    same_output(saved.generations[A_FULL_CACHED], first)
+    assert_hits_by_source(in_multi.metrics, "external_unspecified")  # a remote store
 
 
 def test_after_vllm_resets_the_connectors_cache_no_chunk_stored_before_is_loaded(
-        model, saved, stores):
-    """vLLM's `reset_prefix_cache(reset_connector=True)`, as `pause_generation(
-    clear_cache=True)` calls it around a weight update: FULL (A's chunks in the store) is
-    computed again, and stored anew; once vLLM's own cache is reset alone, the engine
-    loads it from what it stored since (its worker, another process, moved with it)."""
-    run = run_engine(model, stores.file, [FULL, RESET_ALL, FULL, RESET_LOCAL, FULL],
-                     chunk_tokens=CHUNK)
-    before, after, again = run.generations
-    assert run.resets == [True, True]
+        saved, in_multi):
+    """After the reset FULL (A's chunks in the store) is computed again and stored anew;
+    once vLLM's own cache is reset alone, the engine loads it from what it stored since
+    (its worker, another process, moved with it)."""
+    before, after, again = in_multi.generations
+    assert in_multi.resets == [True, True]
     assert before.num_cached_tokens == 3 * CHUNK
     assert after.num_cached_tokens == 0
     same_output(saved.generations[A_FULL], after)  # both a full prefill
     assert again.num_cached_tokens == 3 * CHUNK
     same_output(saved.generations[A_FULL_CACHED], again)
-    assert run.metrics["vllm:kvstash_hit_tokens"] == 6 * CHUNK  # before and again
-    assert "reset the connector's cache" in run.log
+    assert in_multi.metrics["vllm:kvstash_hit_tokens"] == 6 * CHUNK  # before and again
+    assert "reset the connector's cache" in in_multi.log
 
 
 def test_an_unreachable_store_is_a_miss_with_the_right_output(model, saved):
