@@ -55,6 +55,7 @@ from tests.vllm_engine_fixtures import (  # noqa: E402
     openai_server,
     run_engine,
     stored_chunks,
+    wait_stored,
 )
 
 # Part of the default suite. An engine process takes 30-60 s on a loaded 2-core machine
@@ -235,10 +236,10 @@ def test_a_partial_prefix_and_then_the_rest_hit_through_http(model, saved, store
 def in_multi(model, stores, saved):
     """Process C over s3://, named only inside vLLM's MultiConnector: FULL; then vLLM's
     `reset_prefix_cache(reset_connector=True)` (as `pause_generation(clear_cache=True)`
-    calls it around a weight update, through MultiConnector to kvstash) and FULL; then a
-    reset of vLLM's own cache alone and FULL."""
-    return run_engine(model, stores.s3, [FULL, RESET_ALL, FULL, RESET_LOCAL, FULL],
-                      chunk_tokens=CHUNK, multi=True)
+    calls it around a weight update, through MultiConnector to kvstash) and FULL; once its
+    three chunks are stored, a reset of vLLM's own cache alone and FULL."""
+    return run_engine(model, stores.s3, [FULL, RESET_ALL, FULL, wait_stored(3), RESET_LOCAL,
+                                         FULL], chunk_tokens=CHUNK, multi=True)
 
 
 def test_a_fresh_process_hits_through_s3_inside_vllms_multiconnector(saved, in_multi):

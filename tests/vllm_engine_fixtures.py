@@ -143,6 +143,25 @@ RESET_ALL = {"reset_prefix_cache": {"reset_connector": True}}
 RESET_LOCAL = {"reset_prefix_cache": {"reset_connector": False}}
 
 
+def wait_stored(chunks: int) -> dict[str, int]:
+    """An item of `run_engine`'s prompts: wait (up to 60 s) until the store holds `chunks`
+    more chunks than when the engine started (write-behind stores a prompt's chunks after
+    its reply)."""
+    return {"wait_stored": chunks}
+
+
+def count_chunks(store: str | list[str]) -> int:
+    import asyncio
+
+    from storage.registry import open_store
+
+    async def count() -> int:
+        async with open_store(store) as s:
+            return sum([1 async for _ in s.list_keys()])
+
+    return asyncio.run(count())
+
+
 def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | dict], *,
                max_tokens: int = 8, logprobs: int = 5, timeout: float = 300,
                kv_events: dict[str, Any] | None = None, multi: bool = False,
@@ -156,7 +175,7 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
     config = (multi_connector_config if multi else kv_transfer_config)(store, **extra)
     with tempfile.TemporaryDirectory(prefix="kvstash-engine-") as tmp:
         result = Path(tmp) / "result.json"
-        spec = {"model": str(model), "kv_transfer_config": config,
+        spec = {"model": str(model), "kv_transfer_config": config, "store": store,
                 "prompts": prompts, "max_tokens": max_tokens, "logprobs": logprobs,
                 "result": str(result), "kv_events": kv_events,
                 "async_scheduling": async_scheduling, "prefix_caching": prefix_caching,
@@ -222,9 +241,18 @@ def _main(spec: dict[str, Any]) -> None:
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0,
                             logprobs=spec["logprobs"], detokenize=False, ignore_eos=True)
     generations, resets = [], []
+    waits = any(isinstance(p, dict) and "wait_stored" in p for p in spec["prompts"])
+    stored_at_start = count_chunks(spec["store"]) if waits else 0
     for prompt in spec["prompts"]:
         if isinstance(prompt, dict) and "reset_prefix_cache" in prompt:
             resets.append(llm.reset_prefix_cache(**prompt["reset_prefix_cache"]))
+            continue
+        if isinstance(prompt, dict) and "wait_stored" in prompt:
+            deadline = time.monotonic() + 60
+            while count_chunks(spec["store"]) < stored_at_start + prompt["wait_stored"]:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{prompt['wait_stored']} more chunks not stored in 60 s")
+                time.sleep(0.05)
             continue
         start = time.perf_counter()
         # a prompt is its token ids, or vLLM's own prompt dict (e.g. with a cache_salt)
