@@ -97,6 +97,8 @@ from gds.buffers import aligned_empty
 from gds.streams import SideStreams
 from hashing import Namespace, keys_from_block_hashes, token_array
 from kvstash.vllm_plugin import register as register_name
+from storage.options import StoreURL
+from storage.registry import FSSPEC_PREFIX
 
 if TYPE_CHECKING:
     from vllm.forward_context import ForwardContext
@@ -240,11 +242,10 @@ _HIT_SOURCES = {"memory": CacheHitSource.HOST, "file": CacheHitSource.DISK}
 def hit_source(store: str | list[str]) -> CacheHitSource:
     """Where vLLM's metrics say hits from `store` (a URL, or a list of tiers) came from:
     of a list of tiers, the outermost (any chunk may come from there)."""
-    sources = []
-    for url in [store] if isinstance(store, str) else store:
-        scheme = url.partition("://")[0].lower().removeprefix("fsspec+")
-        sources.append(_HIT_SOURCES.get(scheme, CacheHitSource.EXTERNAL_UNSPECIFIED))
-    return CacheHitSource.outermost(sources)
+    return CacheHitSource.outermost(
+        _HIT_SOURCES.get(StoreURL(url).scheme.removeprefix(FSSPEC_PREFIX),
+                         CacheHitSource.EXTERNAL_UNSPECIFIED)
+        for url in ([store] if isinstance(store, str) else store))
 
 
 def _model_variant(model_config: Any) -> list[str]:
@@ -788,17 +789,15 @@ class KvstashConnector(KVConnectorBase_V1):
         self.max_in_flight = int(extra.get("max_in_flight", 8))
         par = vllm_config.parallel_config
         self.rank, self.world_size = par.rank, par.world_size
-        by_rank = key_ranks(vllm_config)
-        self.ns_by_rank = [
+        by_rank = self._by_rank = key_ranks(vllm_config)
+        self._base_ns = [
             connector_namespace(vllm_config, r, self.world_size, self.chunk_tokens)
             for r in by_rank
         ]
-        # The key spaces a lookup asks for (one per rank, or per MLA group), and whether
-        # this worker saves (and reports its saves as KV events) or leaves that to its
-        # group's first rank.
-        self._lookup_ns = [self.ns_by_rank[r] for r in sorted(set(by_rank))]
-        self._by_rank, self._base_ns = by_rank, list(self.ns_by_rank)
-        self._epoch = ""  # see `reset_cache`
+        # Each rank's key space, the ones a lookup asks for (one per rank, or per MLA
+        # group), and whether this worker saves (and reports its saves as KV events) or
+        # leaves that to its group's first rank.
+        self._key_spaces("")
         self.saves_here = by_rank[self.rank] == self.rank
         self.exit_flush_s = float(extra.get("exit_flush_s", 4.0))
         mode = extra.get("load_mode", "auto")
@@ -1104,11 +1103,15 @@ class KvstashConnector(KVConnectorBase_V1):
         return True
 
     def _set_epoch(self, epoch: str) -> None:
+        self._key_spaces(epoch)
+        self.core.ns = self.ns_by_rank[self.rank]
+
+    def _key_spaces(self, epoch: str) -> None:
+        """Each rank's namespace, and the lookup's, in `epoch` ("" until a reset)."""
         self._epoch = epoch
         mark = f"#reset-{epoch}" if epoch else ""
         self.ns_by_rank = [replace(ns, salt=ns.salt + mark) for ns in self._base_ns]
         self._lookup_ns = [self.ns_by_rank[r] for r in sorted(set(self._by_rank))]
-        self.core.ns = self.ns_by_rank[self.rank]
 
     def _resumed(self, st: _Req) -> None:
         """A request preempted since its last lookup: vLLM freed its blocks and computes it
