@@ -659,6 +659,7 @@ class KVConnector:
         tokens: Sequence[Any],
         target: SegmentTarget,
         deadline_s: float | None = None,
+        here: bool = False,
     ) -> SegmentLoad:
         """Start a layer-pipelined load and return at once: every chunk's header is read and
         checked (key, token ids, layout), then every segment's byte range is requested,
@@ -670,8 +671,10 @@ class KVConnector:
         and placed at once. So is every chunk of a store read directly (`reads_direct`) into
         GPU staging, where one read per chunk costs less than a header read and a read per
         layer. A local directory into host memory is read on the layers thread instead
-        (`_read_layers`). A chunk that fails stops being read; the deadline fails what is
-        left."""
+        (`_read_layers`), or with `here`, on the calling thread before this returns, from
+        the page cache only: a chunk any byte of which would have to come from the disk is
+        missed (vLLM recomputes it) rather than waited for on the engine's thread. A chunk
+        that fails stops being read; the deadline fails what is left."""
         layout = self._require_layout()
         handle = SegmentLoad(len(keys), max(len(layout.segments), 1), time.monotonic())
         keys, tokens = list(keys), list(tokens)
@@ -687,6 +690,10 @@ class KVConnector:
 
         def fetch(dests: list[Any]) -> Any:
             if self._local_store and self.resident_reads and not for_gpu(dests[0]):
+                if here:
+                    self._read_layers(keys, tokens, dests, handle, layout, target, place_all,
+                                      wait=False)
+                    return None
                 return self._layers_thread().submit(self._read_layers, keys, tokens, dests,
                                                     handle, layout, target, place_all)
             first = self._read_resident(keys, tokens, dests, layout, place_all,
@@ -709,7 +716,8 @@ class KVConnector:
 
     def _read_layers(self, keys: list[str], tokens: list[Any], dests: list[Any],
                      handle: SegmentLoad, layout: ChunkLayout | EngineLayout,
-                     target: SegmentTarget, place_all: Callable[[int], None]) -> None:
+                     target: SegmentTarget, place_all: Callable[[int], None],
+                     wait: bool = True) -> None:
         """`load_segments_async`'s reads of a local directory (`open_segments`), on the
         layers thread while the engine computes: every chunk's header, with its segment 0
         in the same read where it can, then segment 1 of every chunk, then segment 2, ...,
@@ -719,7 +727,8 @@ class KVConnector:
         wait on the disk goes to the chunk's staging buffer instead, then is placed (so
         nothing lands in the blocks after the load's deadline has let the engine recompute
         them). A chunk that fails is read no further; a cancelled load (its deadline)
-        stops before its next read.
+        stops before its next read. `wait=False` (on the engine's thread): a chunk with a
+        byte that is not in the page cache is missed instead.
 
         Every line of Python here holds the interpreter lock the engine's thread needs
         between its operations, so this thread makes as few calls as it can: on a 2-vCPU
@@ -735,12 +744,13 @@ class KVConnector:
             return [host_view(dests[i])[off : off + size]]
 
         def landed(i: int, s: int, ok: Any, parts: list[memoryview] | None) -> None:
-            if ok is NOT_RESIDENT:  # no destination, or not all cached: staging, then placed
+            # No destination, or not all cached: staging, then placed.
+            if ok is NOT_RESIDENT and (wait or files[i].resident):
                 parts, ok = None, files[i].read(s, staged(i, s))
-                if ok is NOT_RESIDENT:  # evicted since: `resident` is off, this read waits
+                if ok is NOT_RESIDENT and wait:  # evicted: `resident` is off, this read waits
                     ok = files[i].read(s, staged(i, s))
             if ok is not True:
-                self._count(verify_failures=1)
+                self._count(**{"load_misses" if ok is NOT_RESIDENT else "verify_failures": 1})
                 handle.fail(i)
                 return
             if parts is None and handle.alive(i):
@@ -758,8 +768,11 @@ class KVConnector:
                     continue
                 files[i] = f
                 parts = target.segment_destination(i, 0) if in_place else None
-                header = f.head(parts or staged(i, 0))
-                if header is None:
+                header = f.head(parts or staged(i, 0), wait)
+                if header is NOT_RESIDENT:
+                    self._count(load_misses=1)
+                    handle.fail(i)
+                elif header is None:
                     self._count(verify_failures=1)
                     handle.fail(i)
                 elif not self._accept(key, tokens[i], None, layout, header):

@@ -1200,11 +1200,12 @@ class SegmentFile:
             raise ChunkError("short read")
         return True
 
-    def head(self, first: list[memoryview]) -> ChunkHeader | None:
+    def head(self, first: list[memoryview], wait: bool = True) -> ChunkHeader | None | Any:
         """The header, checked (its checksum, the key), or None on a miss. Where the file
         is the usual 4 KiB header and segment 0 is as long as `first` (buffers that take it
         in order) and all of it is in the page cache, segment 0 lands there in the same
-        read and is checked: `read(0, first)` then reads nothing."""
+        read and is checked: `read(0, first)` then reads nothing. `wait=False`: where that
+        read would have waited on the disk, NOT_RESIDENT instead (nothing else read)."""
         try:
             n0 = sum(p.nbytes for p in first)
             head = bytearray(HEADER_SIZE)
@@ -1218,6 +1219,8 @@ class SegmentFile:
                             header.segments[0][:2] == (0, n0)):
                         header.verify_segment(0, first)
                         self._done.add(0)
+            elif not wait:
+                return NOT_RESIDENT
             else:
                 header = _read_header(self._fd, self.key)
             self.header = header

@@ -131,6 +131,17 @@ def test_a_chunk_not_in_the_page_cache_is_read_only_once_the_reader_may_wait(chu
     f.close()
 
 
+def test_a_header_not_in_the_page_cache_is_not_waited_for_when_told_not_to(chunk):
+    store, payload = chunk
+    segs = segment_views(payload)
+    drop_from_page_cache(store.chunk_path(KEY))
+    f, _ = store.open_segments(KEY)
+    assert f.head([memoryview(segs[0][1])], wait=False) is NOT_RESIDENT
+    assert not f.resident and not segs[0][1].any()
+    f.close()
+    assert store.chunk_path(KEY).exists()  # a miss of this read, not a bad file
+
+
 def test_bytes_evicted_after_the_header_answer_not_resident_then_are_read_waiting(chunk):
     store, payload = chunk
     segs = segment_views(payload)
@@ -184,10 +195,11 @@ class LayerEngine(ListEngine):
         self.kv[i][part] = self.bufs[i][part]
 
 
-def layered(conn: KVConnector, engine: LayerEngine, deadline_s: float = 10):
+def layered(conn: KVConnector, engine: LayerEngine, deadline_s: float = 10, here: bool = False):
     n = LAYOUT.chunk_tokens
     tokens = [TOKENS[i * n : (i + 1) * n] for i in range(N)]
-    return conn.load_segments_async(keys_of(conn), tokens, engine, deadline_s=deadline_s)
+    return conn.load_segments_async(keys_of(conn), tokens, engine, deadline_s=deadline_s,
+                                    here=here)
 
 
 def file_connector(root, **kwargs) -> KVConnector:
@@ -207,6 +219,74 @@ def test_cached_layers_land_in_place_segment_major_and_exact(tmp_path):
         assert np.array_equal(engine.kv[i], payload_of(i))
     stats = conn.stats()
     assert stats["layered_chunks"] == N and stats["loaded_chunks"] == N
+    conn.close()
+
+
+def test_read_here_every_layer_lands_on_the_calling_thread_before_the_call_returns(tmp_path):
+    conn = file_connector(tmp_path)
+    engine = LayerEngine(N)
+    threads = []
+    asked = engine.segment_destination
+
+    def destination(i: int, s: int):
+        threads.append(threading.get_ident())
+        return asked(i, s)
+
+    engine.segment_destination = destination
+    handle = layered(conn, engine, here=True)
+    assert handle.done() and all(f.done() for f in handle.chunks)  # nothing left running
+    assert handle.result(0) == [True] * N
+    assert set(threads) == {threading.get_ident()} and conn._layers is None
+    assert engine.direct == [(i, s) for s in range(LAYOUT.layers) for i in range(N)]
+    for i in range(N):
+        assert np.array_equal(engine.kv[i], payload_of(i))
+    assert conn.stats()["loaded_chunks"] == N
+    conn.close()
+
+
+@pytest.mark.parametrize("in_place", [True, False])
+def test_read_here_a_chunk_not_in_the_page_cache_is_missed_not_waited_for(tmp_path, in_place):
+    """On the engine's thread nothing waits on the disk: the chunk whose pages were dropped
+    is a miss (vLLM recomputes it), the others land; the file stays, and a load that may
+    wait reads it."""
+    conn = file_connector(tmp_path)
+    keys = keys_of(conn)
+    path = conn.store.chunk_path(keys[3])
+    drop_from_page_cache(path)
+    engine = LayerEngine(N, in_place=in_place)
+    assert layered(conn, engine, here=True).result(0) == [i != 3 for i in range(N)]
+    # Its layer 0's blocks were offered to the header's read, which found them uncached.
+    assert all(i != 3 for i, _ in engine.placed_segments)
+    assert all(i != 3 or s == 0 for i, s in engine.direct)
+    for i in range(N):
+        if i != 3:
+            assert np.array_equal(engine.kv[i], payload_of(i))
+    stats = conn.stats()
+    assert stats["load_misses"] == 1 and stats["verify_failures"] == 0
+    assert path.exists()
+    engine = LayerEngine(N, in_place=in_place)
+    assert layered(conn, engine).result(10) == [True] * N
+    assert np.array_equal(engine.kv[3], payload_of(3))
+    conn.close()
+
+
+def test_read_here_layers_evicted_after_their_header_are_missed_never_placed_unread(tmp_path):
+    conn = file_connector(tmp_path)
+    paths = [conn.store.chunk_path(k) for k in keys_of(conn)]
+
+    class Evicting(LayerEngine):
+        def place_segment(self, i: int, s: int) -> None:
+            if (i, s) == (N - 1, 0):  # every chunk leaves the page cache after its header
+                for path in paths:
+                    drop_from_page_cache(path)
+            super().place_segment(i, s)
+
+    engine = Evicting(N, in_place=False)
+    ok = layered(conn, engine, here=True).result(0)
+    placed = {i for i, s in engine.placed_segments if s == LAYOUT.layers - 1}
+    assert {i for i in range(N) if ok[i]} == placed  # what DONTNEED left cached, if any
+    for i in placed:
+        assert np.array_equal(engine.kv[i], payload_of(i))
     conn.close()
 
 

@@ -19,7 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
 from vllm.v1.core.kv_cache_utils import KVCacheBlock  # noqa: E402
 
-from connector.vllm_v1 import KvstashConnector, KvstashMetadata  # noqa: E402
+from connector.vllm_v1 import READ_HERE_STEP_TOKENS, KvstashConnector, KvstashMetadata  # noqa: E402
 from tests.engines_fixtures import (  # noqa: E402
     BLOCK_SIZE,
     FORWARD_LAYER_S,
@@ -761,14 +761,16 @@ def test_loads_carry_the_policys_deadline_to_the_workers(tmp_path):
     assert meta.loads[0].deadline_s == pytest.approx(0.5 * 3 * CHUNK_TOKENS / 100)
 
 
-def read_prompt_layerwise(engine: V1Engine, block_ids: list[int], check_layer=None):
-    """A layerwise hit: the request runs in the step its blocks were allocated; the forward
-    waits for each layer before its attention (`check_layer(name)` runs right after)."""
+def read_prompt_layerwise(engine: V1Engine, block_ids: list[int], check_layer=None,
+                          step_tokens: int = 1):
+    """A layerwise hit: the request runs in the step its blocks were allocated, which
+    computes `step_tokens` tokens; the forward waits for each layer before its attention
+    (`check_layer(name)` runs right after)."""
     req = make_request(PROMPT)
     ext, is_async = engine.lookup(req)
     assert is_async is False
     engine.scheduler.update_state_after_alloc(req, blocks(block_ids), ext)
-    meta = engine.scheduler.build_connector_meta(scheduler_output())
+    meta = engine.scheduler.build_connector_meta(scheduler_output(step_tokens))
     worker = engine.worker
     worker.bind_connector_metadata(meta)
     worker.start_load_kv(None)
@@ -783,12 +785,12 @@ def read_prompt_layerwise(engine: V1Engine, block_ids: list[int], check_layer=No
     return ext, recving, errors
 
 
-def scheduler_output():
+def scheduler_output(total_tokens: int = 0):
     from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
 
     return SchedulerOutput(
         scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
-        num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+        num_scheduled_tokens={}, total_num_scheduled_tokens=total_tokens,
         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
         finished_req_ids=set(), free_encoder_mm_hashes=[],
     )
@@ -886,11 +888,13 @@ def test_a_direct_layerwise_load_reads_whole_chunks_and_fails_from_the_corrupt_o
     assert reader.worker.core.chunk_io.stats()["counters"].get("reads", 0) == 0  # no ranges
 
 
-def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path):
+@pytest.mark.parametrize("step_tokens", [1, READ_HERE_STEP_TOKENS, READ_HERE_STEP_TOKENS + 1, 512])
+def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path, step_tokens):
     """load_mode=auto (the default): chunks just written are all in the page cache, so the
-    hit is scheduled at once (not async) and read layer by layer on the connector's layers
-    thread, each layer placed before the forward computes it; nothing goes through
-    ChunkIO."""
+    hit is scheduled at once (not async) and read layer by layer, each layer placed before
+    the forward computes it; nothing goes through ChunkIO. In a step that computes a few
+    tokens (`READ_HERE_STEP_TOKENS`), on the engine's thread before the forward; in any
+    other, on the connector's layers thread beside it."""
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="auto")
@@ -902,13 +906,15 @@ def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path):
         placed_before_layer = []
         ext, recving, errors = read_prompt_layerwise(reader, dst, lambda name: (
             placed_before_layer.append(torch.equal(reader.kv[name][dst[:6]],
-                                                   writer.kv[name][src[:6]]))))
+                                                   writer.kv[name][src[:6]]))), step_tokens)
+        layers_thread = reader.worker.core._layers is not None
     finally:
         writer.shutdown()
         reader.shutdown()
     counters = reader.worker.counters
     assert ext == 3 * CHUNK_TOKENS and errors == set() and not recving
     assert placed_before_layer == [True, True]
+    assert layers_thread == (step_tokens > READ_HERE_STEP_TOKENS)
     assert counters["layered_chunks"] == 3 and counters["loaded_chunks"] == 3
     assert reader.worker.core.chunk_io.stats()["counters"].get("chunk_reads", 0) == 0
 
