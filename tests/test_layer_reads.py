@@ -270,18 +270,24 @@ def test_read_here_a_chunk_not_in_the_page_cache_is_missed_not_waited_for(tmp_pa
     conn.close()
 
 
-def test_read_here_layers_evicted_after_their_header_are_missed_never_placed_unread(tmp_path):
-    conn = file_connector(tmp_path)
+def evicting_engine(conn: KVConnector, after: tuple[int, int]) -> LayerEngine:
+    """A LayerEngine without destinations whose placing of segment `after` (chunk, layer)
+    drops every chunk file of `conn` from the page cache first."""
     paths = [conn.store.chunk_path(k) for k in keys_of(conn)]
 
     class Evicting(LayerEngine):
         def place_segment(self, i: int, s: int) -> None:
-            if (i, s) == (N - 1, 0):  # every chunk leaves the page cache after its header
+            if (i, s) == after:
                 for path in paths:
                     drop_from_page_cache(path)
             super().place_segment(i, s)
 
-    engine = Evicting(N, in_place=False)
+    return Evicting(N, in_place=False)
+
+
+def test_read_here_layers_evicted_after_their_header_are_missed_never_placed_unread(tmp_path):
+    conn = file_connector(tmp_path)
+    engine = evicting_engine(conn, (N - 1, 0))  # every chunk's pages go after its header
     ok = layered(conn, engine, here=True).result(0)
     placed = {i for i, s in engine.placed_segments if s == LAYOUT.layers - 1}
     assert {i for i in range(N) if ok[i]} == placed  # what DONTNEED left cached, if any
@@ -316,16 +322,7 @@ def test_a_target_without_destinations_gets_every_layer_placed(tmp_path):
 
 def test_staged_layers_evicted_mid_load_are_read_again_waiting_never_placed_unread(tmp_path):
     conn = file_connector(tmp_path)
-    paths = [conn.store.chunk_path(k) for k in keys_of(conn)]
-
-    class Evicting(LayerEngine):
-        def place_segment(self, i: int, s: int) -> None:
-            if (i, s) == (1, 0):  # chunks 0 and 1 leave the page cache after their headers
-                for path in paths:
-                    drop_from_page_cache(path)
-            super().place_segment(i, s)
-
-    engine = Evicting(N, in_place=False)
+    engine = evicting_engine(conn, (1, 0))  # chunks 0 and 1 go after their headers
     assert layered(conn, engine).result(10) == [True] * N
     for i in range(N):
         assert np.array_equal(engine.kv[i], payload_of(i))
@@ -385,7 +382,8 @@ def test_every_io_thread_runs_on_the_cores_it_is_given_not_the_engine_threads(tm
     if len(allowed) < 2:
         pytest.skip("needs 2 cores: one for the engine's thread, one for kvstash's")
     engine_core, io_cpus = {min(allowed)}, {max(allowed)}
-    before = {t.ident for t in threading.enumerate()}  # other tests' threads stay out
+    # Other tests' threads stay out (by object: a thread's ident is reused once it ends).
+    before = set(threading.enumerate())
     os.sched_setaffinity(0, engine_core)  # the test thread plays the engine's thread
     try:
         conn = saved(KVConnector(f"file://{tmp_path}", namespace(), layout=LAYOUT,
@@ -396,7 +394,7 @@ def test_every_io_thread_runs_on_the_cores_it_is_given_not_the_engine_threads(tm
         # The connector's own threads (not the file store's process-wide fsync helpers,
         # which wait on the disk and serve every store).
         threads = {t.name: os.sched_getaffinity(t.native_id) for t in threading.enumerate()
-                   if t.ident not in before
+                   if t not in before
                    and t.name.startswith(("kvstash-engine-io", "asyncio_", "kvstash-gds-"))}
         conn.close()
     finally:
