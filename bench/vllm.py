@@ -115,6 +115,8 @@ def _engine_child(spec: dict[str, Any]) -> int:
     )
     if spec.get("block_size"):
         kwargs["block_size"] = spec["block_size"]
+    if spec.get("max_num_batched_tokens"):  # a longer prompt is prefilled over several steps
+        kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec.get("kv_cache_bytes"):
         kwargs["kv_cache_memory_bytes"] = spec["kv_cache_bytes"]
     if spec.get("noop_connector"):

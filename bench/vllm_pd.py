@@ -48,7 +48,8 @@ def _engines(args: argparse.Namespace, model_dir: Path, stores: list, logs: Path
     need = 4 * max_model_len * _kv_bytes_per_token(model_dir, args.dtype)
     spec = dict(model_dir=str(model_dir), dtype=args.dtype, max_model_len=max_model_len,
                 chunk_tokens=args.chunk_tokens, prefix_caching=True,
-                kv_cache_bytes=max(need, KV_CACHE_MIN_BYTES))
+                kv_cache_bytes=max(need, KV_CACHE_MIN_BYTES),
+                max_num_batched_tokens=args.max_num_batched_tokens)
     engines = {"no-cache": Engine("no-cache", {**spec, "prefix_caching": False, "store": None},
                                   logs / "engine-no-cache.log")}
     for s in stores:
@@ -141,6 +142,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cached-tokens", type=int, default=2048,
                    help="prompts are this plus one token (default 2048)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="kvstash chunk size (256)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="N",
+                   help="vLLM's token budget per step: below the prompt's length the "
+                        "prefill runs over several steps (chunked prefill), and the saves "
+                        "of each step's chunks overlap the steps after it (default: vLLM's)")
     p.add_argument("--stores", default="file",
                    help=f"stores, comma-separated, of {', '.join(STORES)} (default file)")
     add_s3_arguments(p)
@@ -178,10 +183,13 @@ def run(args: argparse.Namespace) -> int:
                 e.close_input()
             for e in engines.values():
                 e.stop()
+    budget = engines["no-cache"].info.get("max_num_batched_tokens")
     print(f"{_vllm_version()}, {model_desc}, {args.dtype}; prompts {args.cached_tokens}+1 "
-          f"tokens, chunks of {args.chunk_tokens}; medians of {args.repeat} rounds")
+          f"tokens, chunks of {args.chunk_tokens}, at most {budget} tokens a step; medians "
+          f"of {args.repeat} rounds")
     result: dict[str, Any] = {"command": "vllm-pd", "args": vars(args), "model": model_desc,
-                              "vllm": _vllm_version(), "stores": {}}
+                              "vllm": _vllm_version(), "max_num_batched_tokens": budget,
+                              "stores": {}}
     for s in stores:
         summary = summarize(series[s.scheme])
         result["stores"][s.scheme] = {"series": series[s.scheme], **summary}

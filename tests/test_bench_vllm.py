@@ -226,3 +226,23 @@ def test_the_pd_bench_reads_each_path_against_its_baseline():
     table = format_table("file", s)
     assert "2048 tokens loaded" in table and "0 tokens loaded" in table
     assert "write-behind's" in table and "no cache" in table
+
+
+def test_the_pd_bench_gives_every_engine_the_step_budget_it_is_told(tmp_path):
+    """`--max-num-batched-tokens` reaches every engine's spec (its child passes it to
+    vLLM): with a budget under the prompt's length the prefill runs over several steps."""
+    import argparse
+
+    from bench.vllm import BenchStore
+    from bench.vllm_pd import _engines, add_arguments
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    store = BenchStore("file", f"file://{tmp_path}/kv", "file://", "")
+    for argv, budget in (([], None), (["--max-num-batched-tokens", "512"], 512)):
+        args = parser.parse_args(argv)
+        engines = _engines(args, tmp_path, [store], tmp_path, 2064)
+        assert set(engines) == {"no-cache", "file-prefill", "file-prefill-behind", "file-decode"}
+        assert {e.spec["max_num_batched_tokens"] for e in engines.values()} == {budget}
