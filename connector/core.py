@@ -672,9 +672,11 @@ class KVConnector:
         GPU staging, where one read per chunk costs less than a header read and a read per
         layer. A local directory into host memory is read on the layers thread instead
         (`_read_layers`), or with `here`, on the calling thread before this returns, from
-        the page cache only: a chunk any byte of which would have to come from the disk is
-        missed (vLLM recomputes it) rather than waited for on the engine's thread. A chunk
-        that fails stops being read; the deadline fails what is left."""
+        the page cache: a chunk whose header or layer read finds a byte not cached is
+        missed (vLLM recomputes it) rather than waited for on the engine's thread (a
+        header longer than 4 KiB, and a chunk saved without per-layer checksums, are read
+        as before). A chunk that fails stops being read; the deadline fails what is
+        left."""
         layout = self._require_layout()
         handle = SegmentLoad(len(keys), max(len(layout.segments), 1), time.monotonic())
         keys, tokens = list(keys), list(tokens)
