@@ -870,7 +870,6 @@ class KvstashConnector(KVConnectorBase_V1):
         self._reqs: dict[str, _Req] = {}
         self._loads: list[ReqChunks] = []
         self._chunk_nbytes_seen = 0  # one chunk's payload, as the workers report it
-        self._step_tokens = 0  # prompt tokens of the step being built
         # worker side
         self._layers: list[_LayerLayout] = []
         self._kv: dict[str, torch.Tensor] = {}
