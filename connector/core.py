@@ -672,8 +672,9 @@ class KVConnector:
         GPU staging, where one read per chunk costs less than a header read and a read per
         layer. A local directory into host memory is read on the layers thread instead
         (`_read_layers`), or with `here`, on the calling thread before this returns, from
-        the page cache: a chunk whose header or layer read finds a byte not cached is
-        missed (vLLM recomputes it) rather than waited for on the engine's thread (a
+        the page cache: each chunk in one read, header and every layer, straight into
+        its blocks (no staging taken for it); a chunk whose read finds a byte not cached
+        is missed (vLLM recomputes it) rather than waited for on the engine's thread (a
         header longer than 4 KiB, and a chunk saved without per-layer checksums, are read
         as before). A chunk that fails stops being read; the deadline fails what is
         left."""
@@ -698,6 +699,7 @@ class KVConnector:
                     return None
                 return self._layers_thread().submit(self._read_layers, keys, tokens, dests,
                                                     handle, layout, target, place_all)
+            dests = list(dests)  # all staging taken on this thread, before the loop's reads
             first = self._read_resident(keys, tokens, dests, layout, place_all,
                                         lambda i, ok: None if ok else handle.fail(i),
                                         target, placed_all)
@@ -708,7 +710,7 @@ class KVConnector:
             return self._fetch_segments(keys, tokens, dests, handle, layout, target, place_all,
                                         first)
 
-        return self._start(handle, target, deadline_s, self.chunk_io is None, fetch)
+        return self._start(handle, target, deadline_s, self.chunk_io is None, fetch, lazy=here)
 
     def _layers_thread(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._layers is None:
@@ -729,8 +731,10 @@ class KVConnector:
         wait on the disk goes to the chunk's staging buffer instead, then is placed (so
         nothing lands in the blocks after the load's deadline has let the engine recompute
         them). A chunk that fails is read no further; a cancelled load (its deadline)
-        stops before its next read. `wait=False` (on the engine's thread): a chunk with a
-        byte that is not in the page cache is missed instead.
+        stops before its next read. `wait=False` (on the engine's thread, where no layer
+        computes before the others land): a chunk is read whole in one call
+        (`SegmentFile.read_all`) where it can be, into every layer's blocks; a chunk with
+        a byte that is not in the page cache is missed instead.
 
         Every line of Python here holds the interpreter lock the engine's thread needs
         between its operations, so this thread makes as few calls as it can: on a 2-vCPU
@@ -739,7 +743,9 @@ class KVConnector:
         thread before its forward (interleaved, 20-25 rounds, 2026-11-27)."""
         spans = _spans(layout)
         in_place = callable(getattr(target, "segment_destination", None))
+        whole = in_place and not wait  # no forward waits for layer 0 before the rest
         files: list[Any] = [None] * len(keys)
+        by_segment: list[int] = []  # chunks read a segment at a time
 
         def staged(i: int, s: int) -> list[memoryview]:
             off, size = spans[s]
@@ -769,6 +775,20 @@ class KVConnector:
                     handle.fail(i)
                     continue
                 files[i] = f
+                if whole:  # every layer's blocks, then header and layers in one read
+                    segments = [target.segment_destination(i, s) for s in range(len(spans))]
+                    got = f.read_all(segments) if None not in segments else False
+                    if got is None:
+                        self._count(verify_failures=1)
+                        handle.fail(i)
+                        continue
+                    if got:
+                        if self._accept(key, tokens[i], None, layout, f.header):
+                            handle.placed_whole(i)
+                        else:
+                            handle.fail(i)
+                        continue
+                by_segment.append(i)
                 parts = target.segment_destination(i, 0) if in_place else None
                 header = f.head(parts or staged(i, 0), wait)
                 if header is NOT_RESIDENT:
@@ -790,8 +810,9 @@ class KVConnector:
                     parts = parts if f.resident else None
                     landed(i, 0, f.read(0, parts) if parts is not None else NOT_RESIDENT, parts)
             for s in range(1, len(spans)):
-                for i, f in enumerate(files):
-                    if f is None or not handle.alive(i):
+                for i in by_segment:
+                    f = files[i]
+                    if not handle.alive(i):
                         continue
                     parts = target.segment_destination(i, s) if in_place and f.resident else None
                     landed(i, s, f.read(s, parts) if parts is not None else NOT_RESIDENT, parts)
@@ -986,12 +1007,15 @@ class KVConnector:
         return len(keys)
 
     def _start(self, handle: LoadHandle, target: LoadTarget, deadline_s: float | None,
-               host: bool, fetch: Callable[[list[Any]], Any]) -> LoadHandle:
+               host: bool, fetch: Callable[[Sequence[Any]], Any],
+               lazy: bool = False) -> LoadHandle:
         """Start `handle`'s load: its deadline (default: the policy's), every chunk's staging
         (`host`: as host memory), then `fetch(staging)`, a coroutine run on the loop (None:
         `fetch` did the whole load itself; a future: it runs on the layers thread). A load
         that cannot start (nothing to load, the store bypassed, no staging memory) fails
-        every chunk."""
+        every chunk. `lazy`: each chunk's staging is taken when `fetch` first asks for it
+        (a chunk read straight into place takes none), and a failure to take it fails the
+        load there."""
         n_chunks = len(handle.chunks)
         if n_chunks == 0 or self._bypassed():
             handle.cancel()
@@ -1000,15 +1024,22 @@ class KVConnector:
                   if deadline_s is None else deadline_s)
         handle.deadline = handle.started + wait_s
         try:
-            dests = [target.staging(i) for i in range(n_chunks)]
-            if host:
-                dests = [host_view(d) for d in dests]
+            dests: Sequence[Any] = _Staging(target, n_chunks, host)
+            if not lazy:
+                dests = list(dests)
         except Exception as exc:  # noqa: BLE001 - the engine could not give us memory: recompute
             log.warning("load skipped: no staging memory: %s", exc)
             handle.cancel()
             return handle
         self._count(loads=1)
-        work = fetch(dests)
+        try:
+            work = fetch(dests)
+        except Exception as exc:  # noqa: BLE001 - lazy staging the engine could not give
+            if not lazy:
+                raise
+            log.warning("load skipped: no staging memory: %s", exc)
+            handle.cancel()
+            return handle
         if work is None:
             handle.fetch = concurrent.futures.Future()
             handle.fetch.set_result(None)
@@ -1254,6 +1285,27 @@ def _spans(layout: ChunkLayout | EngineLayout) -> list[tuple[int, int]]:
 
 # The connector counter for each reason ChunkIO gives for a failed read (gds.errors).
 _MISS_COUNTER = {"corrupt": "verify_failures", "io": "load_errors"}
+
+
+class _Staging(Sequence[Any]):
+    """A load's staging: chunk i's buffer (`host`: as a host memoryview) taken from the
+    target when first asked for."""
+
+    def __init__(self, target: LoadTarget, n: int, host: bool):
+        self._target, self._host = target, host
+        self._bufs: list[Any] = [None] * n
+
+    def __len__(self) -> int:
+        return len(self._bufs)
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self._bufs)))]
+        buf = self._bufs[i]
+        if buf is None:
+            buf = self._target.staging(i)
+            self._bufs[i] = buf = host_view(buf) if self._host else buf
+        return buf
 
 
 def _resolve(f: concurrent.futures.Future[bool], ok: bool) -> None:

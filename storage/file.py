@@ -1229,6 +1229,46 @@ class SegmentFile:
             self._fail(exc)
             return None
 
+    def read_all(self, segments: list[list[memoryview]]) -> bool | None:
+        """The header and every segment s into `segments[s]` (buffers that take it in
+        order) in one read of page-cached bytes, each segment checked: True once all is
+        read and checked, None on a miss (a check failed), False where this file cannot be
+        read so (a byte not in the page cache, a header longer than 4 KiB, segments of
+        other lengths): `head` and `read` then read it, nothing judged yet. For a reader
+        that needs no segment before the others (one read where `head` and `read` make
+        one a segment)."""
+        head = bytearray(HEADER_SIZE)
+        flat = [memoryview(head)]
+        lengths = []
+        for parts in segments:
+            flat.extend(parts)
+            lengths.append(sum(p.nbytes for p in parts))
+        try:
+            n = os.preadv(self._fd, flat, 0, os.RWF_NOWAIT)
+        except OSError as exc:
+            if exc.errno in (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL):
+                return False
+            self._fail(exc)
+            return None
+        if n != HEADER_SIZE + sum(lengths):
+            return False
+        try:
+            header = decode_header(head, self.key)
+        except TruncatedHeader:
+            return False
+        except ChunkError as exc:
+            self._fail(exc)
+            return None
+        if header.header_len != HEADER_SIZE or [size for _, size, _ in header.segments] != lengths:
+            return False
+        for s, parts in enumerate(segments):
+            if not header.segment_intact(s, parts):
+                self._fail(ChunkError(f"segment {s} checksum mismatch for {self.key}"))
+                return None
+        self.header = header
+        self._done.update(range(len(segments)))
+        return True
+
     def read(self, s: int, parts: list[memoryview]) -> bool | Any:
         """Segment s of the payload into `parts` (buffers that take it in order and
         exactly), checked: True, False on a miss, or NOT_RESIDENT (see `resident`: read

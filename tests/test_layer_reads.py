@@ -158,6 +158,46 @@ def test_bytes_evicted_after_the_header_answer_not_resident_then_are_read_waitin
     f.close()
 
 
+def test_a_whole_chunk_is_read_in_one_call_each_segment_checked(chunk):
+    store, payload = chunk
+    segs = segment_views(payload)
+    f, _ = store.open_segments(KEY)
+    assert f.read_all([[memoryview(buf)] for _, buf in segs]) is True
+    assert f.header.key == KEY and all(np.array_equal(buf, want) for want, buf in segs)
+    assert f.read(1, [memoryview(np.zeros(SEGMENTS[1], np.uint8))]) is True  # read already
+    f.close()
+    assert store.stats()["hits"] == 1
+
+
+def test_a_whole_chunk_with_a_corrupt_segment_is_a_miss_and_its_file_quarantined(chunk):
+    store, payload = chunk
+    flip_byte(store.chunk_path(KEY), 100)  # in the last segment
+    f, _ = store.open_segments(KEY)
+    assert f.read_all([[memoryview(buf)] for _, buf in segment_views(payload)]) is None
+    f.close()
+    assert not store.chunk_path(KEY).exists() and store.stats()["corrupt"] == 1
+
+
+@pytest.mark.parametrize("case", ["not cached", "other lengths"])
+def test_a_chunk_that_cannot_be_read_whole_is_left_to_the_segment_reads(chunk, case):
+    """Not in the page cache (nothing waited for), or segments of other lengths than the
+    buffers: no answer yet, nothing judged; `head` and `read` then read it."""
+    store, payload = chunk
+    segs = segment_views(payload)
+    if case == "not cached":
+        drop_from_page_cache(store.chunk_path(KEY))
+        bufs = [[memoryview(buf)] for _, buf in segs]
+    else:
+        bufs = [[memoryview(np.zeros(n, np.uint8))] for n in (2000, 2000, 500)]
+    f, _ = store.open_segments(KEY)
+    assert f.read_all(bufs) is False and f.resident
+    assert f.head([memoryview(segs[0][1])]).key == KEY
+    assert all(f.read(s, [memoryview(buf)]) is True for s, (_, buf) in enumerate(segs))
+    f.close()
+    assert all(np.array_equal(buf, want) for want, buf in segs)
+    assert store.stats()["corrupt"] == 0
+
+
 def test_a_missing_chunk_and_a_network_directory(tmp_path, monkeypatch):
     store = FileStore(tmp_path / "kv")
     assert store.open_segments(KEY) == (None, "missing")
@@ -222,22 +262,36 @@ def test_cached_layers_land_in_place_segment_major_and_exact(tmp_path):
     conn.close()
 
 
-def test_read_here_every_layer_lands_on_the_calling_thread_before_the_call_returns(tmp_path):
+def test_read_here_every_layer_lands_on_the_calling_thread_before_the_call_returns(
+        tmp_path, monkeypatch):
+    """On the engine's thread no layer is waited for before the others: each chunk is one
+    read (header and every layer) straight into its blocks, and no staging is taken but
+    the first chunk's (it says what memory the engine stages in)."""
     conn = file_connector(tmp_path)
     engine = LayerEngine(N)
-    threads = []
-    asked = engine.segment_destination
+    threads, staged, reads = [], [], []
+    asked, stage, preadv = engine.segment_destination, engine.staging, os.preadv
 
     def destination(i: int, s: int):
         threads.append(threading.get_ident())
         return asked(i, s)
 
-    engine.segment_destination = destination
+    def staging(i: int):
+        staged.append(i)
+        return stage(i)
+
+    def counted(fd, buffers, offset, *flags):
+        reads.append(offset)
+        return preadv(fd, buffers, offset, *flags)
+
+    engine.segment_destination, engine.staging = destination, staging
+    monkeypatch.setattr(os, "preadv", counted)
     handle = layered(conn, engine, here=True)
     assert handle.done() and all(f.done() for f in handle.chunks)  # nothing left running
     assert handle.result(0) == [True] * N
     assert set(threads) == {threading.get_ident()} and conn._layers is None
-    assert engine.direct == [(i, s) for s in range(LAYOUT.layers) for i in range(N)]
+    assert engine.direct == [(i, s) for i in range(N) for s in range(LAYOUT.layers)]
+    assert reads == [0] * N and staged == [0]
     for i in range(N):
         assert np.array_equal(engine.kv[i], payload_of(i))
     assert conn.stats()["loaded_chunks"] == N
@@ -255,9 +309,8 @@ def test_read_here_a_chunk_not_in_the_page_cache_is_missed_not_waited_for(tmp_pa
     drop_from_page_cache(path)
     engine = LayerEngine(N, in_place=in_place)
     assert layered(conn, engine, here=True).result(0) == [i != 3 for i in range(N)]
-    # Its layer 0's blocks were offered to the header's read, which found them uncached.
-    assert all(i != 3 for i, _ in engine.placed_segments)
-    assert all(i != 3 or s == 0 for i, s in engine.direct)
+    # Its blocks were offered to the read, which found its bytes uncached: nothing landed.
+    assert all(i != 3 for i, _ in engine.placed_segments) and not engine.kv[3].any()
     for i in range(N):
         if i != 3:
             assert np.array_equal(engine.kv[i], payload_of(i))
@@ -329,11 +382,12 @@ def test_staged_layers_evicted_mid_load_are_read_again_waiting_never_placed_unre
     conn.close()
 
 
-def test_a_corrupt_layer_fails_only_its_chunk(tmp_path):
+@pytest.mark.parametrize("here", [False, True])
+def test_a_corrupt_layer_fails_only_its_chunk(tmp_path, here):
     conn = file_connector(tmp_path)
     flip_byte(conn.store.chunk_path(keys_of(conn)[2]), 7)  # chunk 2, last layer
     engine = LayerEngine(N)
-    handle = layered(conn, engine)
+    handle = layered(conn, engine, here=here)
     assert all(handle.wait_segment(s, 10) for s in range(LAYOUT.layers))
     assert handle.result(10) == [i != 2 for i in range(N)]
     stats = conn.stats()
@@ -354,12 +408,26 @@ def test_a_chunk_of_another_prompt_is_refused_before_any_layer_is_placed(tmp_pat
     conn.close()
 
 
-def test_a_chunk_saved_without_segment_checksums_is_read_and_placed_whole(tmp_path):
+def test_read_here_a_chunk_of_another_prompt_is_refused(tmp_path):
+    """Read whole into its blocks, then refused: a failed chunk, which vLLM recomputes."""
+    conn = file_connector(tmp_path)
+    n = LAYOUT.chunk_tokens
+    tokens = [TOKENS[i * n : (i + 1) * n] for i in range(N)]
+    tokens[1] = tokens[1] + 1
+    handle = conn.load_segments_async(keys_of(conn), tokens, LayerEngine(N), deadline_s=10,
+                                      here=True)
+    assert handle.result(0) == [i != 1 for i in range(N)]
+    assert conn.stats()["verify_failures"] == 1
+    conn.close()
+
+
+@pytest.mark.parametrize("here", [False, True])
+def test_a_chunk_saved_without_segment_checksums_is_read_and_placed_whole(tmp_path, here):
     conn = saved(KVConnector(f"file://{tmp_path}", namespace(), layout=LAYOUT,
                              segment_checksums=False))
     skip_unless_cached(conn.store.chunk_path(keys_of(conn)[0]))
     engine = LayerEngine(N)
-    assert layered(conn, engine).result(10) == [True] * N
+    assert layered(conn, engine, here=here).result(10) == [True] * N
     for i in range(N):
         assert np.array_equal(engine.kv[i], payload_of(i))
     conn.close()
@@ -426,4 +494,20 @@ def test_a_cancelled_load_stops_before_its_next_read(tmp_path):
     assert engine.direct[N:] == [(0, 1)]  # asked, then nothing more read
     stats = conn.stats()
     assert stats["failed_chunks"] == N and stats["loaded_chunks"] == 0
+    conn.close()
+
+
+@pytest.mark.parametrize("store", ["file", "memory"])
+def test_staging_the_engine_cannot_give_fails_the_load_not_the_engine(tmp_path, store):
+    """Staging taken when first needed (`here`): an engine out of memory for it then
+    gets a failed load (recomputed), never an exception, from a local directory (read
+    on this thread) as from any other store."""
+    url = f"file://{tmp_path}" if store == "file" else "memory://"
+    conn = saved(KVConnector(url, namespace(), layout=LAYOUT))
+
+    class NoMemory(LayerEngine):
+        def staging(self, i):
+            raise RuntimeError("out of memory")
+
+    assert layered(conn, NoMemory(N), here=True).result(10) == [False] * N
     conn.close()
