@@ -509,6 +509,29 @@ class KVConnector:
             return 0
         return None if None in found else self._found(found, lists)
 
+    def lookup_cached(self, keys: Sequence[Sequence[str]]) -> tuple[int, list[bool]] | None:
+        """`lookup_async` and `resident` in one pass on this thread, for a local directory
+        (one open(2) and cachestat(2) a chunk file, against an access(2) for the lookup and
+        an open(2) and cachestat(2) again for `resident`): the leading chunks held for
+        every key list (given several, e.g. every worker rank's), and for each of them
+        whether its files are all in the page cache now. Counted and told to the breaker
+        as `lookup_async`; None for any other store (ask `lookup_async`, then `resident`)."""
+        lists = [list(k) for k in keys]
+        if not (self._local_store and self.resident_reads
+                and sum(map(len, lists)) <= LOCAL_LOOKUP_MAX_KEYS):
+            return None
+        self._count(lookups=1)
+        if not lists or not lists[0] or self._bypassed(probe=True):
+            return 0, []
+        try:
+            found = [self.store.cached_prefix_now(k) for k in lists]
+        except Exception as exc:  # noqa: BLE001 - any failure is no hit
+            self._store_answered(exc)
+            self._count(lookup_errors=1)
+            return 0, []
+        n = self._found([len(f) for f in found], lists)
+        return n, [all(f[i] for f in found) for i in range(n)]
+
     async def _lookup(self, lists: list[list[str]]) -> int:
         try:
             async with asyncio.timeout(self.lookup_timeout_s):

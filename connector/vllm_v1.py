@@ -453,6 +453,7 @@ class _Req:
     tokens: np.ndarray | None = None  # the prompt's token ids as uint32 (`prompt_tokens`)
     keys: list[list[str]] = field(default_factory=list)  # per rank, the keys looked up
     lookup: concurrent.futures.Future[int] | None = None
+    cached: list[bool] | None = None  # per stored chunk, all in the page cache at the lookup
     lookup_started: float = 0.0
     hit_chunks: int | None = None  # chunks worth loading (the policy's part of the stored ones)
     deadline_s: float | None = None
@@ -1038,7 +1039,15 @@ class KvstashConnector(KVConnectorBase_V1):
                 st.hit_chunks = 0
                 return 0
             st.keys = self._lookup_keys(req, n)
-            st.lookup = self.core.lookup_async(st.keys)
+            # A local directory answers here, and with what is in the page cache
+            # (which `auto` needs) in the same pass.
+            now = self.core.lookup_cached(st.keys) if self.auto_layerwise else None
+            if now is not None:
+                st.lookup = concurrent.futures.Future()
+                st.lookup.set_result(now[0])
+                st.cached = now[1]
+            else:
+                st.lookup = self.core.lookup_async(st.keys)
             st.lookup_started = time.monotonic()
             # A store that answers within `lookup_wait_ms` (a local disk, a kvserver nearby)
             # gets its answer in this step: the request is not put off by one engine step.
@@ -1069,9 +1078,10 @@ class KvstashConnector(KVConnectorBase_V1):
         plan = self.core.plan((stored - local) * self.chunk_tokens, self._chunk_nbytes_seen or 1)
         st.hit_chunks = local + plan.chunks
         st.deadline_s = plan.deadline_s
-        st.sync = self.load_mode == "layerwise" or (
-            self.auto_layerwise and plan.chunks > 0 and self.core.resident(
-                [k for keys in st.keys for k in keys[local : st.hit_chunks]]))
+        wanted = slice(local, st.hit_chunks)
+        st.sync = self.load_mode == "layerwise" or (self.auto_layerwise and plan.chunks > 0 and (
+            all(st.cached[wanted]) if st.cached is not None
+            else self.core.resident([k for keys in st.keys for k in keys[wanted]])))
         return st.hit_chunks
 
     def get_num_new_matched_tokens(
@@ -1134,7 +1144,7 @@ class KvstashConnector(KVConnectorBase_V1):
         instead of being recomputed. Chunks already sent for saving are not sent again."""
         st.preemptions = st.request.num_preemptions
         st.earlier_loaded += st.loaded_tokens - st.failed_tokens
-        st.lookup, st.hit_chunks, st.load_planned = None, None, False
+        st.lookup, st.cached, st.hit_chunks, st.load_planned = None, None, None, False
         st.loaded_tokens = st.failed_tokens = 0
 
     def update_state_after_alloc(

@@ -98,6 +98,12 @@ class SupportsResidentReads(Protocol):
         on a device or a network (a local directory: one access(2) per key, microseconds,
         where a hop to the store's loop and back costs more); else None: ask `prefix_len`."""
 
+    def cached_prefix_now(self, keys: Sequence[str]) -> list[bool] | None:
+        """`prefix_len_now` and `is_resident` in one pass: for each leading key the store
+        holds (as many entries as `prefix_len` would count), whether every byte of its
+        chunk is in this host's page cache now (a local directory: one open(2) and
+        cachestat(2) per key); None where `prefix_len_now` is."""
+
     def is_resident(self, key: str) -> bool:
         """Whether every byte of `key`'s chunk is in this host's page cache now, where the
         store could read it on the calling thread (a cheap check: no data is read)."""

@@ -720,6 +720,25 @@ class FileStore(Store):
             check_key(k)
         return sum(self._exists_sync(keys, True))
 
+    def cached_prefix_now(self, keys: Sequence[str]) -> list[bool] | None:
+        """See SupportsResidentReads: per leading key held, whether its chunk file is all
+        in the page cache; None for a directory that is not local."""
+        if not self._local:
+            return None
+        for k in keys:
+            check_key(k)
+        out = []
+        for k in keys:
+            try:
+                fd = os.open(_chunk_file(self._root, k), os.O_RDONLY | os.O_NOFOLLOW)
+            except FileNotFoundError:
+                break
+            try:
+                out.append(all_cached(fd, 0, os.fstat(fd).st_size) is True)
+            finally:
+                os.close(fd)
+        return out
+
     def is_resident(self, key: str) -> bool:
         """See SupportsResidentReads: whether `read_resident_into` would read `key` now."""
         if not self._local:

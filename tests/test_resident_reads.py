@@ -163,11 +163,25 @@ def test_a_local_directory_answers_a_lookup_on_the_calling_thread(tmp_path):
         store.prefix_len_now(["../../etc/passwd"])
 
 
+def test_a_local_directory_says_which_chunks_of_a_prefix_are_in_the_page_cache(cached_store):
+    store, _ = cached_store
+    other = "0123456789abcdef/" + "cd" * 16
+    asyncio.run(store.put(other, encode_chunk(other, list(range(16)), b"y" * 100)))
+    missing = "0123456789abcdef/" + "ef" * 16
+    assert store.cached_prefix_now([KEY, other, missing, KEY]) == [True, True]
+    drop_from_page_cache(store.chunk_path(other))
+    assert store.cached_prefix_now([KEY, other]) == [True, False]
+    assert store.cached_prefix_now([missing, KEY]) == []
+    with pytest.raises(ValueError):
+        store.cached_prefix_now([KEY, "../../etc/passwd"])
+
+
 def test_a_network_filesystem_is_never_looked_up_on_the_callers_thread(tmp_path, monkeypatch):
     """No NFS client here: the filesystem check is told the directory is not local."""
     monkeypatch.setattr("storage.file.is_local", lambda dev: False)
     store = FileStore(tmp_path / "kv")
     assert store.prefix_len_now([KEY]) is None
+    assert store.cached_prefix_now([KEY]) is None
 
 
 def connector_counting_loop_lookups(root, monkeypatch) -> tuple[KVConnector, list[int]]:
@@ -210,17 +224,46 @@ def test_a_long_lookup_goes_to_the_loop_even_for_a_local_directory(tmp_path, mon
     conn.close()
 
 
-def test_a_failing_local_lookup_is_no_hit_and_tells_the_breaker(tmp_path, monkeypatch):
+def test_a_lookup_with_the_page_cache_is_answered_here_for_every_rank(tmp_path, monkeypatch):
+    """`lookup_cached`: the chunks held for every key list, each with whether its files
+    are all cached, in one pass on this thread, counted as a lookup; None (ask the loop)
+    for a store that is not a local directory."""
+    conn, hops = connector_counting_loop_lookups(tmp_path, monkeypatch)
+    keys = keys_of(conn)
+    skip_unless_cached(conn.store.chunk_path(keys[0]))
+    drop_from_page_cache(conn.store.chunk_path(keys[2]))
+    assert conn.lookup_cached([keys]) == (N, [i != 2 for i in range(N)])
+    assert conn.lookup_cached([keys, keys[:3]]) == (3, [True, True, False])  # two ranks
+    assert hops == []
+    stats = conn.stats()
+    assert stats["lookups"] == 2 and stats["lookup_tokens"] == (N + 3) * LAYOUT.chunk_tokens
+    conn.resident_reads = False
+    assert conn.lookup_cached([keys]) is None
+    conn.close()
+    memory = KVConnector("memory://", namespace(), layout=LAYOUT)
+    assert memory.lookup_cached([keys]) is None
+    memory.close()
+
+
+@pytest.mark.parametrize("with_cache", [False, True])
+def test_a_failing_local_lookup_is_no_hit_and_tells_the_breaker(tmp_path, monkeypatch,
+                                                                with_cache):
     conn = saved(KVConnector(f"file://{tmp_path}", namespace(), layout=LAYOUT))
 
     def broken(keys):
         raise OSError("EIO")
 
-    monkeypatch.setattr(conn.store, "prefix_len_now", broken)
-    assert conn.lookup_async(keys_of(conn)).result(0) == 0
+    def lookup() -> int:
+        if with_cache:
+            return conn.lookup_cached([keys_of(conn)])[0]
+        return conn.lookup_async(keys_of(conn)).result(0)
+
+    monkeypatch.setattr(conn.store, "cached_prefix_now" if with_cache else "prefix_len_now",
+                        broken)
+    assert lookup() == 0
     stats = conn.stats()
     assert stats["lookup_errors"] == 1
-    assert conn.lookup_async(keys_of(conn)).result(0) == 0  # the breaker is open now
+    assert lookup() == 0  # the breaker is open now
     assert conn.stats()["bypassed"] == 1
     conn.close()
 
