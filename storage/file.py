@@ -731,8 +731,11 @@ class FileStore(Store):
         for k in keys:
             try:
                 fd = os.open(_chunk_file(self._root, k), os.O_RDONLY | os.O_NOFOLLOW)
-            except FileNotFoundError:
-                break
+            except OSError as exc:
+                if exc.errno in _MISS_ERRNOS:
+                    break
+                out.append(False)  # there, but not to be read here: its load will say
+                continue
             try:
                 out.append(all_cached(fd, 0, os.fstat(fd).st_size) is True)
             finally:

@@ -172,6 +172,10 @@ def test_a_local_directory_says_which_chunks_of_a_prefix_are_in_the_page_cache(c
     drop_from_page_cache(store.chunk_path(other))
     assert store.cached_prefix_now([KEY, other]) == [True, False]
     assert store.cached_prefix_now([missing, KEY]) == []
+    link = store.chunk_path(missing)  # a symlink is never opened: there, but not cached
+    link.parent.mkdir(parents=True, exist_ok=True)
+    os.symlink(store.chunk_path(KEY), link)
+    assert store.cached_prefix_now([missing, KEY]) == [False, True]
     with pytest.raises(ValueError):
         store.cached_prefix_now([KEY, "../../etc/passwd"])
 
