@@ -501,13 +501,20 @@ class KVConnector:
         if not (self.resident_reads and self._resident_store
                 and sum(map(len, lists)) <= LOCAL_LOOKUP_MAX_KEYS):
             return None
+        found = self._ask_here(self.store.prefix_len_now, lists)
+        if found is None:
+            return 0
+        return None if None in found else self._found(found, lists)
+
+    def _ask_here(self, ask: Callable[[list[str]], Any], lists: list[list[str]]) -> list[Any] | None:
+        """`ask(keys)` of every key list, on this thread; None after a failure (counted,
+        and the breaker told): no hit."""
         try:
-            found = [self.store.prefix_len_now(k) for k in lists]
+            return [ask(k) for k in lists]
         except Exception as exc:  # noqa: BLE001 - any failure is no hit
             self._store_answered(exc)
             self._count(lookup_errors=1)
-            return 0
-        return None if None in found else self._found(found, lists)
+            return None
 
     def lookup_cached(self, keys: Sequence[Sequence[str]]) -> tuple[int, list[bool]] | None:
         """`lookup_async` and `resident` in one pass on this thread, for a local directory
@@ -523,11 +530,8 @@ class KVConnector:
         self._count(lookups=1)
         if not lists or not lists[0] or self._bypassed(probe=True):
             return 0, []
-        try:
-            found = [self.store.cached_prefix_now(k) for k in lists]
-        except Exception as exc:  # noqa: BLE001 - any failure is no hit
-            self._store_answered(exc)
-            self._count(lookup_errors=1)
+        found = self._ask_here(self.store.cached_prefix_now, lists)
+        if found is None:
             return 0, []
         n = self._found([len(f) for f in found], lists)
         return n, [all(f[i] for f in found) for i in range(n)]

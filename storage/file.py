@@ -85,6 +85,8 @@ TENANTS = "tenants"
 # Below this much free space the disk counts as full for readiness (storage.base.health).
 MIN_FREE_BYTES = 1 << 20
 _MISS_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
+# preadv(RWF_NOWAIT) found a byte not in the page cache, or the kernel takes no such flag.
+_NOWAIT_ERRNOS = (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _ATIME_REFRESH_S = 60.0
@@ -738,25 +740,15 @@ class FileStore(Store):
                 continue
             try:
                 out.append(all_cached(fd, 0, os.fstat(fd).st_size) is True)
+            except OSError:
+                out.append(False)
             finally:
                 os.close(fd)
         return out
 
     def is_resident(self, key: str) -> bool:
         """See SupportsResidentReads: whether `read_resident_into` would read `key` now."""
-        if not self._local:
-            return False
-        check_key(key)
-        try:
-            fd = os.open(_chunk_file(self._root, key), os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return False
-        try:
-            return all_cached(fd, 0, os.fstat(fd).st_size) is True
-        except OSError:
-            return False
-        finally:
-            os.close(fd)
+        return self.cached_prefix_now([key]) == [True]
 
     def read_resident_into(self, key: str, out: Any) -> tuple[ChunkHeader | None, str | None] | Any:
         """See SupportsResidentReads: `key`'s payload into `out` (a buffer, or a list of
@@ -1214,7 +1206,7 @@ class SegmentFile:
                 if os.preadv(self._fd, parts, offset, os.RWF_NOWAIT) == length:
                     return True
             except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL):
+                if exc.errno not in _NOWAIT_ERRNOS:
                     raise
             self.resident = False
             return False
@@ -1268,7 +1260,7 @@ class SegmentFile:
         try:
             n = os.preadv(self._fd, flat, 0, os.RWF_NOWAIT)
         except OSError as exc:
-            if exc.errno in (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL):
+            if exc.errno in _NOWAIT_ERRNOS:
                 return False
             self._fail(exc)
             return None
