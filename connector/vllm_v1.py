@@ -29,8 +29,8 @@ policy then decides how many of the stored chunks are worth loading, from the lo
 prefill speeds the workers measure and report through vLLM's KV-connector stats. Hits
 load asynchronously between steps (the request waits in WAITING_FOR_REMOTE_KVS, other
 requests keep running). `build_connector_meta` ships this step's loads (with the
-policy's deadline) and the chunks each request completes this step (prompt chunks only)
-to the workers.
+policy's deadline) and the chunks each request completes this step (of its prompt, and
+with `save_decode` of the tokens it generates) to the workers.
 
 Worker side (one per GPU): `start_load_kv` hands the step's loads to the core
 (`load_async`), which reads, verifies and places chunks into the paged KV cache; they are
@@ -140,7 +140,7 @@ OPTIONS = frozenset({
     "lookup_timeout_s", "lookup_wait_ms", "lookup_idle_wait_ms", "load_wait_ms",
     "max_in_flight", "save_queue_bytes", "save_delay_ms", "direct_io", "resident_reads",
     "adaptive", "breaker_failures", "breaker_cooldown", "breaker_max_cooldown",
-    "exit_flush_s", "handoff_timeout_s",
+    "exit_flush_s", "handoff_timeout_s", "save_decode",
 })
 
 
@@ -489,6 +489,18 @@ class _Req:
                 self.tokens = _UNSTORABLE
         return None if self.tokens is _UNSTORABLE else self.tokens
 
+    def token_ids(self, start: int, stop: int) -> np.ndarray:
+        """Token ids `start`..`stop`-1 as chunk headers hold them: the prompt's, then the
+        tokens generated after it (only asked for where `prompt_tokens` holds the whole
+        prompt)."""
+        prompt = self.prompt_tokens()
+        assert prompt is not None
+        n = len(prompt)
+        if stop <= n:
+            return prompt[start:stop]
+        out = token_array(self.request.output_token_ids[max(start, n) - n : stop - n])
+        return np.concatenate([prompt[start:n], out]) if start < n else out
+
 
 _UNSTORABLE = np.zeros(0, dtype="<u4")  # `prompt_tokens` of a prompt no header can hold
 
@@ -779,7 +791,9 @@ class KvstashConnector(KVConnectorBase_V1):
     `exit_flush_s` (default 4: how long a stopping worker writes queued saves),
     `handoff_timeout_s` (default 10: how long the step of a P/D prefill, a `kv_producer`'s
     or a request's with `do_remote_decode`, waits for its saves before it replies; 0: it
-    does not wait).
+    does not wait), `save_decode` (default true: the tokens a request generates are saved
+    too, each chunk once its K/V is computed, so a chat's next turn, whose prompt holds
+    the reply, hits them on any engine; false: prompts only).
 
     Per request, `kv_transfer_params` {"kvstash": {"load": false, "save": false}} (either
     key alone) keeps kvstash from looking up or loading its prompt, or from saving it (a
@@ -836,6 +850,9 @@ class KvstashConnector(KVConnectorBase_V1):
         self.producer = role_name == "kv_producer"
         # 0: a P/D prefill replies without waiting for its saves (write-behind only)
         self.handoff_timeout_s = float(extra.get("handoff_timeout_s", HANDOFF_TIMEOUT_S))
+        # The tokens a request generates are saved too, a chunk as soon as its K/V is
+        # computed: a chat's next turn (whose prompt holds this reply) hits them elsewhere.
+        self.save_decode = _flag(extra.get("save_decode", True))
         # KV events (BlockStored / BlockRemoved, medium "kvstash") for cache-aware routers,
         # only when vLLM publishes KV events (--kv-events-config).
         events = getattr(vllm_config, "kv_events_config", None)
@@ -1010,13 +1027,11 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def _chunk_refs(self, st: _Req, start: int, stop: int, first_block: int = 0) -> list[ChunkRef]:
         req, k = st.request, self.chunk_blocks
-        tokens = st.prompt_tokens()
-        assert tokens is not None  # checked before any chunk is planned
-        hashes = req.block_hashes
+        hashes, n = req.block_hashes, self.chunk_tokens
         return [
             ChunkRef(
                 block_hash=bytes(hashes[(c + 1) * k - 1]),
-                token_bytes=tokens[c * self.chunk_tokens : (c + 1) * self.chunk_tokens].tobytes(),
+                token_bytes=st.token_ids(c * n, (c + 1) * n).tobytes(),
                 block_ids=st.block_ids[c * k : (c + 1) * k],
                 first=max(0, first_block - c * k),
                 block_hashes=[external_hash(h) for h in hashes[c * k : (c + 1) * k]]
@@ -1167,13 +1182,21 @@ class KvstashConnector(KVConnectorBase_V1):
         if not self.saves or not st.save or st.prompt_tokens() is None:
             return
         req = st.request
-        limit = min(done_tokens, req.num_prompt_tokens,
+        # Tokens with K/V once this step is computed: the prompt's, then (save_decode) the
+        # generated ones vLLM has accepted (never a speculative draft's).
+        known = req.num_prompt_tokens
+        if self.save_decode and len(st.prompt_tokens()) == known:  # not a prompt of embeddings
+            known = req.num_tokens
+        limit = min(done_tokens, known,
                     len(req.block_hashes) * self.block_size) // self.chunk_tokens
         limit = min(limit, len(st.block_ids) // self.chunk_blocks)
         if limit > st.saved_chunks:
             # Chunks from the end of the stored prefix on were missing at the lookup; after
-            # a failed load (saved_chunks cut below it) write-behind asks the store again.
-            absent = st.stored is not None and st.saved_chunks >= st.stored
+            # a failed load (saved_chunks cut below it) write-behind asks the store again,
+            # as it does for chunks holding generated tokens (another engine may have
+            # generated the same reply).
+            absent = (st.stored is not None and st.saved_chunks >= st.stored
+                      and limit * self.chunk_tokens <= req.num_prompt_tokens)
             # A chunk holding vLLM's null block has blocks whose K/V is gone (outside a
             # sliding window, before this step): it is not saved.
             chunks = [c for c in self._chunk_refs(st, st.saved_chunks, limit)

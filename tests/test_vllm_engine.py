@@ -52,6 +52,7 @@ from tests.vllm_engine_fixtures import (  # noqa: E402
     build_tiny_mla,
     build_tiny_sliding_window,
     complete,
+    next_turn,
     openai_server,
     run_engine,
     stored_chunks,
@@ -84,9 +85,18 @@ HEAD = CORRUPT[:CHUNK] + _tokens(100)  # shares exactly CORRUPT's first chunk
 # A hit must equal those bit for bit on any CPU; against A's full prefill of the same
 # prompt it may differ by the kernels' rounding (a 1-row prefill takes another matmul path
 # on CPU than a 769-row one).
-PROMPTS = [FULL, PARTIAL, HEAD, CORRUPT, FULL]
+# A chat: turn 1's prompt fills chunk 0, its 200-token reply chunk 1 (tokens 256-511,
+# saved as decode computes them); turn 2 sends both back with a new question, and A
+# continues it from its own prefix cache (512 tokens: the reply's last token has no K/V)
+# without saving it (else A would store chunk 1 from there).
+TURN1 = _tokens(CHUNK + 100)
+REPLY_TOKENS = 200
+QUESTION = _tokens(20)
+A_FULL, A_PARTIAL, A_HEAD, A_CORRUPT, A_FULL_CACHED, A_TURN1, A_TURN2 = range(7)
+PROMPTS = [FULL, PARTIAL, HEAD, CORRUPT, FULL,
+           {"prompt_token_ids": TURN1, "max_tokens": REPLY_TOKENS}, next_turn(A_TURN1, QUESTION, kv_transfer_params={"kvstash": {"save": False}})]
 SALTED = {"prompt_token_ids": FULL, "cache_salt": "tenant-a"}  # FULL's tokens, one tenant's
-A_FULL, A_PARTIAL, A_HEAD, A_CORRUPT, A_FULL_CACHED = range(len(PROMPTS))
+STORED = 8  # the chunks A stores: FULL's and CORRUPT's 3 each, TURN1's 1, its reply's 1
 
 
 @pytest.fixture(scope="module")
@@ -104,8 +114,8 @@ def stores(tmp_path_factory: pytest.TempPathFactory, moto_s3_url: str):
 
 @pytest.fixture(scope="module")
 def saved(model, stores):
-    """Process A: no store hits; PARTIAL, CORRUPT and the second FULL hit A's own prefix
-    cache (the references of every hit below)."""
+    """Process A: no store hits; PARTIAL, CORRUPT, the second FULL and chat turn 2 hit
+    A's own prefix cache (the references of every hit below)."""
     return run_engine(model, [stores.http, stores.s3], PROMPTS, chunk_tokens=CHUNK)
 
 
@@ -123,9 +133,11 @@ def damage_second_chunk_of_corrupt(root: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def from_file(model, stores, saved):
-    """Process B over file://: FULL, then CORRUPT with its second chunk damaged."""
+    """Process B over file://: FULL, then CORRUPT with its second chunk damaged, then
+    A's chat turn 2."""
     damage_second_chunk_of_corrupt(stores.root)
-    return run_engine(model, stores.file, [FULL, CORRUPT], chunk_tokens=CHUNK)
+    turn2 = saved.generations[A_TURN2].prompt_token_ids
+    return run_engine(model, stores.file, [FULL, CORRUPT, turn2], chunk_tokens=CHUNK)
 
 
 def same_output(a, b) -> None:
@@ -150,14 +162,14 @@ def close_to_recompute(full, hit) -> None:
 
 def test_process_a_misses_and_saves_every_whole_chunk(saved, stores):
     assert [g.num_cached_tokens for g in saved.generations] == [0, 2 * CHUNK, 0, CHUNK,
-                                                                 3 * CHUNK]
+                                                                 3 * CHUNK, 0, 2 * CHUNK]
     chunks = stored_chunks(stores.file)
     # FULL and CORRUPT: 3 chunks each; PARTIAL's two chunks are FULL's, its tail is no
-    # chunk; HEAD's one chunk is CORRUPT's first
-    assert len(chunks) == 6 and all(chunks.values())
+    # chunk; HEAD's one chunk is CORRUPT's first; TURN1 and its reply: 2
+    assert len(chunks) == STORED and all(chunks.values())
     # counted when the step hands them to the write-behind queue (the writes themselves
     # may finish after the last step, whose stats vLLM has already collected)
-    assert saved.metrics["vllm:kvstash_save_queued"] >= 6
+    assert saved.metrics["vllm:kvstash_save_queued"] >= STORED
     assert saved.metrics["vllm:kvstash_lookups"] == len(PROMPTS)
     assert "kvstash: request" in saved.log, "one INFO line per request that saved"
 
@@ -182,6 +194,15 @@ def assert_hits_by_source(metrics: dict[str, float], source: str) -> None:
     assert sum(v for s, v in by_source.items() if s not in (source, "device")) == 0
 
 
+def test_a_chats_next_turn_hits_the_reply_another_process_generated(saved, from_file):
+    """The reply's chunk was saved as A generated it, so turn 2, sent to a fresh process,
+    loads turn 1 and the reply and continues exactly like A's own prefix cache."""
+    turn2 = from_file.generations[2]
+    assert saved.generations[A_TURN2].num_cached_tokens == 2 * CHUNK
+    assert turn2.num_cached_tokens == 2 * CHUNK
+    same_output(saved.generations[A_TURN2], turn2)
+
+
 def test_a_corrupt_chunk_is_recomputed_counted_and_saved_again(saved, from_file, stores):
     corrupt = from_file.generations[1]
     same_output(saved.generations[A_CORRUPT], corrupt)
@@ -193,7 +214,7 @@ def test_a_corrupt_chunk_is_recomputed_counted_and_saved_again(saved, from_file,
     # the damaged chunk was written again by B from its recomputed KV
     assert from_file.metrics["vllm:kvstash_save_queued"] == 2  # chunks 2 and 3, recomputed
     chunks = stored_chunks(stores.file)
-    assert len(chunks) == 6 and all(chunks.values())
+    assert len(chunks) == STORED and all(chunks.values())
 
 
 def test_vllms_async_scheduler_loads_between_steps_and_recovers_a_corrupt_chunk(
@@ -216,7 +237,7 @@ def test_vllms_async_scheduler_loads_between_steps_and_recovers_a_corrupt_chunk(
     assert run.metrics["vllm:kvstash_save_queued"] == 2  # chunks 2 and 3 again
     assert run.metrics.get("vllm:kvstash_layered_chunks", 0) == 0  # none within a step
     chunks = stored_chunks(stores.file)
-    assert len(chunks) == 6 and all(chunks.values())
+    assert len(chunks) == STORED and all(chunks.values())
 
 
 def test_a_partial_prefix_and_then_the_rest_hit_through_http(model, saved, stores):

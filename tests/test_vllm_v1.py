@@ -14,6 +14,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-engines.sh)")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
@@ -514,6 +515,53 @@ def test_chunked_prefill_saves_each_chunk_once_as_it_completes(store_url):
     assert ext == 6 * BLOCK_SIZE and errors == set()
     for name in writer.kv:
         assert torch.equal(reader.kv[name][10:16], writer.kv[name][1:7])
+
+
+@pytest.mark.parametrize("save_decode", [True, False])
+def test_generated_tokens_are_saved_a_chunk_once_its_kv_is_computed(tmp_path, save_decode):
+    """A chat's next turn sends this prompt and its reply back: the chunks the reply
+    completes are saved as decode computes them (their token ids the reply's), so another
+    engine hits them; `save_decode=False` saves the prompt's chunks alone."""
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS, save_decode=save_decode)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    output = list(range(2000, 2040))  # tokens 100-139: chunk 3 (96-127) fills at token 127
+    try:
+        req = make_request(PROMPT)
+        assert writer.lookup(req) == (0, False)
+        writer.scheduler.update_state_after_alloc(req, blocks(range(1, 8)), 0)
+        for kv in writer.kv.values():
+            kv[1:10] = torch.randn(9, *kv.shape[1:]).to(kv.dtype)
+        meta, _, _ = writer.step([req], {req.request_id: list(range(1, 8))},
+                                 {req.request_id: len(PROMPT)})
+        saves = [[c.token_bytes for c in r.chunks] for r in meta.saves]
+        for i, token in enumerate(output):  # each decode step computes the last token's K/V
+            req.append_output_token_ids(token)
+            computed = len(PROMPT) + i
+            new_blocks = [8 + (computed - 112) // BLOCK_SIZE] if computed % BLOCK_SIZE == 0 else []
+            meta, _, _ = writer.step(scheduled={req.request_id: 1},
+                                     cached=[(req, new_blocks, computed)])
+            saves += [[c.token_bytes for c in r.chunks] for r in meta.saves]
+            if computed == 127 and save_decode:  # this step computes chunk 3's last token
+                assert [(r.absent, [c.block_ids for c in r.chunks]) for r in meta.saves] \
+                    == [(False, [[7, 8]])]  # asks the store first: the same reply may be there
+        assert writer.scheduler.request_finished(req, list(range(1, 10))) == (False, None)
+        assert writer.worker.flush()
+        whole = PROMPT + output
+        expected = [[whole[c * CHUNK_TOKENS : (c + 1) * CHUNK_TOKENS] for c in range(3)]]
+        if save_decode:
+            expected.append([whole[96:128]])
+        assert [[list(np.frombuffer(t, "<u4")) for t in r] for r in saves] == expected
+        # The next turn: prompt, reply, and a new question.
+        ext, _, errors = read_prompt(reader, list(range(10, 19)), prompt=whole + [7] * 20)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert errors == set()
+    assert ext == (128 if save_decode else 96)
+    for name in writer.kv:
+        assert torch.equal(reader.kv[name][10 : 10 + ext // BLOCK_SIZE],
+                           writer.kv[name][1 : 1 + ext // BLOCK_SIZE])
 
 
 def test_chunk_tokens_round_up_to_whole_engine_blocks():

@@ -23,7 +23,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -124,6 +124,7 @@ class Generation:
     logprobs: list[dict[int, float]]  # per generated token: top-k token id -> logprob
     num_cached_tokens: int
     seconds: float  # wall time of the whole generate call (an observation, never asserted)
+    prompt_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -148,6 +149,13 @@ def wait_stored(chunks: int) -> dict[str, int]:
     more chunks than when the engine started (write-behind stores a prompt's chunks after
     its reply)."""
     return {"wait_stored": chunks}
+
+
+def next_turn(generation: int, then: list[int], **fields: Any) -> dict[str, Any]:
+    """An item of `run_engine`'s prompts: a chat's next turn, made in the engine process:
+    the prompt of the `generation`-th prompt run, what the engine generated for it, and
+    `then` (a new question); `fields` as a prompt dict's."""
+    return {"turn_after": generation, "then": then, **fields}
 
 
 def count_chunks(store: str | list[str]) -> int:
@@ -195,7 +203,7 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
         out = json.loads(result.read_text())
     gens = [
         Generation(g["token_ids"], [{int(k): v for k, v in lp.items()} for lp in g["logprobs"]],
-                   g["num_cached_tokens"], g["seconds"])
+                   g["num_cached_tokens"], g["seconds"], g["prompt_token_ids"])
         for g in out["generations"]
     ]
     return EngineRun(gens, out["metrics"], log, out["scheduler"], out["resets"])
@@ -255,12 +263,23 @@ def _main(spec: dict[str, Any]) -> None:
                 time.sleep(0.05)
             continue
         start = time.perf_counter()
-        # a prompt is its token ids, or vLLM's own prompt dict (e.g. with a cache_salt)
-        inputs = prompt if isinstance(prompt, dict) else {"prompt_token_ids": prompt}
-        (out,) = llm.generate([inputs], params, use_tqdm=False)
+        # a prompt is its token ids, or vLLM's own prompt dict (e.g. with a cache_salt),
+        # which may name its own `max_tokens` and `kv_transfer_params`
+        inputs = dict(prompt) if isinstance(prompt, dict) else {"prompt_token_ids": prompt}
+        if "turn_after" in inputs:  # a chat's next turn: see `next_turn`
+            before = generations[inputs.pop("turn_after")]
+            inputs["prompt_token_ids"] = (before["prompt_token_ids"] + before["token_ids"]
+                                          + inputs.pop("then"))
+        these = params
+        if "max_tokens" in inputs or "kv_transfer_params" in inputs:
+            these = params.clone()
+            these.max_tokens = inputs.pop("max_tokens", params.max_tokens)
+            these.extra_args = {"kv_transfer_params": inputs.pop("kv_transfer_params", None)}
+        (out,) = llm.generate([inputs], these, use_tqdm=False)
         seconds = time.perf_counter() - start
         completion = out.outputs[0]
         generations.append({
+            "prompt_token_ids": list(inputs["prompt_token_ids"]),
             "token_ids": list(completion.token_ids),
             "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
                          for step in completion.logprobs],
