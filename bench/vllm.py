@@ -147,9 +147,12 @@ def _engine_child(spec: dict[str, Any]) -> int:
         request = json.loads(line)
         prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
         params = plain
-        if request.get("kv_transfer_params"):
+        if request.get("kv_transfer_params") or request.get("max_tokens", 1) != 1:
             params = plain.clone()
-            params.extra_args = {"kv_transfer_params": request["kv_transfer_params"]}
+            params.max_tokens = request.get("max_tokens", 1)  # generated greedily, to the end
+            params.ignore_eos = True
+            if request.get("kv_transfer_params"):
+                params.extra_args = {"kv_transfer_params": request["kv_transfer_params"]}
         started = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         wall_s = time.perf_counter() - started
@@ -162,6 +165,8 @@ def _engine_child(spec: dict[str, Any]) -> int:
                 "ttft_from": "vllm" if latency > 0 else "wall",
                 "cached_tokens": int(out.num_cached_tokens or 0),
                 "first_token": int(out.outputs[0].token_ids[0]),
+                **({"token_ids": [int(t) for t in out.outputs[0].token_ids]}
+                   if params.max_tokens > 1 else {}),
             })
         answers.write(json.dumps({"wall_s": wall_s, "requests": rows,
                                   "kvstash": _kvstash_counters()}) + "\n")
@@ -241,10 +246,13 @@ class Engine:
         self.info = self._read_line(timeout_s, "starting")
 
     def generate(self, prompts: Sequence[np.ndarray],
-                 kv_transfer_params: dict[str, Any] | None = None) -> dict[str, Any]:
+                 kv_transfer_params: dict[str, Any] | None = None,
+                 max_tokens: int = 1) -> dict[str, Any]:
+        """One `generate` call; with `max_tokens` > 1 each answer carries its `token_ids`."""
         assert self.proc is not None and self.proc.stdin is not None
         line = json.dumps({"prompts": [[int(t) for t in p] for p in prompts],
-                           "kv_transfer_params": kv_transfer_params}) + "\n"
+                           "kv_transfer_params": kv_transfer_params,
+                           "max_tokens": max_tokens}) + "\n"
         self.proc.stdin.write(line.encode())
         self.proc.stdin.flush()
         return self._read_line(REQUEST_TIMEOUT_S, "answering a request")

@@ -31,6 +31,7 @@ COMMANDS = [
     (("bench", "gds"), "bench.gds", "verify and time each chunk-read path (GDS, pinned, CPU)"),
     (("bench", "vllm"), "bench.vllm", "TTFT through a real vLLM engine: no cache, its own prefix cache, kvstash"),
     (("bench", "vllm-pd"), "bench.vllm_pd", "prefill/decode disaggregation through a shared store, in real vLLM engines"),
+    (("bench", "vllm-chat"), "bench.vllm_chat", "multi-turn chats through real vLLM engines, each turn to the other engine: replies saved or not"),
     (("bench", "vllm-layers"), "bench.vllm_layers", "a vLLM hit with whole-prefix against layer-pipelined loads, on a shaped store"),
     (("bench", "vllm-gpu-worker"), "bench.vllm_gpu_worker", "the vLLM connector's worker on a GPU: loads beside a step's compute"),
     (("bench", "soak"), "bench.soak", "faults, load and hostile input against stores and server"),

@@ -246,3 +246,43 @@ def test_the_pd_bench_gives_every_engine_the_step_budget_it_is_told(tmp_path):
         engines = _engines(args, tmp_path, [store], tmp_path, 2064)
         assert set(engines) == {"no-cache", "file-prefill", "file-prefill-behind", "file-decode"}
         assert {e.spec["max_num_batched_tokens"] for e in engines.values()} == {budget}
+
+
+def test_the_chat_bench_reads_later_turns_against_no_cache_and_vllms_prefix_cache(tmp_path):
+    """`kvstash bench vllm-chat`'s summary on made-up records (the engines' path, a reply
+    hit on another engine, is tests/test_vllm_engine.py's): first turns are left out,
+    ratios pair requests by (user, turn), and the two kvstash pairs differ only in
+    `save_decode`, each on its own store."""
+    import argparse
+
+    from bench.vllm_chat import CONFIGS, _engines, add_arguments, format_table, summarize
+
+    def rec(turn, ttft, cached, prompt=1000):
+        return {"user": 0, "turn": turn, "prompt_tokens": prompt, "ttft_s": ttft,
+                "cached_tokens": cached}
+
+    records = {
+        "no-cache": [rec(0, 9.0, 0), rec(1, 0.10, 0), rec(2, 0.20, 0)],
+        "prefix-cache": [rec(0, 9.0, 0), rec(1, 0.02, 900), rec(2, 0.04, 900)],
+        "replies": [rec(0, 9.0, 0), rec(1, 0.03, 768), rec(2, 0.04, 768)],
+        "prompts": [rec(0, 9.0, 0), rec(1, 0.06, 512), rec(2, 0.10, 512)],
+    }
+    s = summarize(records)
+    assert s["replies"]["requests"] == 2 and s["replies"]["cached_fraction"] == 0.768
+    assert s["replies"]["ttft_vs_no-cache"] == pytest.approx((0.3 + 0.2) / 2)
+    assert s["prompts"]["ttft_vs_prefix-cache"] == pytest.approx((3.0 + 2.5) / 2)
+    assert "ttft_vs_no-cache" not in s["no-cache"]
+    assert s["replies"]["ttft_vs_prompts"] == pytest.approx((0.5 + 0.4) / 2)
+    assert "ttft_vs_prompts" not in s["prefix-cache"]
+    table = format_table(s)
+    assert all(label in table for label, _ in CONFIGS.values())
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2}))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    engines = _engines(parser.parse_args([]), tmp_path, tmp_path, tmp_path, 2064)
+    specs = {n: e.spec for n, e in engines.items()}
+    assert specs["no-cache"]["store"] is None and not specs["no-cache"]["prefix_caching"]
+    assert specs["replies-a"]["store"] == specs["replies-b"]["store"] != specs["prompts-a"]["store"]
+    assert [specs[n]["connector"]["save_decode"] for n in ("replies-b", "prompts-b")] == [True, False]
