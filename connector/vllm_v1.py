@@ -1049,10 +1049,13 @@ class KvstashConnector(KVConnectorBase_V1):
             return st.hit_chunks
         if st.lookup is None:
             req = st.request
-            # The last prompt token is always computed (its logits start decoding).
-            n = min(len(req.block_hashes) // self.chunk_blocks,
-                    (req.num_prompt_tokens - 1) // self.chunk_tokens)
-            if n <= 0 or st.prompt_tokens() is None:
+            # The last token is always computed (its logits start decoding). A request
+            # preempted while decoding is computed again with what it generated, which
+            # is looked up too (as vLLM's own prefix cache does).
+            n = 0 if st.prompt_tokens() is None else min(
+                len(req.block_hashes) // self.chunk_blocks,
+                (self._with_ids(st, req.num_tokens) - 1) // self.chunk_tokens)
+            if n <= 0:
                 st.hit_chunks = 0
                 return 0
             st.keys = self._lookup_keys(req, n)
@@ -1184,9 +1187,7 @@ class KvstashConnector(KVConnectorBase_V1):
         req = st.request
         # Tokens with K/V once this step is computed: the prompt's, then (save_decode) the
         # generated ones vLLM has accepted (never a speculative draft's).
-        known = req.num_prompt_tokens
-        if self.save_decode and len(st.prompt_tokens()) == known:  # not a prompt of embeddings
-            known = req.num_tokens
+        known = self._with_ids(st, req.num_tokens if self.save_decode else 0)
         limit = min(done_tokens, known,
                     len(req.block_hashes) * self.block_size) // self.chunk_tokens
         limit = min(limit, len(st.block_ids) // self.chunk_blocks)
@@ -1205,6 +1206,14 @@ class KvstashConnector(KVConnectorBase_V1):
                 out.append(ReqChunks(req.request_id, chunks, absent=absent, handoff=st.handoff))
             st.saves_planned += len(chunks)
             st.saved_chunks = limit
+
+    @staticmethod
+    def _with_ids(st: _Req, tokens: int) -> int:
+        """Of a request's first `tokens` tokens (its prompt, then those it generated), how
+        many a chunk can name: all of them, or its prompt's where the prompt has no token
+        ids of its own (prompt embeddings)."""
+        prompt = st.request.num_prompt_tokens
+        return max(tokens, prompt) if len(st.prompt_tokens()) == prompt else prompt
 
     def _hand_off_when_done(self, st: _Req, done_tokens: int, out: list[str]) -> None:
         """A P/D prefill's step that completes its prompt waits for all its saves (those

@@ -521,7 +521,8 @@ def test_chunked_prefill_saves_each_chunk_once_as_it_completes(store_url):
 def test_generated_tokens_are_saved_a_chunk_once_its_kv_is_computed(tmp_path, save_decode):
     """A chat's next turn sends this prompt and its reply back: the chunks the reply
     completes are saved as decode computes them (their token ids the reply's), so another
-    engine hits them; `save_decode=False` saves the prompt's chunks alone."""
+    engine hits them, as does the request itself once preempted; `save_decode=False` saves
+    the prompt's chunks alone."""
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS, save_decode=save_decode)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
@@ -554,14 +555,21 @@ def test_generated_tokens_are_saved_a_chunk_once_its_kv_is_computed(tmp_path, sa
         assert [[list(np.frombuffer(t, "<u4")) for t in r] for r in saves] == expected
         # The next turn: prompt, reply, and a new question.
         ext, _, errors = read_prompt(reader, list(range(10, 19)), prompt=whole + [7] * 20)
+        # A request preempted while it decoded: vLLM computes its prompt and what it had
+        # generated again, and it is looked up with both.
+        resumed = make_request(PROMPT)
+        resumed.append_output_token_ids(output)
+        resumed.num_preemptions = 1
+        again, _, errors_again = read_prompt(reader, list(range(20, 29)), req=resumed)
     finally:
         writer.shutdown()
         reader.shutdown()
-    assert errors == set()
-    assert ext == (128 if save_decode else 96)
+    assert errors == errors_again == set()
+    assert ext == again == (128 if save_decode else 96)
     for name in writer.kv:
-        assert torch.equal(reader.kv[name][10 : 10 + ext // BLOCK_SIZE],
-                           writer.kv[name][1 : 1 + ext // BLOCK_SIZE])
+        for first in (10, 20):
+            assert torch.equal(reader.kv[name][first : first + ext // BLOCK_SIZE],
+                               writer.kv[name][1 : 1 + ext // BLOCK_SIZE])
 
 
 def test_chunk_tokens_round_up_to_whole_engine_blocks():
