@@ -70,7 +70,7 @@ import tempfile
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -287,6 +287,23 @@ class Engine:
 
 
 # -- stores ---------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def running(engines: Mapping[str, Engine]) -> Iterator[None]:
+    """Every engine started at once, then each waited for until ready; on the way out all
+    are shut down at once (their queued saves flushed), then each is waited for."""
+    try:
+        for e in engines.values():
+            e.start()
+        for e in engines.values():
+            e.wait_ready()
+        yield
+    finally:
+        for e in engines.values():
+            e.close_input()
+        for e in engines.values():
+            e.stop()
 
 
 @dataclass

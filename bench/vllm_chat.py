@@ -42,6 +42,7 @@ from bench.vllm import (
     _paired,
     _paired_ci,
     add_model_arguments,
+    running,
 )
 
 CONFIGS = {  # name -> (label, engines)
@@ -164,17 +165,8 @@ def run(args: argparse.Namespace) -> int:
                                                        + args.reply_tokens) + 16
     engines = _engines(args, model_dir, scratch, logs, max_model_len)
     print(f"starting {len(engines)} vLLM engines ({model_desc}) ...", flush=True)
-    try:
-        for e in engines.values():
-            e.start()
-        for e in engines.values():
-            e.wait_ready()
+    with running(engines):
         records = measure(args, engines, vocab)
-    finally:
-        for e in engines.values():
-            e.close_input()
-        for e in engines.values():
-            e.stop()
     summary = summarize(records)
     print(f"{_vllm_version()}, {model_desc}, {args.dtype}; {args.users} chats of {args.turns} "
           f"turns: {args.system_tokens}-token system prompt, {args.question_tokens}-token "

@@ -38,6 +38,7 @@ from bench.vllm import (
     add_model_arguments,
     add_s3_arguments,
     open_stores,
+    running,
 )
 
 ROLES = ("prefill", "prefill-behind", "decode")
@@ -172,17 +173,8 @@ def run(args: argparse.Namespace) -> int:
             print(note, flush=True)
         engines = _engines(args, model_dir, stores, logs, max_model_len)
         print(f"starting {len(engines)} vLLM engines ({model_desc}) ...", flush=True)
-        try:
-            for e in engines.values():
-                e.start()
-            for e in engines.values():
-                e.wait_ready()
+        with running(engines):
             series = measure(args, engines, stores, vocab)
-        finally:
-            for e in engines.values():
-                e.close_input()
-            for e in engines.values():
-                e.stop()
     budget = engines["no-cache"].info.get("max_num_batched_tokens")
     print(f"{_vllm_version()}, {model_desc}, {args.dtype}; prompts {args.cached_tokens}+1 "
           f"tokens, chunks of {args.chunk_tokens}, at most {budget} tokens a step; medians "
