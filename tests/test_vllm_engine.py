@@ -87,14 +87,15 @@ HEAD = CORRUPT[:CHUNK] + _tokens(100)  # shares exactly CORRUPT's first chunk
 # on CPU than a 769-row one).
 # A chat: turn 1's prompt fills chunk 0, its 200-token reply chunk 1 (tokens 256-511,
 # saved as decode computes them); turn 2 sends both back with a new question, and A
-# continues it from its own prefix cache (512 tokens: the reply's last token has no K/V)
-# without saving it (else A would store chunk 1 from there).
+# continues it from its own prefix cache (512 tokens: four whole blocks) without saving
+# it (else A would store chunk 1 from there, reply saves or not).
 TURN1 = _tokens(CHUNK + 100)
 REPLY_TOKENS = 200
 QUESTION = _tokens(20)
 A_FULL, A_PARTIAL, A_HEAD, A_CORRUPT, A_FULL_CACHED, A_TURN1, A_TURN2 = range(7)
 PROMPTS = [FULL, PARTIAL, HEAD, CORRUPT, FULL,
-           {"prompt_token_ids": TURN1, "max_tokens": REPLY_TOKENS}, next_turn(A_TURN1, QUESTION, kv_transfer_params={"kvstash": {"save": False}})]
+           {"prompt_token_ids": TURN1, "max_tokens": REPLY_TOKENS},
+           next_turn(A_TURN1, QUESTION, kv_transfer_params={"kvstash": {"save": False}})]
 SALTED = {"prompt_token_ids": FULL, "cache_salt": "tenant-a"}  # FULL's tokens, one tenant's
 STORED = 8  # the chunks A stores: FULL's and CORRUPT's 3 each, TURN1's 1, its reply's 1
 
