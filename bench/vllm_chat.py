@@ -18,7 +18,8 @@ round. Side by side, each configuration holding its own conversations:
 Printed: per configuration, the median TTFT of the turns after the first, the prompt
 tokens they found cached (vLLM's `num_cached_tokens`), and ratios to no cache and to
 vLLM's prefix cache, paired by (user, turn); and the pair that saves replies against the
-pair that saves prompts only.
+pair that saves prompts only, with the median time a reply takes to decode after its first
+token in each (what saving the reply's chunks costs decode).
 """
 
 from __future__ import annotations
@@ -86,11 +87,13 @@ def measure(args: argparse.Namespace, engines: dict[str, Engine], vocab: int
                 names = CONFIGS[config][1]
                 engine = engines[names[turn % len(names)]]
                 prompt = np.concatenate([history[config][user], questions[user][turn]])
-                (answer,) = engine.generate([prompt], max_tokens=args.reply_tokens)["requests"]
+                got = engine.generate([prompt], max_tokens=args.reply_tokens)
+                (answer,) = got["requests"]
                 history[config][user] = np.concatenate(
                     [prompt, np.asarray(answer["token_ids"], dtype=prompt.dtype)])
                 out[config].append({"user": user, "turn": turn, "prompt_tokens": len(prompt),
                                     "ttft_s": answer["ttft_s"],
+                                    "decode_s": got["wall_s"] - answer["ttft_s"],
                                     "cached_tokens": answer["cached_tokens"]})
                 if len(names) > 1:
                     time.sleep(args.settle_s)  # the reply's last chunk is written behind
@@ -107,6 +110,8 @@ def summarize(records: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         row: dict[str, Any] = {
             "label": CONFIGS[config][0], "requests": len(rs),
             "ttft_s": statistics.median(ttft[config]),
+            # the reply's decode after its first token, every turn's (first turns too)
+            "decode_s": statistics.median(r["decode_s"] for r in records[config]),
             "prompt_tokens": prompt, "cached_tokens": cached,
             "cached_fraction": cached / prompt if prompt else 0.0,
         }
@@ -173,11 +178,12 @@ def run(args: argparse.Namespace) -> int:
           f"questions, {args.reply_tokens}-token replies, chunks of {args.chunk_tokens}; "
           f"turns 2-{args.turns}, medians")
     print(format_table(summary))
-    r = summary["replies"]
+    r, p = summary["replies"], summary["prompts"]
     lo, hi = r["ttft_vs_prompts_ci"]
     print(f"replies saved against prompts only: TTFT {r['ttft_vs_prompts']:.2f}x "
           f"(CI {lo:.2f}-{hi:.2f}), cached {r['cached_tokens']} against "
-          f"{summary['prompts']['cached_tokens']} prompt tokens")
+          f"{p['cached_tokens']} prompt tokens; a reply's decode {r['decode_s']:.2f} s "
+          f"against {p['decode_s']:.2f} s ({r['decode_s'] / p['decode_s']:.2f}x)")
     write_json(args.json, {"command": "vllm-chat", "args": vars(args), "model": model_desc,
                            "vllm": _vllm_version(), "summary": summary, "records": records})
     return 0

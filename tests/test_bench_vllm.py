@@ -259,7 +259,7 @@ def test_the_chat_bench_reads_later_turns_against_no_cache_and_vllms_prefix_cach
 
     def rec(turn, ttft, cached, prompt=1000):
         return {"user": 0, "turn": turn, "prompt_tokens": prompt, "ttft_s": ttft,
-                "cached_tokens": cached}
+                "cached_tokens": cached, "decode_s": 1.0 + turn}
 
     records = {
         "no-cache": [rec(0, 9.0, 0), rec(1, 0.10, 0), rec(2, 0.20, 0)],
@@ -273,6 +273,7 @@ def test_the_chat_bench_reads_later_turns_against_no_cache_and_vllms_prefix_cach
     assert s["prompts"]["ttft_vs_prefix-cache"] == pytest.approx((3.0 + 2.5) / 2)
     assert "ttft_vs_no-cache" not in s["no-cache"]
     assert s["replies"]["ttft_vs_prompts"] == pytest.approx((0.5 + 0.4) / 2)
+    assert s["replies"]["decode_s"] == 2.0  # every turn's, the first one's too
     assert "ttft_vs_prompts" not in s["prefix-cache"]
     table = format_table(s)
     assert all(label in table for label, _ in CONFIGS.values())
