@@ -72,8 +72,8 @@ def _engines(args: argparse.Namespace, model_dir: Path, scratch: Path, logs: Pat
 
 def measure(args: argparse.Namespace, engines: dict[str, Engine], vocab: int
             ) -> dict[str, list[dict[str, Any]]]:
-    """Per configuration, one record per request: user, turn, prompt tokens, TTFT,
-    cached tokens."""
+    """Per configuration, one record per request: user, turn, prompt tokens, TTFT, the
+    reply's decode after its first token, cached tokens."""
     rng = np.random.default_rng(args.seed)
     order = random.Random(args.seed)
     system = rng.integers(FIRST_TOKEN_ID, vocab, args.system_tokens)
