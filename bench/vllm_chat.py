@@ -9,11 +9,13 @@ round. Side by side, each configuration holding its own conversations:
 - no cache: one engine, no connector, vLLM's prefix caching off (the baseline);
 - vLLM prefix cache: one engine with vLLM's own prefix caching, every turn of every user
   (sticky routing, the ideal a single engine reaches);
-- kvstash, replies saved: two engines (vLLM's prefix caching on in both) on one file://
-  store with `save_decode` true (the default), turn t of a chat on engine t mod 2, as a
-  router that does not keep a chat on one engine sends it: the last reply was generated
-  on the other engine;
-- kvstash, prompts only: the same pair on its own store with `save_decode` false.
+- kvstash, replies saved: two engines (vLLM's prefix caching on in both) on one store
+  (`--store`: a file:// directory, a kvserver over one, or moto's S3 on loopback) with
+  `save_decode` true (the default), turn t of a chat on engine t mod 2, as a router that
+  does not keep a chat on one engine sends it: the last reply was generated on the other
+  engine;
+- kvstash, prompts only: the same pair with `save_decode` false, on the same store under
+  another `salt` (a key space of its own).
 
 Printed: per configuration, the median TTFT of the turns after the first, the prompt
 tokens they found cached (vLLM's `num_cached_tokens`), and ratios to no cache and to
@@ -37,12 +39,15 @@ import numpy as np
 from bench.vllm import (
     FIRST_TOKEN_ID,
     KV_CACHE_MIN_BYTES,
+    STORES,
     Engine,
     _build_model,
     _kv_bytes_per_token,
     _paired,
     _paired_ci,
     add_model_arguments,
+    add_s3_arguments,
+    open_stores,
     running,
 )
 
@@ -54,7 +59,7 @@ CONFIGS = {  # name -> (label, engines)
 }
 
 
-def _engines(args: argparse.Namespace, model_dir: Path, scratch: Path, logs: Path,
+def _engines(args: argparse.Namespace, model_dir: Path, store: str, logs: Path,
              max_model_len: int) -> dict[str, Engine]:
     need = 4 * max_model_len * _kv_bytes_per_token(model_dir, args.dtype) * args.users
     spec = dict(model_dir=str(model_dir), dtype=args.dtype, max_model_len=max_model_len,
@@ -63,10 +68,9 @@ def _engines(args: argparse.Namespace, model_dir: Path, scratch: Path, logs: Pat
     specs = {"no-cache": {**spec, "prefix_caching": False, "store": None},
              "prefix-cache": {**spec, "store": None}}
     for name, save_decode in (("replies", True), ("prompts", False)):
-        store = f"file://{scratch / (name + '-store')}"
         for side in ("a", "b"):
-            specs[f"{name}-{side}"] = {**spec, "store": store,
-                                       "connector": {"save_decode": save_decode}}
+            specs[f"{name}-{side}"] = {**spec, "store": store, "connector": {
+                "save_decode": save_decode, "salt": f"bench-chat-{name}"}}
     return {n: Engine(n, s, logs / f"engine-{n}.log") for n, s in specs.items()}
 
 
@@ -152,6 +156,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reply-tokens", type=int, default=256,
                    help="tokens each reply generates (default 256)")
     p.add_argument("--chunk-tokens", type=int, default=256, help="kvstash chunk size (256)")
+    p.add_argument("--store", default="file", choices=STORES,
+                   help="the kvstash engines' store (default file)")
+    add_s3_arguments(p)
     p.add_argument("--settle-s", type=float, default=0.2,
                    help="pause after each kvstash request, for its write-behind saves")
     p.add_argument("--seed", type=int, default=0)
@@ -168,12 +175,17 @@ def run(args: argparse.Namespace) -> int:
     model_dir, vocab, model_desc = _build_model(args, scratch)
     max_model_len = args.system_tokens + args.turns * (args.question_tokens
                                                        + args.reply_tokens) + 16
-    engines = _engines(args, model_dir, scratch, logs, max_model_len)
-    print(f"starting {len(engines)} vLLM engines ({model_desc}) ...", flush=True)
-    with running(engines):
-        records = measure(args, engines, vocab)
+    with open_stores([args.store], scratch, args.s3_endpoint, args.s3_bucket) as (stores, notes):
+        if not stores:
+            raise SystemExit("; ".join(notes))
+        engines = _engines(args, model_dir, stores[0].url, logs, max_model_len)
+        print(f"starting {len(engines)} vLLM engines ({model_desc}; kvstash on "
+              f"{stores[0].label} {stores[0].about}) ...", flush=True)
+        with running(engines):
+            records = measure(args, engines, vocab)
     summary = summarize(records)
-    print(f"{_vllm_version()}, {model_desc}, {args.dtype}; {args.users} chats of {args.turns} "
+    print(f"{_vllm_version()}, {model_desc}, {args.dtype}, {stores[0].label}; "
+          f"{args.users} chats of {args.turns} "
           f"turns: {args.system_tokens}-token system prompt, {args.question_tokens}-token "
           f"questions, {args.reply_tokens}-token replies, chunks of {args.chunk_tokens}; "
           f"turns 2-{args.turns}, medians")
@@ -185,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
           f"{p['cached_tokens']} prompt tokens; a reply's decode {r['decode_s']:.2f} s "
           f"against {p['decode_s']:.2f} s ({r['decode_s'] / p['decode_s']:.2f}x)")
     write_json(args.json, {"command": "vllm-chat", "args": vars(args), "model": model_desc,
+                           "store": f"{stores[0].label} {stores[0].about}",
                            "vllm": _vllm_version(), "summary": summary, "records": records})
     return 0
 

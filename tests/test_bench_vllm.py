@@ -252,7 +252,7 @@ def test_the_chat_bench_reads_later_turns_against_no_cache_and_vllms_prefix_cach
     """`kvstash bench vllm-chat`'s summary on made-up records (the engines' path, a reply
     hit on another engine, is tests/test_vllm_engine.py's): first turns are left out,
     ratios pair requests by (user, turn), and the two kvstash pairs differ only in
-    `save_decode`, each on its own store."""
+    `save_decode`, each in a key space of its own on the one store."""
     import argparse
 
     from bench.vllm_chat import CONFIGS, _engines, add_arguments, format_table, summarize
@@ -282,8 +282,11 @@ def test_the_chat_bench_reads_later_turns_against_no_cache_and_vllms_prefix_cach
         {"num_attention_heads": 4, "hidden_size": 64, "num_hidden_layers": 2}))
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    engines = _engines(parser.parse_args([]), tmp_path, tmp_path, tmp_path, 2064)
+    engines = _engines(parser.parse_args([]), tmp_path, "file:///kv", tmp_path, 2064)
     specs = {n: e.spec for n, e in engines.items()}
     assert specs["no-cache"]["store"] is None and not specs["no-cache"]["prefix_caching"]
-    assert specs["replies-a"]["store"] == specs["replies-b"]["store"] != specs["prompts-a"]["store"]
-    assert [specs[n]["connector"]["save_decode"] for n in ("replies-b", "prompts-b")] == [True, False]
+    kvstash = [specs[n] for n in ("replies-a", "replies-b", "prompts-a", "prompts-b")]
+    assert {s["store"] for s in kvstash} == {"file:///kv"}
+    assert [s["connector"]["save_decode"] for s in kvstash] == [True, True, False, False]
+    salts = [s["connector"]["salt"] for s in kvstash]  # each pair a key space of its own
+    assert salts[0] == salts[1] != salts[2] == salts[3]
