@@ -489,6 +489,13 @@ class _Req:
                 self.tokens = _UNSTORABLE
         return None if self.tokens is _UNSTORABLE else self.tokens
 
+    def named_tokens(self) -> int:
+        """How many of the request's tokens (its prompt, then those it generated) a chunk
+        can name: all of them, or its prompt's where the prompt has no token ids of its own
+        (prompt embeddings). Only asked for where `prompt_tokens` is not None."""
+        prompt = self.request.num_prompt_tokens
+        return self.request.num_tokens if len(self.prompt_tokens()) == prompt else prompt
+
     def token_ids(self, start: int, stop: int) -> np.ndarray:
         """Token ids `start`..`stop`-1 as chunk headers hold them: the prompt's, then the
         tokens generated after it (only asked for where `prompt_tokens` holds the whole
@@ -1054,7 +1061,7 @@ class KvstashConnector(KVConnectorBase_V1):
             # is looked up too (as vLLM's own prefix cache does).
             n = 0 if st.prompt_tokens() is None else min(
                 len(req.block_hashes) // self.chunk_blocks,
-                (self._with_ids(st, req.num_tokens) - 1) // self.chunk_tokens)
+                (st.named_tokens() - 1) // self.chunk_tokens)
             if n <= 0:
                 st.hit_chunks = 0
                 return 0
@@ -1187,7 +1194,7 @@ class KvstashConnector(KVConnectorBase_V1):
         req = st.request
         # Tokens with K/V once this step is computed: the prompt's, then (save_decode) the
         # generated ones vLLM has accepted (never a speculative draft's).
-        known = self._with_ids(st, req.num_tokens if self.save_decode else 0)
+        known = st.named_tokens() if self.save_decode else req.num_prompt_tokens
         limit = min(done_tokens, known,
                     len(req.block_hashes) * self.block_size) // self.chunk_tokens
         limit = min(limit, len(st.block_ids) // self.chunk_blocks)
@@ -1206,14 +1213,6 @@ class KvstashConnector(KVConnectorBase_V1):
                 out.append(ReqChunks(req.request_id, chunks, absent=absent, handoff=st.handoff))
             st.saves_planned += len(chunks)
             st.saved_chunks = limit
-
-    @staticmethod
-    def _with_ids(st: _Req, tokens: int) -> int:
-        """Of a request's first `tokens` tokens (its prompt, then those it generated), how
-        many a chunk can name: all of them, or its prompt's where the prompt has no token
-        ids of its own (prompt embeddings)."""
-        prompt = st.request.num_prompt_tokens
-        return max(tokens, prompt) if len(st.prompt_tokens()) == prompt else prompt
 
     def _hand_off_when_done(self, st: _Req, done_tokens: int, out: list[str]) -> None:
         """A P/D prefill's step that completes its prompt waits for all its saves (those

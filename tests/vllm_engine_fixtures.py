@@ -274,7 +274,8 @@ def _main(spec: dict[str, Any]) -> None:
         if "max_tokens" in inputs or "kv_transfer_params" in inputs:
             these = params.clone()
             these.max_tokens = inputs.pop("max_tokens", params.max_tokens)
-            these.extra_args = {"kv_transfer_params": inputs.pop("kv_transfer_params", None)}
+            if "kv_transfer_params" in inputs:
+                these.extra_args = {"kv_transfer_params": inputs.pop("kv_transfer_params")}
         (out,) = llm.generate([inputs], these, use_tqdm=False)
         seconds = time.perf_counter() - start
         completion = out.outputs[0]
