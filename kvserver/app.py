@@ -17,8 +17,10 @@ import base64
 import logging
 import os
 import re
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+import signal
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Path, Request
@@ -175,6 +177,37 @@ def lookup_body_limit(max_keys: int) -> int:
     return 1024 + 64 * max_keys
 
 
+@contextmanager
+def on_exit_signals(action: Callable[[], None]) -> Iterator[None]:
+    """Within the block, SIGINT and SIGTERM run `action` (from the signal handler: it
+    must only hand work to a loop) before the handlers already there (uvicorn's, which
+    start its graceful shutdown). Nothing outside the main thread, where Python runs
+    signal handlers (a test client's app, say)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    installed: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous = signal.getsignal(sig)
+
+        def handler(signum: int, frame: Any, previous: Any = previous) -> None:
+            action()
+            if callable(previous):
+                previous(signum, frame)
+            elif previous == signal.SIG_DFL:
+                signal.signal(signum, signal.SIG_DFL)
+                signal.raise_signal(signum)
+
+        signal.signal(sig, handler)
+        installed[sig] = (handler, previous)
+    try:
+        yield
+    finally:
+        for sig, (handler, previous) in installed.items():
+            if signal.getsignal(sig) is handler:  # uvicorn restores its own predecessors
+                signal.signal(sig, previous)
+
+
 def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     """The kvserver ASGI app over `config.store_urls` (or an already opened `store`)."""
     store = store if store is not None else open_store(list(config.store_urls))
@@ -211,8 +244,13 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         trimmer = asyncio.create_task(trim_pools())
+        loop = asyncio.get_running_loop()
         try:
-            yield
+            # uvicorn stops on SIGINT/SIGTERM once every open response has ended, and an
+            # event stream never ends by itself: without this a subscriber kept the server
+            # up until it was killed.
+            with on_exit_signals(lambda: loop.call_soon_threadsafe(events.end_streams)):
+                yield
         finally:
             trimmer.cancel()
             for s in tenancy.stores():

@@ -9,13 +9,17 @@ publishes the shared store's own, so a router that never talks to an engine stil
   quarantined, a chunk found gone.
 
 Every event gets the next sequence number of this server process and goes into a ring of
-the last `ring` events. Two ways out:
+the last `ring` events. A process numbers on from the microseconds since the epoch at its
+start, so numbers grow across restarts: a subscriber that resumes from a number a stopped
+process gave is told to resync, never resumed in the middle of another process's events.
+Two ways out:
 
 - `GET /v1/events?since=SEQ` (kvserver.app): newline-delimited JSON, tenant-scoped and
   authenticated like `/v1/keys`; the events after SEQ from the ring, then live ones, with
-  a heartbeat line every `heartbeat_s`. A subscriber whose SEQ fell out of the ring gets
-  one `{"resync": ...}` line: re-list `/v1/keys`, then go on from the sequence number it
-  gives.
+  a heartbeat line every `heartbeat_s`. A subscriber whose SEQ fell out of the ring, or
+  came from another process, gets one `{"resync": ...}` line: re-list `/v1/keys`, then go
+  on from the sequence number it gives. A server that is stopping ends every stream
+  (`end_streams`), so that it can exit; its subscribers reconnect.
 - `--events-zmq tcp://HOST:PORT`: a ZMQ PUB socket in vLLM's KV-event wire format
   (multipart `[topic, seq as 8-byte big-endian, msgpack KVEventBatch]`, as vLLM's
   `ZmqEventPublisher` sends), topic `kvstash/<tenant>`, medium "kvstash". vLLM's
@@ -63,14 +67,15 @@ class EventLog:
     def __init__(self, ring: int = 65536, heartbeat_s: float = 10.0):
         self._ring: collections.deque[Event] = collections.deque(maxlen=ring)
         self._lock = threading.Lock()
-        self._seq = 0
+        self._seq = time.time_ns() // 1000  # above any number an earlier process gave
+        self._ended = False
         self.heartbeat_s = heartbeat_s
         self._wakeups: set[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = set()
         self.publisher: ZmqPublisher | None = None
 
     @property
     def seq(self) -> int:
-        """The sequence number of the last event (0: none yet)."""
+        """The sequence number of the last event (none yet: where this process starts)."""
         return self._seq
 
     def emit(self, tenant: str, kind: str, key: str) -> None:
@@ -93,10 +98,11 @@ class EventLog:
 
     def since(self, tenant: str, seq: int) -> tuple[list[Event], int | None]:
         """(tenant's events after `seq` still in the ring, None) or ([], the sequence
-        number to resync from) when events after `seq` have left the ring."""
+        number to resync from) when events after `seq` have left the ring, or `seq` is
+        past this process's last (a number an earlier process, or another worker, gave)."""
         with self._lock:
             first = self._ring[0].seq if self._ring else self._seq + 1
-            if seq + 1 < first and seq < self._seq:
+            if (seq + 1 < first and seq < self._seq) or seq > self._seq:
                 return [], self._seq
             return [e for e in self._ring if e.seq > seq and e.tenant == tenant], None
 
@@ -122,6 +128,8 @@ class EventLog:
                     seq = events[-1].seq
                     yield b"".join(e.line() for e in events)
                     continue
+                if self._ended:
+                    return
                 seq = max(seq, self._seq)  # other tenants' events: nothing to send
                 try:
                     await asyncio.wait_for(wake.wait(), self.heartbeat_s)
@@ -130,6 +138,18 @@ class EventLog:
         finally:
             with self._lock:
                 self._wakeups.discard(me)
+
+    def end_streams(self) -> None:
+        """End every `stream` after the events it has yet to send (a stopping server waits
+        for its open responses, and a stream has no end of its own)."""
+        with self._lock:
+            self._ended = True
+            waiters = list(self._wakeups)
+        for loop, wake in waiters:
+            try:
+                loop.call_soon_threadsafe(wake.set)
+            except RuntimeError:  # that subscriber's loop is gone
+                pass
 
     def close(self) -> None:
         if self.publisher is not None:

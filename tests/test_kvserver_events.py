@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -158,6 +159,40 @@ def test_a_subscriber_resumes_with_since_and_a_lost_one_is_told_to_resync(tmp_pa
         assert keys_of(store_url) == {k for k, _, _ in chunks}
 
 
+def test_a_subscriber_resuming_from_a_stopped_servers_number_is_told_to_resync(tmp_path, ns):
+    chunks = make_chunks(ns, 3, payload_size=1000)
+    store_url = f"file://{tmp_path}/s"
+    with running_kvserver("--store", store_url) as first:
+        asyncio.run(_put_then_close(first.url, chunks[:2]))
+        seq = last_seq(first.url)
+    with running_kvserver("--store", store_url) as second:
+        # Another process numbers its events on from where the first one's could reach:
+        # the first one's number is never taken for one of its own.
+        asyncio.run(_put_then_close(second.url, chunks[2:]))
+        late = Subscriber(second.url, since=seq)
+        wait_until(lambda: any("resync" in m for m in late.lines))
+        resync = next(m["resync"] for m in late.lines if "resync" in m)
+        assert resync == last_seq(second.url) > seq
+        assert keys_of(second.url) == {k for k, _, _ in chunks}  # what the resync re-lists
+    assert not late.index  # it was given no event of the second process's as one after seq
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_stopping_server_ends_its_event_streams_and_exits(tmp_path, ns, workers):
+    chunks = make_chunks(ns, 2, payload_size=1000)
+    with running_kvserver("--store", f"file://{tmp_path}/s", "--workers", str(workers)) as server:
+        sub = Subscriber(server.url)
+        asyncio.run(_put_then_close(server.url, chunks))
+        if workers == 1:
+            sub.wait_for(last_seq(server.url))
+        server.proc.send_signal(signal.SIGTERM)
+        server.proc.wait(timeout=10)  # before: it waited for the stream, killed after 10 s
+        sub._thread.join(timeout=10)
+        assert not sub._thread.is_alive()  # the stream ended
+    if workers == 1:
+        assert sub.index == {k for k, _, _ in chunks}
+
+
 async def _put_then_close(url, chunks) -> None:
     store = client(url)
     await put_all(store, chunks)
@@ -218,7 +253,8 @@ def test_the_zmq_publisher_speaks_vllms_kv_event_format(tmp_path, ns):
             (index.update if ev["type"] == "BlockStored" else index.difference_update)(
                 ev["block_hashes"])
     assert index == {bytes.fromhex(k.split("/")[1]) for k, _, _ in chunks[1:]}
-    assert [int.from_bytes(f[1], "big") for f in frames] == [1, 2, 3, 4]
+    seqs = [int.from_bytes(f[1], "big") for f in frames]
+    assert seqs == list(range(seqs[0], seqs[0] + 4))
     assert {f[0] for f in frames} == {b"kvstash/"}
     with contextlib.suppress(ImportError):  # vLLM's own decoder, where vLLM is installed
         from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
