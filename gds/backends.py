@@ -59,7 +59,9 @@ def run_pieces(pool: Executor, work: Callable[[int, int], Any], length: int, pie
             if in_order:
                 in_order(a, b, result)
     finally:
-        wait(futures)
+        # Not those taken back: a cancelled future counts as done only once a pool thread
+        # has dequeued it, i.e. after the busy thread this one went past.
+        wait([f for f in futures if not f.cancelled()])
 
 
 class HostBackend:

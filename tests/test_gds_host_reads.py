@@ -324,9 +324,12 @@ def test_pieces_no_pool_thread_started_are_read_by_the_request_thread():
     gate = threading.Event()
     done = []
     with ThreadPoolExecutor(1) as pool:
-        pool.submit(gate.wait, 10)  # the only pool thread is stuck
+        stuck = pool.submit(gate.wait, 10)  # the only pool thread is stuck
         run_pieces(pool, lambda a, b: (a, b), 10 * KiB, 3 * KiB,
                    lambda a, b, result: done.append(result))
+        # It returned while the pool thread was still stuck (it waited for that thread to
+        # dequeue the pieces it had taken back, 10 s here, before).
+        assert not stuck.done()
         gate.set()
     assert done == [(0, 3 * KiB), (3 * KiB, 6 * KiB), (6 * KiB, 9 * KiB), (9 * KiB, 10 * KiB)]
 
