@@ -158,6 +158,30 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+# Open files a server asks for at start where its hard limit allows (the kernel's own cap,
+# fs.nr_open, is 1048576 by default).
+WANTED_OPEN_FILES = 1 << 20
+FEW_OPEN_FILES = 4096
+
+
+def raise_open_file_limit() -> int:
+    """Raise this process's soft limit on open files to its hard limit (at most
+    WANTED_OPEN_FILES) and return it. Every connection holds a descriptor: under the
+    common default soft limit of 1024, 1100 idle connections from one client made every
+    other client's request fail until they timed out."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_OPEN_FILES)
+    while want > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            return want
+        except (ValueError, OSError):  # above the kernel's fs.nr_open: try less
+            want //= 2
+    return soft
+
+
 def run(args: argparse.Namespace) -> int:
     import uvicorn
     from uvicorn.supervisors import Multiprocess
@@ -184,6 +208,11 @@ def run(args: argparse.Namespace) -> int:
     for path in (args.tls_cert, args.tls_key):
         if path is not None and not path.is_file():
             raise ConfigError(f"TLS file {path} does not exist")
+    open_files = raise_open_file_limit()  # inherited by --workers processes
+    if open_files < FEW_OPEN_FILES:
+        print(f"kvstash serve: warning: {open_files} open files at most (hard limit): every "
+              "connection takes one; raise it (ulimit -Hn, LimitNOFILE=) for many clients",
+              file=sys.stderr, flush=True)
     # Built here even with workers: bad stores or tokens fail now, in one line.
     app = create_app(config)
     configure(config.send_timeout_s)

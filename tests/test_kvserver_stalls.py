@@ -4,10 +4,13 @@ frees its buffer; pooled buffers shrink back after a peak. A real `kvstash serve
 
 from __future__ import annotations
 
+import contextlib
+import resource
 import socket
 import time
 
 import httpx
+import pytest
 
 from kvserver.bodies import BufferPool
 from tests.kvserver_fixtures import running_kvserver
@@ -80,3 +83,29 @@ def test_pool_drops_buffers_unused_for_its_idle_time():
     buf, give_back = pool.borrow(1 << 20)  # still lends after shrinking
     give_back()
     assert pool.stats()["free"] == 1 and buf.nbytes >= 1 << 20
+
+
+IDLE_CONNECTIONS = 1100  # over the soft limit on open files many hosts start processes with
+
+
+def test_idle_connections_past_a_1024_file_soft_limit_leave_other_clients_served(tmp_path):
+    """The server raises its soft limit on open files to the hard one at start: started
+    under a soft limit of 1024, 1100 connections that send nothing made every other
+    request fail (the accept found no descriptor) until they timed out."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 2 * IDLE_CONNECTIONS + 100:
+        pytest.skip(f"hard limit on open files {hard}: too low to tell")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # the server inherits it
+    try:
+        server_cm = running_kvserver("--store", f"file://{tmp_path}/s")
+        server = server_cm.__enter__()
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))  # this process needs more
+    with contextlib.ExitStack() as stack:
+        stack.push(server_cm)
+        host, port = server.url.removeprefix("http://").split(":")
+        for _ in range(IDLE_CONNECTIONS):
+            sock = stack.enter_context(socket.create_connection((host, int(port)), timeout=5))
+            assert sock is not None
+        for _ in range(3):
+            assert httpx.get(f"{server.url}/healthz", timeout=5).status_code == 200
