@@ -104,7 +104,16 @@ class EventLog:
             first = self._ring[0].seq if self._ring else self._seq + 1
             if (seq + 1 < first and seq < self._seq) or seq > self._seq:
                 return [], self._seq
-            return [e for e in self._ring if e.seq > seq and e.tenant == tenant], None
+            # From the newest back to `seq`: a subscriber that keeps up reads only the events
+            # it has not seen, not the whole ring (every subscriber asks after every event).
+            new = []
+            for e in reversed(self._ring):
+                if e.seq <= seq:
+                    break
+                if e.tenant == tenant:
+                    new.append(e)
+        new.reverse()
+        return new, None
 
     async def stream(self, tenant: str, since: int | None) -> AsyncIterator[bytes]:
         """NDJSON lines: the tenant's events after `since` (default: from now on), a

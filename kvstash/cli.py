@@ -34,6 +34,7 @@ COMMANDS = [
     (("bench", "vllm-chat"), "bench.vllm_chat", "multi-turn chats through real vLLM engines, each turn to the other engine: replies saved or not"),
     (("bench", "vllm-layers"), "bench.vllm_layers", "a vLLM hit with whole-prefix against layer-pipelined loads, on a shaped store"),
     (("bench", "vllm-gpu-worker"), "bench.vllm_gpu_worker", "the vLLM connector's worker on a GPU: loads beside a step's compute"),
+    (("bench", "events"), "bench.events", "kvserver PUTs/s with /v1/events subscribers against none"),
     (("bench", "soak"), "bench.soak", "faults, load and hostile input against stores and server"),
     (("plan",), "bench.plan", "capacity -> hit rate -> TTFT saved, and break-even bandwidth"),
 ]

@@ -276,3 +276,29 @@ def test_bad_event_settings_fail_at_start_in_one_line(tmp_path):
             [sys.executable, "-m", "kvserver.cli", "--port", "0",
              "--store", f"file://{tmp_path}/s", *flags], capture_output=True, text=True, timeout=60)
         assert proc.returncode != 0 and says in proc.stderr, proc.stderr
+
+
+def test_the_ring_answers_each_tenant_the_events_after_its_number_in_order():
+    from kvserver.events import EventLog
+
+    log = EventLog(ring=8)
+    start = log.seq
+    for i in range(12):  # 12 into a ring of 8: the first 4 are gone
+        log.emit("ab"[i % 2], "stored", f"k{i}")
+    assert [e.key for e in log.since("a", start + 4)[0]] == ["k4", "k6", "k8", "k10"]
+    assert [e.key for e in log.since("b", start + 9)[0]] == ["k9", "k11"]
+    assert log.since("a", start + 12) == ([], None)  # up to date
+    assert log.since("a", start + 3) == ([], start + 12)  # event 4 (k3) left the ring
+    assert log.since("a", start + 13) == ([], start + 12)  # a number this process never gave
+
+
+def test_bench_events_delivers_every_event_to_every_subscriber(tmp_path):
+    out = tmp_path / "r.json"
+    done = subprocess.run(
+        [sys.executable, "-m", "kvstash.cli", "bench", "events", "--fill", "50", "--puts", "30",
+         "--subscribers", "3", "--json", str(out)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "vs no subscriber" in done.stdout
+    result = json.loads(out.read_text())
+    assert result["every_event_delivered"] is True
+    assert result["puts_per_s_no_subscribers"] > 0 and result["puts_per_s_with_subscribers"] > 0
