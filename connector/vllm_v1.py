@@ -51,6 +51,7 @@ import atexit
 import collections
 import concurrent.futures
 import difflib
+import functools
 import itertools
 import json
 import logging
@@ -867,6 +868,7 @@ class KvstashConnector(KVConnectorBase_V1):
         self._saves_reported: list[tuple[list[ChunkRef], concurrent.futures.Future]] = []
         # worker: P/D prefills' saves not yet waited for (`_hand_off`), per request
         self._handoff_saves: dict[str, list[concurrent.futures.Future]] = {}
+        self._handoff_keys: dict[str, list[str]] = {}  # this step's, written by other requests
         self._events: list[Any] = []  # worker: built, not yet handed to vLLM
         self._collected: KvstashKVEvents | None = None  # scheduler: from the workers
         # Scheduler: a BlockStored goes out once every rank that saves (one per key space
@@ -922,6 +924,10 @@ class KvstashConnector(KVConnectorBase_V1):
         self._save_pool: list[torch.Tensor] = []
         self._save_pool_max = 0
         self._saved_layers: set[str] = set()
+        # Chunks this worker is writing (key -> the write that holds it), and this step's
+        # saves less those (`_unwritten`).
+        self._writing: dict[str, concurrent.futures.Future] = {}
+        self._step_saves: list[ReqChunks] = []
         self._step_timer: PrefillTimer | None = None
         # On a GPU: an event on the engine's stream as the current step began (recorded in
         # `bind_connector_metadata` for a step with loads), and where chunks are placed.
@@ -1424,6 +1430,8 @@ class KvstashConnector(KVConnectorBase_V1):
                 and self._device().type == "cuda"):
             self._step_began = torch.cuda.Event()
             self._step_began.record()
+        self._step_saves = (self._unwritten(meta.saves) if isinstance(meta, KvstashMetadata)
+                            and meta.saves and self.saves_here else [])
         if (self._kv and isinstance(meta, KvstashMetadata) and meta.prefill_tokens
                 and not any(r.sync for r in meta.loads)):  # a step with sync loads waits
             self._step_timer = PrefillTimer(meta.prefill_tokens, self._device())
@@ -1692,14 +1700,34 @@ class KvstashConnector(KVConnectorBase_V1):
             if len(self._save_pool) < self._save_pool_max:
                 self._save_pool.append(buf)
 
+    def _unwritten(self, saves: list[ReqChunks]) -> list[ReqChunks]:
+        """This step's saves less the chunks this worker is writing already: another
+        request's with the same prefix, in this step or an earlier one whose write has not
+        ended. N requests of one prompt at once (a burst behind one system prompt, vLLM's
+        `n` > 1) each saved every chunk: N gathers out of the KV cache, N chunks in the
+        write-behind queue and, on S3, N uploads of which one was kept. A P/D prefill
+        (`handoff`) waits for the write that holds its chunk instead."""
+        out: list[ReqChunks] = []
+        step: set[str] = set()
+        for req in saves:
+            keep: list[ChunkRef] = []
+            for chunk, key in zip(req.chunks, self._keys(req.chunks, self.rank), strict=True):
+                writing = self._writing.get(key)
+                if key in step or (writing is not None and not writing.done()):
+                    if req.handoff:
+                        self._handoff_keys.setdefault(req.req_id, []).append(key)
+                    continue
+                step.add(key)
+                keep.append(chunk)
+            if keep:
+                out.append(replace(req, chunks=keep))
+        return out
+
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any,
     ) -> None:
-        if self.saves_here and self.has_connector_metadata():
-            meta = self._get_connector_metadata()
-            assert isinstance(meta, KvstashMetadata)
-            if meta.saves:
-                self._gather(layer_name, kv_layer, meta.saves)
+        if self._step_saves and self.has_connector_metadata():
+            self._gather(layer_name, kv_layer, self._step_saves)
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():
@@ -1707,14 +1735,19 @@ class KvstashConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvstashMetadata)
         self._time_step()
-        if meta.saves and self.saves_here and self.core.layout is not None:
-            self._save_step(meta)
+        if self._step_saves and self.core.layout is not None:
+            self._save_step(self._step_saves)
+        self._step_saves = []
+        for req_id, keys in self._handoff_keys.items():  # chunks other requests write
+            self._handoff_saves.setdefault(req_id, []).extend(
+                f for f in map(self._writing.get, keys) if f is not None)
+        self._handoff_keys = {}
         if meta.handoffs:
             self._hand_off(meta.handoffs)
 
-    def _save_step(self, meta: KvstashMetadata) -> None:
+    def _save_step(self, saves: list[ReqChunks]) -> None:
         for name, kv in self._kv.items():  # layers the forward did not hand to save_kv_layer
-            self._gather(name, kv, meta.saves)
+            self._gather(name, kv, saves)
         copied = None
         if any(kv.is_cuda for kv in self._kv.values()):
             # The gathers' copies into pinned memory are queued on the stream: write-behind
@@ -1723,13 +1756,16 @@ class KvstashConnector(KVConnectorBase_V1):
             copied.record()
         self._save_pool_max = max(self._save_pool_max, len(self._save_buffers))
         buffers = iter(self._save_buffers)
-        for req in meta.saves:
+        for req in saves:
             held = [next(buffers) for _ in req.chunks]
             bufs = [b.numpy() for b in held]
             keys, tokens = self._keys(req.chunks, self.rank), [c.token_ids for c in req.chunks]
             saved = self.core.write(keys, tokens, _once_copied(copied, bufs.__getitem__),
                                     check_store=not req.absent, urgent=req.handoff)
+            for key in keys:
+                self._writing[key] = saved
             saved.add_done_callback(lambda _, held=held: self._return_save_buffers(held))
+            saved.add_done_callback(functools.partial(self._written, keys))
             if self.kv_events:  # the answer says which chunks the store now holds
                 self._saves_reported.append((req.chunks, saved))
             if req.handoff:
@@ -1743,6 +1779,12 @@ class KvstashConnector(KVConnectorBase_V1):
                 del self._handoff_saves[req_id]
         while len(self._handoff_saves) > MAX_WAITING_EVENTS:
             del self._handoff_saves[next(iter(self._handoff_saves))]
+
+    def _written(self, keys: list[str], saved: concurrent.futures.Future) -> None:
+        """A write has ended (any thread): its chunks are no longer being written."""
+        for key in keys:
+            if self._writing.get(key) is saved:
+                del self._writing[key]
 
     def _hand_off(self, req_ids: list[str]) -> None:
         """The step that completes a P/D prefill's prompt (a `kv_producer`'s, or a

@@ -1802,3 +1802,64 @@ def test_a_pd_prefill_over_several_steps_waits_once_for_all_its_saves(tmp_path):
     assert meta2.handoffs == [req.request_id]
     assert found == 3 * CHUNK_TOKENS
     assert counters["handoffs"] == 1 and counters["handoff_failures"] == 0
+
+
+def test_requests_of_one_prompt_at_once_gather_and_write_each_chunk_once(tmp_path):
+    """Three requests of one prompt that all missed (a burst behind one system prompt,
+    vLLM's `n` > 1): two computed in one step, the third in the next while their write is
+    still held back (`save_delay_ms`). The worker gathers and queues each chunk once;
+    before, 9 chunks were gathered and queued for 3 kept."""
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS, save_delay_ms=500)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        reqs = [make_request(PROMPT) for _ in range(3)]
+        ids = {r.request_id: list(range(1 + 8 * i, 8 + 8 * i)) for i, r in enumerate(reqs)}
+        for r in reqs:
+            assert writer.lookup(r) == (0, False)
+            writer.scheduler.update_state_after_alloc(r, blocks(ids[r.request_id]), 0)
+        for kv in writer.kv.values():  # one prompt: the same KV in each request's blocks
+            kv[1:8] = torch.randn(7, *kv.shape[1:]).to(kv.dtype)
+            for i in (1, 2):
+                kv[1 + 8 * i : 8 + 8 * i] = kv[1:8]
+        a, b, c = reqs
+        metas = [writer.step([a, b], ids, {a.request_id: 100, b.request_id: 100})[0],
+                 writer.step([c], ids, {c.request_id: 100})[0]]
+        assert writer.worker.flush()
+        counters = writer.worker.counters
+        ext, _, errors = read_prompt(reader, list(range(1, 8)))
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert [len(r.chunks) for m in metas for r in m.saves] == [3, 3, 3]  # as the scheduler plans
+    assert counters["save_queued"] == 3 and counters["saved_chunks"] == 3
+    assert counters["save_skipped"] == 0
+    assert (ext, errors) == (3 * CHUNK_TOKENS, set())
+    for name in writer.kv:
+        assert torch.equal(reader.kv[name][1:7], writer.kv[name][1:7])
+
+
+def test_a_pd_prefill_whose_chunks_another_request_writes_waits_for_that_write(tmp_path):
+    """A `do_remote_decode` prefill of a prompt another request's save is still writing
+    (held back by `save_delay_ms`): it writes none of those chunks, and its step ends once
+    the other request's write has stored them."""
+    url = f"file://{tmp_path}/kv"
+    engine = V1Engine(url, chunk_tokens=CHUNK_TOKENS, save_delay_ms=3000)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, kv_role_override="kv_consumer")
+    try:
+        plain, prefill = make_request(PROMPT), make_request(PROMPT)
+        prefill.kv_transfer_params = {"do_remote_decode": True}
+        ids = {plain.request_id: list(range(1, 8)), prefill.request_id: list(range(8, 15))}
+        for r in (plain, prefill):
+            engine.scheduler.get_num_new_matched_tokens(r, 0)
+            engine.scheduler.update_state_after_alloc(r, blocks(ids[r.request_id]), 0)
+        engine.step([plain], ids, {plain.request_id: 100})
+        engine.step([prefill], ids, {prefill.request_id: 100})
+        found = reader.lookup(make_request(PROMPT))[0]  # the decode instance, at once
+        counters = engine.worker.counters
+    finally:
+        engine.shutdown()
+        reader.shutdown()
+    assert found == 3 * CHUNK_TOKENS
+    assert counters["handoffs"] == 1 and counters["handoff_failures"] == 0
+    assert counters["save_queued"] == 3
