@@ -927,6 +927,7 @@ class KvstashConnector(KVConnectorBase_V1):
         # Chunks this worker is writing (key -> the write that holds it), and this step's
         # saves less those (`_unwritten`).
         self._writing: dict[str, concurrent.futures.Future] = {}
+        self._writing_lock = threading.Lock()  # `_written` runs on write-behind's thread
         self._step_saves: list[ReqChunks] = []
         self._step_timer: PrefillTimer | None = None
         # On a GPU: an event on the engine's stream as the current step began (recorded in
@@ -1762,8 +1763,8 @@ class KvstashConnector(KVConnectorBase_V1):
             keys, tokens = self._keys(req.chunks, self.rank), [c.token_ids for c in req.chunks]
             saved = self.core.write(keys, tokens, _once_copied(copied, bufs.__getitem__),
                                     check_store=not req.absent, urgent=req.handoff)
-            for key in keys:
-                self._writing[key] = saved
+            with self._writing_lock:
+                self._writing.update(dict.fromkeys(keys, saved))
             saved.add_done_callback(lambda _, held=held: self._return_save_buffers(held))
             saved.add_done_callback(functools.partial(self._written, keys))
             if self.kv_events:  # the answer says which chunks the store now holds
@@ -1782,9 +1783,10 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def _written(self, keys: list[str], saved: concurrent.futures.Future) -> None:
         """A write has ended (any thread): its chunks are no longer being written."""
-        for key in keys:
-            if self._writing.get(key) is saved:
-                del self._writing[key]
+        with self._writing_lock:
+            for key in keys:
+                if self._writing.get(key) is saved:
+                    del self._writing[key]
 
     def _hand_off(self, req_ids: list[str]) -> None:
         """The step that completes a P/D prefill's prompt (a `kv_producer`'s, or a
