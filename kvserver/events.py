@@ -61,6 +61,15 @@ class Event:
                             "key": self.key}, separators=(",", ":")) + "\n").encode()
 
 
+def _wake(waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
+    """Set each subscriber's event on its own loop (from any thread)."""
+    for loop, wake in waiters:
+        try:
+            loop.call_soon_threadsafe(wake.set)
+        except RuntimeError:  # that subscriber's loop is gone
+            pass
+
+
 class EventLog:
     """The ring of recent events and the live subscribers; `emit` from any thread."""
 
@@ -84,11 +93,7 @@ class EventLog:
             event = Event(self._seq, time.time(), tenant, kind, key)
             self._ring.append(event)
             waiters = list(self._wakeups)
-        for loop, wake in waiters:
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:  # that subscriber's loop is gone
-                pass
+        _wake(waiters)
         if self.publisher is not None:
             self.publisher.publish(event)
 
@@ -154,11 +159,7 @@ class EventLog:
         with self._lock:
             self._ended = True
             waiters = list(self._wakeups)
-        for loop, wake in waiters:
-            try:
-                loop.call_soon_threadsafe(wake.set)
-            except RuntimeError:  # that subscriber's loop is gone
-                pass
+        _wake(waiters)
 
     def close(self) -> None:
         if self.publisher is not None:
