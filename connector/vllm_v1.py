@@ -297,6 +297,10 @@ def _model_variant(model_config: Any) -> list[str]:
 # set (vllm.v1.core.kv_cache_utils.resolve_none_hash_seed): no other process finds the keys.
 UNSEEDED_HASHES = ("xxhash", "xxhash_cbor")
 
+# How long a request whose first chunk to load another request's async load is bringing in
+# waits for that load (then vLLM's prefix cache holds the chunk) before it loads its own.
+WAIT_FOR_OTHER_LOAD_S = 10.0
+
 # BlockStored events some ranks reported and others not yet, kept by the scheduler (the
 # oldest dropped beyond this many).
 MAX_WAITING_EVENTS = 65536
@@ -471,6 +475,7 @@ class _Req:
     save: bool = True
     preemptions: int = 0  # vLLM's count when this state was last planned
     loading: bool = False  # an async load the workers have not reported done yet
+    loading_hashes: list[Any] = field(default_factory=list)  # its chunks' (`_loading_chunks`)
     earlier_loaded: int = 0  # tokens loaded before a preemption (for the request's log line)
     handoff: bool = False  # a P/D prefill (`handoff_requested`), unless handoffs are off
     handed_off: bool = False  # its prompt is computed: the step that did it waited
@@ -896,6 +901,9 @@ class KvstashConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, _Req] = {}
         self._loads: list[ReqChunks] = []
+        # Chunks async loads are bringing in: vLLM's hash of the chunk's last block ->
+        # (request, when its load was planned).
+        self._loading_chunks: dict[Any, tuple[str, float]] = {}
         # Requests' INFO lines, written at the next step (`_write_request_lines`).
         self._request_lines: list[tuple[Any, ...]] = []
         self._chunk_nbytes_seen = 0  # one chunk's payload, as the workers report it
@@ -1135,11 +1143,36 @@ class KvstashConnector(KVConnectorBase_V1):
         if (st.load_planned or not self.loads or not st.load
                 or getattr(request, "skip_reading_prefix_cache", False)):
             return 0, False
+        if self._loaded_by_another(st):
+            return None, False
         hit = self._hit_chunks(st)
         if hit is None:
             return None, False
         extra = hit * self.chunk_tokens - num_computed_tokens
         return (extra, not st.sync) if extra > 0 else (0, False)
+
+    def _loaded_by_another(self, st: _Req) -> bool:
+        """Whether the first chunk this request would load is being loaded by another
+        request's async load: vLLM's prefix cache holds it once that load ends, so this
+        request asks again then (vLLM re-asks a None each step) instead of reading the
+        same chunks from the store a second time. N requests of one prompt at once, a
+        stored one, each loaded every chunk between steps (a hit that loads within the step
+        is shared by vLLM itself). Not past WAIT_FOR_OTHER_LOAD_S of that load."""
+        if not self._loading_chunks:
+            return False
+        end = (st.num_computed // self.chunk_tokens + 1) * self.chunk_blocks - 1
+        hashes = st.request.block_hashes
+        other = self._loading_chunks.get(bytes(hashes[end])) if end < len(hashes) else None
+        return (other is not None and other[0] != st.request.request_id
+                and time.monotonic() - other[1] < WAIT_FOR_OTHER_LOAD_S)
+
+    def _loaded(self, st: _Req) -> None:
+        """The request's async load has ended (or the request has)."""
+        req_id = st.request.request_id
+        for h in st.loading_hashes:
+            if self._loading_chunks.get(h, ("",))[0] == req_id:
+                del self._loading_chunks[h]
+        st.loading_hashes = []
 
     def reset_cache(self) -> bool:
         """vLLM's `reset_prefix_cache(reset_connector=True)`, which its
@@ -1177,6 +1210,7 @@ class KvstashConnector(KVConnectorBase_V1):
         so chunks loaded before, and those it saved itself since, come from the store
         instead of being recomputed. Chunks already sent for saving are not sent again."""
         st.preemptions = st.request.num_preemptions
+        self._loaded(st)
         st.earlier_loaded += st.loaded_tokens - st.failed_tokens
         st.lookup, st.cached, st.hit_chunks, st.load_planned = None, None, None, False
         st.loaded_tokens = st.failed_tokens = 0
@@ -1193,6 +1227,10 @@ class KvstashConnector(KVConnectorBase_V1):
         chunks = self._chunk_refs(st, first_block // self.chunk_blocks, end_chunk, first_block)
         self._loads.append(ReqChunks(request.request_id, chunks, st.deadline_s, st.sync))
         st.load_planned, st.loading = True, not st.sync
+        if st.loading:
+            now = time.monotonic()
+            st.loading_hashes = [c.block_hash for c in chunks]
+            self._loading_chunks.update((h, (request.request_id, now)) for h in st.loading_hashes)
         st.loaded_tokens = num_external_tokens
 
     def _plan_save(self, st: _Req, done_tokens: int, out: list[ReqChunks]) -> None:
@@ -1279,6 +1317,7 @@ class KvstashConnector(KVConnectorBase_V1):
         for req_id in connector_output.finished_recving or ():
             if (st := self._reqs.get(req_id)) is not None:
                 st.loading = False
+                self._loaded(st)
         events = connector_output.kv_cache_events
         if isinstance(events, KvstashKVEvents):
             if self._collected is None:
@@ -1326,6 +1365,8 @@ class KvstashConnector(KVConnectorBase_V1):
         st = self._reqs.pop(request.request_id, None)
         if st is not None and st.lookup is not None:
             st.lookup.cancel()
+        if st is not None:
+            self._loaded(st)
         if st is not None and (st.loaded_tokens or st.earlier_loaded or st.saves_planned):
             failed = f" ({st.failed_tokens} failed to load and were recomputed)" \
                 if st.failed_tokens else ""

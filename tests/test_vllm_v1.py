@@ -1863,3 +1863,31 @@ def test_a_pd_prefill_whose_chunks_another_request_writes_waits_for_that_write(t
     assert found == 3 * CHUNK_TOKENS
     assert counters["handoffs"] == 1 and counters["handoff_failures"] == 0
     assert counters["save_queued"] == 3
+
+
+@pytest.mark.parametrize("first_ends", ["loaded", "aborted"])
+def test_a_request_whose_prefix_another_request_is_loading_waits_for_that_load(
+        tmp_path, monkeypatch, first_ends):
+    """Two requests of one stored prompt: the second asks again (None) while the first's
+    async load is bringing the chunks in, as vLLM's prefix cache holds them once it ends;
+    before, each read every chunk from the store. Once that load is reported (or the first
+    request has ended), the second looks up as before. A request of another prompt is not
+    held."""
+    writer, reader = saved_then_slow_reader(tmp_path, monkeypatch, 0.3)
+    try:
+        first = start_read(reader)
+        second, other = make_request(PROMPT), make_request(list(range(3000, 3100)))
+        while_loading = [reader.scheduler.get_num_new_matched_tokens(second, 0)
+                         for _ in range(3)]
+        other_answer = reader.lookup(other)
+        if first_ends == "loaded":
+            wait_until(lambda: first.request_id in reader.step()[1])
+        else:
+            reader.scheduler.request_finished(first, list(range(10, 17)))
+        after = reader.lookup(second)
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert while_loading == [(None, False)] * 3
+    assert other_answer == (0, False)
+    assert after == (3 * CHUNK_TOKENS, True)
