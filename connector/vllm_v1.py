@@ -50,6 +50,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures
+import contextlib
 import difflib
 import functools
 import itertools
@@ -648,8 +649,9 @@ class GpuPlacement(SideStreams):
     there when it landed (a copy from pinned memory on that stream waits for its queue):
     on an H100, 8 chunks of 32 MiB took 152-155 ms to load behind a 100 ms forward,
     60-72 ms behind none; here 39-47 ms either way (`kvstash bench vllm-gpu-worker`,
-    2026-11-27). The layers of a layerwise load stay on the engine's stream: with a side
-    stream their steps took 102-120 ms against 78-95 ms there (same bench)."""
+    2026-11-27). The layers of a layerwise load are placed on the engine's stream
+    (`_ChunkTarget.stream`): with a side stream their steps took 102-120 ms against 78-95 ms
+    there (same bench)."""
 
     def run(self, device: torch.device, after: Any, place: Callable[[], None]) -> None:
         self.start(device, after, place).synchronize()
@@ -699,6 +701,12 @@ class _ChunkTarget:
         self.kind = kind or worker.core.staging_kind(worker._device())
         self.bufs: dict[int, torch.Tensor] = {}
         self.after = worker._step_began  # on a GPU: placements wait for work queued before
+        # On a GPU, the engine's stream (made here, on the engine's thread): a layerwise
+        # load's layers are placed on it from the I/O threads, ahead of the attention that
+        # reads them. vLLM computes on a stream of its own (a CUDA graph cannot be captured
+        # on the default one), which does not wait for an I/O thread's default stream.
+        self.stream = (torch.cuda.current_stream()
+                       if worker._kv and worker._device().type == "cuda" else None)
 
     def staging(self, i: int) -> torch.Tensor:
         self.bufs[i] = self.worker._take_buffer(self.kind)
@@ -727,7 +735,7 @@ class _ChunkTarget:
         return self.worker._destination(chunk.block_ids, only)
 
     def place_segment(self, i: int, s: int) -> None:  # layerwise: layer s of chunk i
-        self.worker._place(self.chunks[i], self.bufs[i], only=s)
+        self.worker._place(self.chunks[i], self.bufs[i], only=s, stream=self.stream)
 
     def release(self, reuse: bool) -> None:
         """Return the staging buffers to the pool (not after a stalled load: a read still
@@ -1530,12 +1538,13 @@ class KvstashConnector(KVConnectorBase_V1):
         return out
 
     def _place(self, chunk: ChunkRef, buf: torch.Tensor, only: int | None = None,
-               after: Any = None) -> None:
+               after: Any = None, stream: Any = None) -> None:
         """Copy a verified chunk (`only`: that layer of it) into its blocks, skipping the
         ones computed locally and vLLM's null block (a block the model no longer reads,
         e.g. outside a sliding window: its chunk is read and checked whole all the same).
-        A whole chunk on a GPU through `GpuPlacement`, after the event `after`. Returns
-        once copied."""
+        A whole chunk on a GPU through `GpuPlacement`, after the event `after`; a layer of
+        it on `stream` (the engine's). Returns once copied (on a GPU: once queued on
+        `stream` ahead of anything the engine queues after)."""
         k = len(chunk.block_ids)
         real = _real_blocks(chunk.block_ids, chunk.first)
         if not real:
@@ -1547,10 +1556,12 @@ class KvstashConnector(KVConnectorBase_V1):
             self._gpu.run(device, after,
                           lambda: self._place_on_gpu(device, buf, k, real, ids, run))
             return
-        for layer, kv, view in self._views(buf, k, only):
-            src = (view.narrow(layer.block_dim, real[0], k - real[0]) if run
-                   else view.index_select(layer.block_dim, torch.tensor(real, device=view.device)))
-            place_blocks(kv, layer.block_dim, ids, src)
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for layer, kv, view in self._views(buf, k, only):
+                src = (view.narrow(layer.block_dim, real[0], k - real[0]) if run
+                       else view.index_select(layer.block_dim,
+                                              torch.tensor(real, device=view.device)))
+                place_blocks(kv, layer.block_dim, ids, src)
 
     def _place_on_gpu(self, device: torch.device, buf: torch.Tensor, k: int, real: list[int],
                       ids: list[int], run: bool) -> None:

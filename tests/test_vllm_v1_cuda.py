@@ -255,3 +255,47 @@ def test_a_load_is_placed_after_work_queued_on_the_engines_stream_before_its_ste
             assert torch.equal(want, got)
     finally:
         worker.shutdown()
+
+
+def test_a_layerwise_load_is_placed_on_the_engines_own_stream(tmp_path, monkeypatch):
+    """vLLM computes on a stream of its own (vllm.utils.torch_utils.current_stream: a CUDA
+    graph cannot be captured on the default stream), created non-blocking as every torch
+    stream: it does not wait for the default stream of the I/O threads that place a
+    layerwise load's layers. Each layer is queued on the engine's stream, so what each
+    attention layer reads there, as it runs, is the chunk's bits."""
+    layout = "flash"
+    mod = connector_module()
+    store, expected = saved(tmp_path, layout, {5: [[1, 2, 3, 4], [5, 6, 7, 8]]})
+    worker, kv = make_worker(store, layout, "layerwise")
+    engine = torch.cuda.Stream()
+    streams = []
+    place = mod.place_blocks
+
+    def recording(*args, **kwargs):
+        streams.append(torch.cuda.current_stream())
+        return place(*args, **kwargs)
+
+    monkeypatch.setattr(mod, "place_blocks", recording)
+    target = [[40, 41, 42, 43], [20, 9, 33, 11]]
+    seen = {}
+    try:
+        req = mod.ReqChunks("r", chunks_of(mod, 5, target), deadline_s=30.0, sync=True)
+        with torch.cuda.stream(engine):
+            idx = torch.tensor([b for ids in target for b in ids], device="cuda")
+            worker.bind_connector_metadata(mod.KvstashMetadata(loads=[req]))
+            worker.start_load_kv(None)
+            for name, t in kv.items():  # each attention layer reads its blocks
+                worker.wait_for_layer_load(name)
+                torch.cuda._sleep(SPIN_CYCLES // LAYERS)
+                seen[name] = t.index_select(block_dim(layout), idx)
+            worker.wait_for_save()
+            worker.get_finished(set())
+            assert worker.get_block_ids_with_load_errors() == set()
+            worker.clear_connector_metadata()
+        torch.cuda.synchronize()
+    finally:
+        worker.shutdown()
+    assert streams and all(s == engine for s in streams)
+    for li, name in enumerate(kv):
+        want = torch.cat([expected[5][c][li] for c in range(2)], dim=block_dim(layout))
+        assert torch.equal(seen[name].view(torch.int16).cpu(), want), f"layer {name}"
