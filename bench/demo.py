@@ -34,8 +34,9 @@ SERVER_START_S = 60.0
 class DemoServer:
     """`kvstash serve --port 0` as a child process; the port comes from its first line."""
 
-    def __init__(self, store_urls: list[str] | None):
-        args = [sys.executable, "-m", "kvstash.cli", "serve", "--host", "127.0.0.1", "--port", "0"]
+    def __init__(self, store_urls: list[str] | None, flags: tuple[str, ...] = ()):
+        args = [sys.executable, "-m", "kvstash.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+                *flags]
         for url in store_urls or []:
             args += ["--store", url]
         self.proc = subprocess.Popen(

@@ -7,7 +7,8 @@ default). Then two timed rounds of `--puts` PUTs each, `--concurrency` at a time
 streams of `GET /v1/events` open, each reading every event. Printed: PUTs per second of
 each round and their ratio, and whether every subscriber got an event for every PUT of its
 round. The client, its subscribers and the server share this machine's cores, so the
-ratio also holds the subscribers' own reading.
+ratio also holds the subscribers' own reading. The server allows `--subscribers` streams
+(`--events-max-streams`).
 """
 
 from __future__ import annotations
@@ -101,7 +102,8 @@ async def measure(url: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="kvstash-bench-events-") as root:
-        server = DemoServer([f"file://{root}/store"])
+        server = DemoServer([f"file://{root}/store"],
+                            ("--events-max-streams", str(max(args.subscribers, 1))))
         try:
             server.wait_ready()
             result = asyncio.run(measure(server.url, args))

@@ -224,7 +224,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             f"tenant, less than one --max-chunk-bytes ({config.max_chunk_bytes}) chunk: raise it "
             "to at least " + ("twice " if len(tenancy.scopes) > 1 else "") + "--max-chunk-bytes")
     budget = BodyBudget(config.max_in_flight_bytes, per_tenant)
-    events = EventLog(config.events_ring)
+    events = EventLog(config.events_ring, max_streams=config.events_max_streams)
     if tokens is None:
         events.watch("", store)
     for tenant, scope in tenancy.scopes.items():
@@ -496,13 +496,17 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         "/v1/events", tags=["chunks"], response_class=StreamingResponse,
         summary="The caller's chunks as they are stored and removed (newline-delimited JSON)",
         responses={200: {"content": {"application/x-ndjson": {"schema": {"type": "string"}}}},
-                   **_errors(400, *auth_errors)},
+                   **_errors(400, 429, *auth_errors)},
     )
     async def stream_events(request: Request, since: int | None = None) -> StreamingResponse:
         if since is not None and since < 0:
             raise HTTPException(400, "since must be a sequence number >= 0")
         tenant = request.scope.get(TENANT_SCOPE_KEY, "") if tokens is not None else ""
-        return StreamingResponse(events.stream(tenant, since), media_type="application/x-ndjson",
+        lines = events.open_stream(tenant, since)
+        if lines is None:
+            raise HTTPException(429, f"this tenant has {events.max_streams} event streams open "
+                                     "(--events-max-streams): close one first")
+        return StreamingResponse(lines, media_type="application/x-ndjson",
                                  headers={"cache-control": "no-store"})
 
     @app.get("/v1/stats", tags=["service"], summary="The caller's store counters and capacity",

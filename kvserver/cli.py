@@ -87,6 +87,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "GET /v1/events streams them either way)")
     p.add_argument("--events-ring", type=int, default=65536, metavar="N",
                    help="recent events a /v1/events subscriber can resume from (default 65536)")
+    p.add_argument("--events-max-streams", type=int, default=64, metavar="N",
+                   help="open /v1/events streams one tenant may hold per server process; "
+                        "more get 429 (default 64)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -102,6 +105,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         tenant_quota=getattr(args, "tenant_quota", None),
         events_zmq=getattr(args, "events_zmq", None),
         events_ring=getattr(args, "events_ring", 65536),
+        events_max_streams=getattr(args, "events_max_streams", 64),
     )
 
 
@@ -201,6 +205,8 @@ def run(args: argparse.Namespace) -> int:
                           "sequence on its own socket")
     if config.events_ring < 1:
         raise ConfigError("--events-ring must be at least 1")
+    if config.events_max_streams < 1:
+        raise ConfigError("--events-max-streams must be at least 1")
     if config.tenant_quota is not None and config.tokens_file is None:
         raise ConfigError("--tenant-quota needs --auth-tokens (tenants come from tokens)")
     if (args.tls_cert is None) != (args.tls_key is None):

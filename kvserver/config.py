@@ -56,6 +56,9 @@ class ServerConfig:
     # how many recent events `GET /v1/events?since=` can resume from.
     events_zmq: str | None = None
     events_ring: int = 65536
+    # Open `GET /v1/events` streams a tenant may hold at once (each costs the server a
+    # wake-up and a write per event).
+    events_max_streams: int = 64
 
     def to_json(self) -> str:
         d = asdict(self)

@@ -302,3 +302,29 @@ def test_bench_events_delivers_every_event_to_every_subscriber(tmp_path):
     result = json.loads(out.read_text())
     assert result["every_event_delivered"] is True
     assert result["puts_per_s_no_subscribers"] > 0 and result["puts_per_s_with_subscribers"] > 0
+
+
+def test_past_its_event_stream_limit_a_tenant_gets_429_until_a_stream_closes(tmp_path):
+    """Every subscriber costs the server a wake-up and a write per event, so a tenant holds
+    at most `--events-max-streams` streams; a closed one gives its slot back."""
+
+    held = []  # each stream's line iterator: one dropped unfinished closes its stream
+
+    def opened(client):
+        resp = stack.enter_context(client.stream("GET", f"{server.url}/v1/events"))
+        if resp.status_code == 200:
+            held.append(resp.iter_lines())
+            assert "since" in json.loads(next(held[-1]))
+        else:
+            resp.read()
+        return resp
+
+    with contextlib.ExitStack() as stack, running_kvserver(
+            "--store", f"file://{tmp_path}/s", "--events-max-streams", "2") as server:
+        client = stack.enter_context(httpx.Client(timeout=10))
+        first, second = opened(client), opened(client)
+        refused = opened(client)
+        assert (first.status_code, second.status_code, refused.status_code) == (200, 200, 429)
+        assert "--events-max-streams" in refused.json()["error"]
+        first.close()
+        wait_until(lambda: opened(client).status_code == 200)
