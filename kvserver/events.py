@@ -34,11 +34,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -150,10 +151,12 @@ class EventLog:
         slot = _Slot(self, tenant)
         return self._held(slot, self.stream(tenant, since))
 
-    async def _held(self, slot: _Slot, events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def _held(self, slot: _Slot, events: AsyncGenerator[bytes, None]
+                    ) -> AsyncIterator[bytes]:
         try:
-            async for line in events:
-                yield line
+            async with contextlib.aclosing(events):  # its subscription ends with this one
+                async for line in events:
+                    yield line
         finally:
             slot.release()
 
@@ -163,7 +166,7 @@ class EventLog:
             if self._streams[tenant] <= 0:
                 del self._streams[tenant]
 
-    async def stream(self, tenant: str, since: int | None) -> AsyncIterator[bytes]:
+    async def stream(self, tenant: str, since: int | None) -> AsyncGenerator[bytes, None]:
         """NDJSON lines: the tenant's events after `since` (default: from now on), a
         `{"resync": SEQ}` line if they are gone, a `{"heartbeat": SEQ}` line when idle."""
         loop = asyncio.get_running_loop()

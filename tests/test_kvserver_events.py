@@ -328,3 +328,20 @@ def test_past_its_event_stream_limit_a_tenant_gets_429_until_a_stream_closes(tmp
         assert "--events-max-streams" in refused.json()["error"]
         first.close()
         wait_until(lambda: opened(client).status_code == 200)
+
+
+def test_a_stream_closed_early_gives_back_its_slot_and_its_subscription():
+    from kvserver.events import EventLog
+
+    async def main() -> None:
+        log = EventLog(max_streams=1)
+        lines = log.open_stream("", None)
+        assert log.open_stream("", None) is None  # the one slot is taken
+        assert "since" in json.loads(await anext(lines))
+        await lines.aclose()  # as the server does when its client goes away
+        assert not log._wakeups and not log._streams
+        never_started = log.open_stream("", None)
+        del never_started  # collected unstarted: the slot comes back too
+        assert log.open_stream("", None) is not None
+
+    asyncio.run(main())
