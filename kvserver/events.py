@@ -34,12 +34,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,17 +147,7 @@ class EventLog:
             if self._streams[tenant] >= self.max_streams:
                 return None
             self._streams[tenant] += 1
-        slot = _Slot(self, tenant)
-        return self._held(slot, self.stream(tenant, since))
-
-    async def _held(self, slot: _Slot, events: AsyncGenerator[bytes, None]
-                    ) -> AsyncIterator[bytes]:
-        try:
-            async with contextlib.aclosing(events):  # its subscription ends with this one
-                async for line in events:
-                    yield line
-        finally:
-            slot.release()
+        return self.stream(tenant, since, _Slot(self, tenant))
 
     def _release(self, tenant: str) -> None:
         with self._lock:
@@ -166,9 +155,11 @@ class EventLog:
             if self._streams[tenant] <= 0:
                 del self._streams[tenant]
 
-    async def stream(self, tenant: str, since: int | None) -> AsyncGenerator[bytes, None]:
+    async def stream(self, tenant: str, since: int | None,
+                     slot: _Slot | None = None) -> AsyncIterator[bytes]:
         """NDJSON lines: the tenant's events after `since` (default: from now on), a
-        `{"resync": SEQ}` line if they are gone, a `{"heartbeat": SEQ}` line when idle."""
+        `{"resync": SEQ}` line if they are gone, a `{"heartbeat": SEQ}` line when idle;
+        `slot` (from `open_stream`) is given back when it ends."""
         loop = asyncio.get_running_loop()
         wake = asyncio.Event()
         me = (loop, wake)
@@ -198,6 +189,8 @@ class EventLog:
         finally:
             with self._lock:
                 self._wakeups.discard(me)
+            if slot is not None:
+                slot.release()
 
     def end_streams(self) -> None:
         """End every `stream` after the events it has yet to send (a stopping server waits
