@@ -945,6 +945,7 @@ class KvstashConnector(KVConnectorBase_V1):
         self._writing: dict[str, concurrent.futures.Future] = {}
         self._writing_lock = threading.Lock()  # `_written` runs on write-behind's thread
         self._step_saves: list[ReqChunks] = []
+        self._step_keys: list[list[str]] = []  # each of those saves' chunk keys
         self._step_timer: PrefillTimer | None = None
         # On a GPU: an event on the engine's stream as the current step began (recorded in
         # `bind_connector_metadata` for a step with loads), and where chunks are placed.
@@ -1480,8 +1481,9 @@ class KvstashConnector(KVConnectorBase_V1):
                 and self._device().type == "cuda"):
             self._step_began = torch.cuda.Event()
             self._step_began.record()
-        self._step_saves = (self._unwritten(meta.saves) if isinstance(meta, KvstashMetadata)
-                            and meta.saves and self.saves_here else [])
+        self._step_saves, self._step_keys = (
+            self._unwritten(meta.saves) if isinstance(meta, KvstashMetadata)
+            and meta.saves and self.saves_here else ([], []))
         if (self._kv and isinstance(meta, KvstashMetadata) and meta.prefill_tokens
                 and not any(r.sync for r in meta.loads)):  # a step with sync loads waits
             self._step_timer = PrefillTimer(meta.prefill_tokens, self._device())
@@ -1753,17 +1755,20 @@ class KvstashConnector(KVConnectorBase_V1):
             if len(self._save_pool) < self._save_pool_max:
                 self._save_pool.append(buf)
 
-    def _unwritten(self, saves: list[ReqChunks]) -> list[ReqChunks]:
-        """This step's saves less the chunks this worker is writing already: another
+    def _unwritten(self, saves: list[ReqChunks]) -> tuple[list[ReqChunks], list[list[str]]]:
+        """This step's saves, and their chunks' keys, less the chunks this worker is
+        writing already: another
         request's with the same prefix, in this step or an earlier one whose write has not
         ended. N requests of one prompt at once (a burst behind one system prompt, vLLM's
         `n` > 1) each saved every chunk: N gathers out of the KV cache, N chunks in the
         write-behind queue and, on S3, N uploads of which one was kept. A P/D prefill
         (`handoff`) waits for the write that holds its chunk instead."""
         out: list[ReqChunks] = []
+        out_keys: list[list[str]] = []
         step: set[str] = set()
         for req in saves:
             keep: list[ChunkRef] = []
+            keys: list[str] = []
             for chunk, key in zip(req.chunks, self._keys(req.chunks, self.rank), strict=True):
                 writing = self._writing.get(key)
                 if key in step or (writing is not None and not writing.done()):
@@ -1772,9 +1777,11 @@ class KvstashConnector(KVConnectorBase_V1):
                     continue
                 step.add(key)
                 keep.append(chunk)
+                keys.append(key)
             if keep:
                 out.append(replace(req, chunks=keep))
-        return out
+                out_keys.append(keys)
+        return out, out_keys
 
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any,
@@ -1789,8 +1796,8 @@ class KvstashConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvstashMetadata)
         self._time_step()
         if self._step_saves and self.core.layout is not None:
-            self._save_step(self._step_saves)
-        self._step_saves = []
+            self._save_step(self._step_saves, self._step_keys)
+        self._step_saves, self._step_keys = [], []
         for req_id, keys in self._handoff_keys.items():  # chunks other requests write
             self._handoff_saves.setdefault(req_id, []).extend(
                 f for f in map(self._writing.get, keys) if f is not None)
@@ -1798,7 +1805,7 @@ class KvstashConnector(KVConnectorBase_V1):
         if meta.handoffs:
             self._hand_off(meta.handoffs)
 
-    def _save_step(self, saves: list[ReqChunks]) -> None:
+    def _save_step(self, saves: list[ReqChunks], step_keys: list[list[str]]) -> None:
         for name, kv in self._kv.items():  # layers the forward did not hand to save_kv_layer
             self._gather(name, kv, saves)
         copied = None
@@ -1809,10 +1816,10 @@ class KvstashConnector(KVConnectorBase_V1):
             copied.record()
         self._save_pool_max = max(self._save_pool_max, len(self._save_buffers))
         buffers = iter(self._save_buffers)
-        for req in saves:
+        for req, keys in zip(saves, step_keys, strict=True):
             held = [next(buffers) for _ in req.chunks]
             bufs = [b.numpy() for b in held]
-            keys, tokens = self._keys(req.chunks, self.rank), [c.token_ids for c in req.chunks]
+            tokens = [c.token_ids for c in req.chunks]
             saved = self.core.write(keys, tokens, _once_copied(copied, bufs.__getitem__),
                                     check_store=not req.absent, urgent=req.handoff)
             with self._writing_lock:
