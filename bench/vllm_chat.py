@@ -15,7 +15,10 @@ round. Side by side, each configuration holding its own conversations:
   does not keep a chat on one engine sends it: the last reply was generated on the other
   engine;
 - kvstash, prompts only: the same pair with `save_decode` false, on the same store under
-  another `salt` (a key space of its own).
+  another `salt` (a key space of its own);
+- vLLM prefix cache + kvstash: one engine with both, every turn of every user (sticky), on
+  the same store under a third `salt`: what kvstash costs a request vLLM's own prefix cache
+  already serves (its lookup, its saves), against "vLLM prefix cache".
 
 Printed: per configuration, the median TTFT of the turns after the first, the prompt
 tokens they found cached (vLLM's `num_cached_tokens`), and ratios to no cache and to
@@ -56,6 +59,7 @@ CONFIGS = {  # name -> (label, engines)
     "prefix-cache": ("vLLM prefix cache, one engine (sticky)", ["prefix-cache"]),
     "replies": ("kvstash, replies saved, 2 engines", ["replies-a", "replies-b"]),
     "prompts": ("kvstash, prompts only, 2 engines", ["prompts-a", "prompts-b"]),
+    "sticky": ("vLLM prefix cache + kvstash, one engine (sticky)", ["sticky"]),
 }
 
 
@@ -71,6 +75,7 @@ def _engines(args: argparse.Namespace, model_dir: Path, store: str, logs: Path,
         for side in ("a", "b"):
             specs[f"{name}-{side}"] = {**spec, "store": store, "connector": {
                 "save_decode": save_decode, "salt": f"bench-chat-{name}"}}
+    specs["sticky"] = {**spec, "store": store, "connector": {"salt": "bench-chat-sticky"}}
     return {n: Engine(n, s, logs / f"engine-{n}.log") for n, s in specs.items()}
 
 
@@ -196,6 +201,10 @@ def run(args: argparse.Namespace) -> int:
           f"(CI {lo:.2f}-{hi:.2f}), cached {r['cached_tokens']} against "
           f"{p['cached_tokens']} prompt tokens; a reply's decode {r['decode_s']:.2f} s "
           f"against {p['decode_s']:.2f} s ({r['decode_s'] / p['decode_s']:.2f}x)")
+    k = summary["sticky"]
+    lo, hi = k["ttft_vs_prefix-cache_ci"]
+    print(f"one engine, kvstash on against off: TTFT {k['ttft_vs_prefix-cache']:.2f}x "
+          f"(CI {lo:.2f}-{hi:.2f}) of vLLM's prefix cache alone")
     write_json(args.json, {"command": "vllm-chat", "args": vars(args), "model": model_desc,
                            "store": f"{stores[0].label} {stores[0].about}",
                            "vllm": _vllm_version(), "summary": summary, "records": records})

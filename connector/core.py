@@ -60,7 +60,8 @@ log = logging.getLogger("kvstash.connector")
 # The core's counters (engine adapters export them: vLLM as `vllm:kvstash_<name>`).
 COUNTERS = {
     "lookups": "Prompt prefixes looked up in the store.",
-    "lookup_tokens": "Prompt tokens the store held at lookup (whole chunks).",
+    "lookup_tokens": ("Prompt tokens the store held at lookup (whole chunks), past those the "
+                      "engine's own prefix cache held."),
     "lookup_errors": "Lookups that failed (store unreachable or erroring): misses.",
     "lookup_timeouts": "Lookups that outlived lookup_timeout_s: misses.",
     "bypassed": "Lookups and loads skipped while the circuit breaker had the store bypassed.",

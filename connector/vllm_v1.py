@@ -458,6 +458,7 @@ class _Req:
     request: Request
     tokens: np.ndarray | None = None  # the prompt's token ids as uint32 (`prompt_tokens`)
     keys: list[list[str]] = field(default_factory=list)  # per rank, the keys looked up
+    lookup_from: int = 0  # the chunk the lookup started at (vLLM's prefix cache held those before)
     lookup: concurrent.futures.Future[int] | None = None
     cached: list[bool] | None = None  # per stored chunk, all in the page cache at the lookup
     lookup_started: float = 0.0
@@ -1086,19 +1087,27 @@ class KvstashConnector(KVConnectorBase_V1):
             n = 0 if st.prompt_tokens() is None else min(
                 len(req.block_hashes) // self.chunk_blocks,
                 (st.named_tokens() - 1) // self.chunk_tokens)
-            if n <= 0:
+            # Chunks vLLM's own prefix cache holds are not asked for: no one loads them,
+            # and this engine stored them when it computed or loaded them. A request vLLM
+            # serves whole from its own cache is not held up by a lookup (on S3, two round
+            # trips of HEADs before it was scheduled). A P/D prefill still asks for all of
+            # them: its decode reads them from the store.
+            first = 0 if st.handoff else min(max(n, 0), st.num_computed // self.chunk_tokens)
+            if n <= first:
+                st.saved_chunks = max(st.saved_chunks, first)
                 st.hit_chunks = 0
                 return 0
-            st.keys = self._lookup_keys(req, n)
+            st.keys, st.lookup_from = self._lookup_keys(req, n), first
+            asked = [keys[first:] for keys in st.keys]
             # A local directory answers here, and with what is in the page cache
             # (which `auto` needs) in the same pass.
-            now = self.core.lookup_cached(st.keys) if self.auto_layerwise else None
+            now = self.core.lookup_cached(asked) if self.auto_layerwise else None
             if now is not None:
                 st.lookup = concurrent.futures.Future()
                 st.lookup.set_result(now[0])
-                st.cached = now[1]
+                st.cached = [True] * first + now[1]
             else:
-                st.lookup = self.core.lookup_async(st.keys)
+                st.lookup = self.core.lookup_async(asked)
             st.lookup_started = time.monotonic()
             # A store that answers within `lookup_wait_ms` (a local disk, a kvserver nearby)
             # gets its answer in this step: the request is not put off by one engine step.
@@ -1122,10 +1131,14 @@ class KvstashConnector(KVConnectorBase_V1):
             stored = 0
         else:
             return None
+        # Past what vLLM's prefix cache held at the lookup; a part of that since dropped
+        # from it (its blocks reused) was not asked for, and ends the hit.
+        local = st.num_computed // self.chunk_tokens
+        stored = st.lookup_from + stored if local >= st.lookup_from else local
         st.saved_chunks = max(st.saved_chunks, stored)  # already stored
         st.stored = stored if answered else None
         # What is not in vLLM's own prefix cache yet is loaded only where it beats a recompute.
-        local = min(st.num_computed // self.chunk_tokens, stored)
+        local = min(local, stored)
         plan = self.core.plan((stored - local) * self.chunk_tokens, self._chunk_nbytes_seen or 1)
         st.hit_chunks = local + plan.chunks
         st.deadline_s = plan.deadline_s

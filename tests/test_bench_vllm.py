@@ -266,6 +266,7 @@ def test_the_chat_bench_reads_later_turns_against_no_cache_and_vllms_prefix_cach
         "prefix-cache": [rec(0, 9.0, 0), rec(1, 0.02, 900), rec(2, 0.04, 900)],
         "replies": [rec(0, 9.0, 0), rec(1, 0.03, 768), rec(2, 0.04, 768)],
         "prompts": [rec(0, 9.0, 0), rec(1, 0.06, 512), rec(2, 0.10, 512)],
+        "sticky": [rec(0, 9.0, 0), rec(1, 0.022, 900), rec(2, 0.05, 900)],
     }
     s = summarize(records)
     assert s["replies"]["requests"] == 2 and s["replies"]["cached_fraction"] == 0.768
@@ -275,6 +276,7 @@ def test_the_chat_bench_reads_later_turns_against_no_cache_and_vllms_prefix_cach
     assert s["replies"]["ttft_vs_prompts"] == pytest.approx((0.5 + 0.4) / 2)
     assert s["replies"]["decode_s"] == 2.0  # every turn's, the first one's too
     assert "ttft_vs_prompts" not in s["prefix-cache"]
+    assert s["sticky"]["ttft_vs_prefix-cache"] == pytest.approx((1.1 + 1.25) / 2)
     table = format_table(s)
     assert all(label in table for label, _ in CONFIGS.values())
 
@@ -290,3 +292,5 @@ def test_the_chat_bench_reads_later_turns_against_no_cache_and_vllms_prefix_cach
     assert [s["connector"]["save_decode"] for s in kvstash] == [True, True, False, False]
     salts = [s["connector"]["salt"] for s in kvstash]  # each pair a key space of its own
     assert salts[0] == salts[1] != salts[2] == salts[3]
+    assert specs["sticky"]["prefix_caching"] and specs["sticky"]["store"] == "file:///kv"
+    assert specs["sticky"]["connector"]["salt"] not in salts

@@ -318,6 +318,62 @@ def test_local_prefix_blocks_are_not_overwritten(store_url):
         assert torch.equal(reader.kv[name][11:16], writer.kv[name][2:7])
 
 
+def asked_lookups(engine: V1Engine) -> list[list[list[str]]]:
+    """The key lists the scheduler's lookups ask the store for from now on."""
+    core, asked = engine.scheduler.core, []
+    lookup_async, lookup_cached = core.lookup_async, core.lookup_cached
+
+    def counted_async(keys):
+        asked.append([list(k) for k in keys])
+        return lookup_async(keys)
+
+    def counted_cached(keys):
+        asked.append([list(k) for k in keys])
+        return lookup_cached(keys)
+
+    core.lookup_async, core.lookup_cached = counted_async, counted_cached
+    return asked
+
+
+def test_chunks_vllms_prefix_cache_holds_are_not_looked_up_nor_saved_again(ranged_store_url):
+    """A request vLLM serves from its own prefix cache asks the store for nothing (on S3 a
+    lookup held it up by two round trips of HEADs), and its chunks this engine computed
+    are not sent for saving again. Held in part, the lookup asks from the first chunk
+    vLLM does not hold, and the chunks after it load. A P/D prefill asks for all: its
+    decode instance reads them from the store."""
+    url = ranged_store_url
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        write_prompt(writer, list(range(1, 8)))
+        asked = asked_lookups(writer)
+        again = make_request(PROMPT)
+        assert writer.lookup(again, 3 * CHUNK_TOKENS) == (0, False)
+        writer.scheduler.update_state_after_alloc(again, blocks(range(1, 8)), 0)
+        meta, _, _ = writer.step([again], {again.request_id: list(range(1, 8))},
+                                 {again.request_id: len(PROMPT) - 3 * CHUNK_TOKENS})
+        assert asked == [] and meta.saves == []
+
+        pd = make_request(PROMPT)
+        pd.kv_transfer_params = {"do_remote_decode": True}
+        assert writer.lookup(pd, 3 * CHUNK_TOKENS) == (0, False)
+        assert [len(k) for k in asked[0]] == [3]
+
+        asked = asked_lookups(reader)
+        for kv in reader.kv.values():  # vLLM's prefix cache holds chunk 0
+            kv[10:12] = 7
+        ext, _, errors = read_prompt(reader, list(range(10, 17)), local_tokens=CHUNK_TOKENS)
+        mine = make_request(PROMPT)
+        keys = [reader.scheduler._lookup_keys(mine, 3)[0][1:]]
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert asked == [keys] and ext == 4 * BLOCK_SIZE and errors == set()
+    for name in writer.kv:
+        assert (reader.kv[name][10:12] == 7).all()
+        assert torch.equal(reader.kv[name][12:16], writer.kv[name][3:7])
+
+
 def test_miss_when_store_is_empty(store_url):
     engine = V1Engine(store_url, chunk_tokens=CHUNK_TOKENS)
     try:
