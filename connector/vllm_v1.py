@@ -458,7 +458,7 @@ class _Req:
     request: Request
     tokens: np.ndarray | None = None  # the prompt's token ids as uint32 (`prompt_tokens`)
     keys: list[list[str]] = field(default_factory=list)  # per rank, the keys looked up
-    lookup_from: int = 0  # the chunk the lookup started at (vLLM's prefix cache held those before)
+    lookup_from: int = 0  # the chunk the lookup asked from (vLLM held the ones before it)
     lookup: concurrent.futures.Future[int] | None = None
     cached: list[bool] | None = None  # per stored chunk, all in the page cache at the lookup
     lookup_started: float = 0.0
