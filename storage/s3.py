@@ -151,6 +151,8 @@ class S3Store(Store):
         self._owner = conn is None
         self._conn = conn or S3Connection(opts, url)
         self._background: set[asyncio.Task] = set()
+        # existence checks in flight, by event loop and object name
+        self._heads: dict[tuple[Any, str], asyncio.Future[bool]] = {}
 
     @classmethod
     def from_url(cls, u: StoreURL) -> S3Store:
@@ -419,8 +421,27 @@ class S3Store(Store):
         return True
 
     async def _present(self, key: str) -> bool:
+        """Whether the object is there (False when the endpoint cannot say). Lookups at
+        once of keys in common (requests of one prompt, or of one system prompt) share
+        one HEAD a key: a burst of N such requests made N HEADs of each key before."""
+        name = self._name(key)
+        at = (asyncio.get_running_loop(), name)
+        head = self._heads.get(at)
+        if head is None:
+            head = self._heads[at] = asyncio.ensure_future(self._head_or_false(name))
+            head.add_done_callback(lambda f: self._head_done(at, f))
+        # One waiter cancelled (its lookup's timeout) leaves the HEAD to the others.
+        return await asyncio.shield(head)
+
+    def _head_done(self, at: tuple[Any, str], head: asyncio.Future[bool]) -> None:
+        if self._heads.get(at) is head:
+            del self._heads[at]
+        if not head.cancelled():
+            head.exception()  # retrieved here too: every waiter may have been cancelled
+
+    async def _head_or_false(self, name: str) -> bool:
         try:
-            return await self._head(self._name(key))
+            return await self._head(name)
         except StoreError:
             self.counters["errors"] += 1
             return False

@@ -245,3 +245,33 @@ async def test_a_lookup_asks_about_the_first_chunk_alone(store, ns):
     asked.clear()
     assert await store.prefix_len(keys) == 4
     assert len(asked) == 6  # the first alone, then the window of the other five
+
+
+async def test_lookups_at_once_share_one_head_a_key(store, ns):
+    """Requests of one prompt (or one system prompt) looked up at once: one HEAD a key,
+    whatever the number of lookups; a lookup cancelled by its timeout leaves the HEAD to
+    the others, and a later lookup asks again."""
+    chunks = make_chunks(ns, 4)
+    for key, _, blob in chunks[:3]:
+        assert await store.put(key, blob)
+    keys = [key for key, _, _ in chunks]
+    asked: list[str] = []
+    head = store._head
+    gate = asyncio.Event()
+
+    async def counted(name: str) -> bool:
+        asked.append(name)
+        await gate.wait()
+        return await head(name)
+
+    store._head = counted
+    lookups = [asyncio.ensure_future(store.prefix_len(keys[: 2 + i % 3])) for i in range(8)]
+    timed_out = asyncio.ensure_future(store.prefix_len(keys))
+    await asyncio.sleep(0.05)
+    timed_out.cancel()
+    gate.set()
+    assert [await f for f in lookups] == [2, 3, 3] * 2 + [2, 3]
+    assert sorted(asked) == sorted(store._name(k) for k in keys)
+    asked.clear()
+    assert await store.prefix_len(keys) == 3
+    assert len(asked) == 4 and store._heads == {}
