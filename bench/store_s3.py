@@ -3,7 +3,11 @@
 Baselines: plain boto3 `put_object` / `get_object(...)["Body"].read()` of the same
 number of same-sized objects on the same server and bucket, one at a time (what a
 straightforward client does), once with boto3's defaults (CRC32 on put, validated on
-get) and once with checksums off (`when_required`, as the store runs). With
+get) and once with checksums off (`when_required`, as the store runs).
+
+Extras: 16 lookups at once of one stored 8-chunk prefix (a burst of requests behind one
+system prompt), against plain boto3 `head_object` of every lookup's keys from 16 threads
+(each lookup asking on its own): HEADs sent and milliseconds, medians of `--rounds`. With
 `--shape LATENCY,BANDWIDTH` both the store and the baselines go through a
 latency + per-connection-bandwidth proxy (bench/s3shape.py) in its own process.
 """
@@ -19,6 +23,8 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 from urllib.parse import urlsplit
 
 from storage.options import StoreURL
@@ -119,3 +125,67 @@ async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
         put_s, get_s = await asyncio.to_thread(_measure, opts, checksums, size, count, rounds)
         out.append({"name": name, "put_gbps": nbytes / put_s / 1e9, "get_gbps": nbytes / get_s / 1e9})
     return out
+
+
+LOOKUPS_AT_ONCE, LOOKUP_CHUNKS = 16, 8
+
+
+async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:
+    from hashing import Namespace, chunk_keys
+    from storage import encode_chunk, open_store
+
+    ns = Namespace(model="bench/lookups", dtype="uint8", layout="raw", chunk_tokens=4,
+                   salt=uuid.uuid4().hex)
+    tokens = list(range(4 * LOOKUP_CHUNKS))
+    keys = chunk_keys(tokens, ns)
+    store = open_store(url)
+    opts = S3Options.from_url(StoreURL(url))
+    client = _client(opts, "when_required")
+    names = [store._name(k) for k in keys]
+    heads = 0
+    head = store._head
+
+    async def counted(name: str) -> bool:
+        nonlocal heads
+        heads += 1
+        return await head(name)
+
+    def plain_lookup() -> int:  # a client without sharing: its own HEAD a key
+        for i, name in enumerate(names):
+            try:
+                client.head_object(Bucket=opts.bucket, Key=name)
+            except client.exceptions.ClientError:
+                return i
+        return len(names)
+
+    mine, plain = [], []
+    try:
+        for i, k in enumerate(keys):
+            await store.put(k, encode_chunk(k, tokens[4 * i : 4 * i + 4], b"x" * 64))
+        store._head = counted
+        with ThreadPoolExecutor(LOOKUPS_AT_ONCE) as pool:
+            for _ in range(getattr(args, "rounds", 3)):
+                t0 = time.perf_counter()
+                got = await asyncio.gather(*(store.prefix_len(keys)
+                                             for _ in range(LOOKUPS_AT_ONCE)))
+                mine.append(time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                seen = list(pool.map(lambda _: plain_lookup(), range(LOOKUPS_AT_ONCE)))
+                plain.append(time.perf_counter() - t0)
+                if set(got) != {LOOKUP_CHUNKS} or set(seen) != {LOOKUP_CHUNKS}:
+                    raise RuntimeError(f"lookups saw {got} and {seen} of {LOOKUP_CHUNKS} chunks")
+        store._head = head
+        for k in keys:
+            await store.delete(k)
+    finally:
+        client.close()
+        await store.close()
+    rounds = len(mine)
+    return {
+        "lookups_at_once": LOOKUPS_AT_ONCE,
+        "lookup_heads": heads / rounds,
+        "plain_boto3_lookup_heads": LOOKUPS_AT_ONCE * LOOKUP_CHUNKS,
+        "lookups_ms": statistics.median(mine) * 1e3,
+        "plain_boto3_lookups_ms": statistics.median(plain) * 1e3,
+        "lookups_vs_plain_boto3": statistics.median(mine) / statistics.median(plain),
+    }

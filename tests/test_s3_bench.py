@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from bench.s3shape import parse_shape
-from bench.store_s3 import baselines, setup
+from bench.store_s3 import LOOKUP_CHUNKS, LOOKUPS_AT_ONCE, baselines, extras, setup
 from storage import open_store
 from tests.s3_fixtures import with_prefix
 from tests.store_helpers import make_chunks
@@ -28,6 +28,15 @@ async def test_baselines_report_put_and_get_rates(moto_s3_url):
     assert [r["name"] for r in rows] == ["boto3 sequential get/put_object",
                                          "boto3 sequential, checksums off"]
     assert all(r["get_gbps"] > 0 and r["put_gbps"] > 0 for r in rows)
+
+
+async def test_lookups_at_once_are_timed_beside_plain_boto3_heads(moto_s3_url):
+    """The extras: the store's lookups at once share their HEADs (one a key a round),
+    where plain boto3 HEADs every lookup's keys."""
+    got = await extras(argparse.Namespace(rounds=2), with_prefix(moto_s3_url))
+    assert got["lookup_heads"] == LOOKUP_CHUNKS
+    assert got["plain_boto3_lookup_heads"] == LOOKUPS_AT_ONCE * LOOKUP_CHUNKS
+    assert got["lookups_ms"] > 0 and got["plain_boto3_lookups_ms"] > 0
 
 
 async def test_the_shaping_proxy_carries_the_store(moto_s3_url, ns):
