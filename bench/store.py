@@ -77,6 +77,18 @@ def make_chunks(size: int, count: int, tag: str) -> list[tuple[str, bytes]]:
     return out
 
 
+async def stored_prefix(store: Any, chunks: int) -> list[str]:
+    """The keys of a prefix of `chunks` 4-token chunks (64-byte payloads, a namespace of
+    its own), once `store` holds them: what lookups are timed on."""
+    ns = Namespace(model="bench/lookup", dtype="uint8", layout="raw", chunk_tokens=4,
+                   salt=uuid.uuid4().hex)
+    tokens = list(range(4 * chunks))
+    keys = chunk_keys(tokens, ns)
+    await asyncio.gather(*(store.put(k, encode_chunk(k, tokens[4 * i : 4 * i + 4], b"x" * 64))
+                           for i, k in enumerate(keys)))
+    return keys
+
+
 async def _got(get: Awaitable[Any]) -> int | None:
     """The size of what `get` returned (None for a miss); the blob itself is dropped."""
     blob = await get

@@ -298,19 +298,12 @@ async def httpx_get_gbps(url: str, size: int, count: int, rounds: int) -> float:
 
     return statistics.median([await asyncio.to_thread(timed) for _ in range(rounds)])
 async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    from hashing import Namespace, chunk_keys
-    from storage import encode_chunk, open_store
+    from bench.store import stored_prefix
+    from storage import open_store
 
-    ns = Namespace(model="bench/lookup", dtype="uint8", layout="raw", chunk_tokens=4,
-                   salt=uuid.uuid4().hex)
-    tokens = list(range(4 * LOOKUP_KEYS))
-    keys = chunk_keys(tokens, ns)
     store = open_store(url)
     try:
-        await asyncio.gather(*(
-            store.put(k, encode_chunk(k, tokens[4 * i : 4 * i + 4], b"x" * 64))
-            for i, k in enumerate(keys)
-        ))
+        keys = await stored_prefix(store, LOOKUP_KEYS)
         times = []
         for _ in range(getattr(args, "lookup_rounds", 200)):
             t0 = time.perf_counter()

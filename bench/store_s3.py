@@ -131,17 +131,12 @@ LOOKUPS_AT_ONCE, LOOKUP_CHUNKS = 16, 8
 
 
 async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:
-    from hashing import Namespace, chunk_keys
-    from storage import encode_chunk, open_store
+    from bench.store import stored_prefix
+    from storage import open_store
 
-    ns = Namespace(model="bench/lookups", dtype="uint8", layout="raw", chunk_tokens=4,
-                   salt=uuid.uuid4().hex)
-    tokens = list(range(4 * LOOKUP_CHUNKS))
-    keys = chunk_keys(tokens, ns)
     store = open_store(url)
     opts = S3Options.from_url(StoreURL(url))
     client = _client(opts, "when_required")
-    names = [store._name(k) for k in keys]
     heads = 0
     head = store._head
 
@@ -160,8 +155,8 @@ async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:
 
     mine, plain = [], []
     try:
-        for i, k in enumerate(keys):
-            await store.put(k, encode_chunk(k, tokens[4 * i : 4 * i + 4], b"x" * 64))
+        keys = await stored_prefix(store, LOOKUP_CHUNKS)
+        names = [store._name(k) for k in keys]
         store._head = counted
         with ThreadPoolExecutor(LOOKUPS_AT_ONCE) as pool:
             for _ in range(getattr(args, "rounds", 3)):

@@ -226,20 +226,28 @@ def test_in_flight_limit_is_max_in_flight_and_the_former_inflight_still_reads():
         open_store(f"{base}&max_in_flight=5&inflight=2")
 
 
+def heads_sent(store, gate: asyncio.Event | None = None) -> list[str]:
+    """The object names `store` sends a HEAD for from now on (each sent once `gate` is set)."""
+    asked: list[str] = []
+    head = store._head
+
+    async def counted(name: str) -> bool:
+        asked.append(name)
+        if gate is not None:
+            await gate.wait()
+        return await head(name)
+
+    store._head = counted
+    return asked
+
+
 async def test_a_lookup_asks_about_the_first_chunk_alone(store, ns):
     """A prompt never seen costs one HEAD; a stored prefix is then asked in windows."""
     chunks = make_chunks(ns, 6)
     for key, _, blob in chunks[:4]:
         assert await store.put(key, blob)
     keys = [key for key, _, _ in chunks]
-    asked: list[str] = []
-    head = store._head
-
-    async def counted(name: str) -> bool:
-        asked.append(name)
-        return await head(name)
-
-    store._head = counted
+    asked = heads_sent(store)
     assert await store.prefix_len(keys[4:]) == 0
     assert len(asked) == 1
     asked.clear()
@@ -255,16 +263,8 @@ async def test_lookups_at_once_share_one_head_a_key(store, ns):
     for key, _, blob in chunks[:3]:
         assert await store.put(key, blob)
     keys = [key for key, _, _ in chunks]
-    asked: list[str] = []
-    head = store._head
     gate = asyncio.Event()
-
-    async def counted(name: str) -> bool:
-        asked.append(name)
-        await gate.wait()
-        return await head(name)
-
-    store._head = counted
+    asked = heads_sent(store, gate)
     lookups = [asyncio.ensure_future(store.prefix_len(keys[: 2 + i % 3])) for i in range(8)]
     timed_out = asyncio.ensure_future(store.prefix_len(keys))
     await asyncio.sleep(0.05)
