@@ -628,6 +628,43 @@ def test_generated_tokens_are_saved_a_chunk_once_its_kv_is_computed(tmp_path, sa
                                writer.kv[name][1 : 1 + ext // BLOCK_SIZE])
 
 
+def test_with_speculative_decoding_a_chunk_is_saved_once_its_tokens_are_accepted(tmp_path):
+    """A step of speculative decoding computes K/V for the last accepted token and for the
+    drafts after it (vLLM schedules 1 + k tokens; the drafts are not the request's tokens
+    until accepted, and a rejected draft's K/V is overwritten by a later step). A chunk the
+    drafts would complete is not saved in that step; it is saved in the step that computes
+    its last accepted token, with the accepted tokens' ids."""
+    url = f"file://{tmp_path}/kv"
+    writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
+    try:
+        req = make_request(PROMPT)
+        assert writer.lookup(req) == (0, False)
+        writer.scheduler.update_state_after_alloc(req, blocks(range(1, 8)), 0)
+        writer.step([req], {req.request_id: list(range(1, 8))}, {req.request_id: len(PROMPT)})
+        req.append_output_token_ids(list(range(2000, 2025)))  # tokens 100-124, 124 sampled
+        # Step A: token 124 and 4 drafts (positions 125-128, past chunk 3's end at 127).
+        req.spec_token_ids = [7, 7, 7, 7]
+        meta_a, _, _ = writer.step(scheduled={req.request_id: 5}, cached=[(req, [8, 9], 124)])
+        # One draft accepted (125), then a token of vLLM's own at 126 (it replaces the
+        # rejected draft, whose K/V the next step computes again).
+        req.append_output_token_ids([3001, 3002])
+        req.spec_token_ids = [8, 8, 8, 8]
+        meta_b, _, _ = writer.step(scheduled={req.request_id: 5}, cached=[(req, [], 126)])
+        # Step B computed 126 and drafts 127-130; all four accepted, then 131 sampled.
+        req.append_output_token_ids([8, 8, 8, 8, 3003])
+        req.spec_token_ids = []
+        meta_c, _, _ = writer.step(scheduled={req.request_id: 1}, cached=[(req, [], 131)])
+        assert writer.worker.flush()
+    finally:
+        writer.shutdown()
+    assert meta_a.saves == [] and meta_b.saves == []
+    (save,) = meta_c.saves
+    (chunk,) = save.chunks
+    whole = PROMPT + list(range(2000, 2025)) + [3001, 3002, 8]
+    assert list(np.frombuffer(chunk.token_bytes, "<u4")) == whole[96:128]
+    assert chunk.block_ids == [7, 8]
+
+
 def test_chunk_tokens_round_up_to_whole_engine_blocks():
     from connector.vllm_v1 import chunk_geometry
 
