@@ -1092,7 +1092,7 @@ class KvstashConnector(KVConnectorBase_V1):
             # serves whole from its own cache is not held up by a lookup (on S3, two round
             # trips of HEADs before it was scheduled). A P/D prefill still asks for all of
             # them: its decode reads them from the store.
-            first = 0 if st.handoff else min(max(n, 0), st.num_computed // self.chunk_tokens)
+            first = 0 if st.handoff else min(n, st.num_computed // self.chunk_tokens)
             if n <= first:
                 st.saved_chunks = max(st.saved_chunks, first)
                 st.hit_chunks = 0
