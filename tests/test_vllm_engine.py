@@ -10,7 +10,8 @@ must generate exactly what A generated (token ids and top-5 logprobs). On CPU a 
 block is 128 tokens; chunks are 256 (`chunk_tokens`).
 
 Nothing is faked. Engine processes are shared across the tests of this module (one
-process runs several prompts), which keeps the group to a few minutes.
+process runs several prompts), and independent ones run two at a time
+(`side_by_side`), which keeps the group to a few minutes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import importlib.metadata
 import random
 import signal
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -55,6 +57,7 @@ from tests.vllm_engine_fixtures import (  # noqa: E402
     next_turn,
     openai_server,
     run_engine,
+    side_by_side,
     stored_chunks,
     wait_stored,
 )
@@ -114,10 +117,19 @@ def stores(tmp_path_factory: pytest.TempPathFactory, moto_s3_url: str):
 
 
 @pytest.fixture(scope="module")
-def saved(model, stores):
+def first(model, stores):
     """Process A: no store hits; PARTIAL, CORRUPT, the second FULL and chat turn 2 hit
-    A's own prefix cache (the references of every hit below)."""
-    return run_engine(model, [stores.http, stores.s3], PROMPTS, chunk_tokens=CHUNK)
+    A's own prefix cache (the references of every hit below). Beside it, FULL in a process
+    whose store nothing listens on."""
+    a, unreachable = side_by_side(
+        partial(run_engine, model, [stores.http, stores.s3], PROMPTS, chunk_tokens=CHUNK),
+        partial(run_engine, model, "http://127.0.0.1:9", [FULL], chunk_tokens=CHUNK))
+    return SimpleNamespace(a=a, unreachable=unreachable)
+
+
+@pytest.fixture(scope="module")
+def saved(first):
+    return first.a
 
 
 def damage_second_chunk_of_corrupt(root: Path) -> Path:
@@ -133,12 +145,36 @@ def damage_second_chunk_of_corrupt(root: Path) -> Path:
 
 
 @pytest.fixture(scope="module")
-def from_file(model, stores, saved):
-    """Process B over file://: FULL, then CORRUPT with its second chunk damaged, then
-    A's chat turn 2."""
+def readers(model, stores, saved):
+    """Fresh processes, side by side: B over file:// (FULL, then CORRUPT with its second
+    chunk damaged, then A's chat turn 2) and C over http:// (PARTIAL, then FULL), which
+    reads none of CORRUPT's chunks and stores nothing."""
     damage_second_chunk_of_corrupt(stores.root)
     turn2 = saved.generations[A_TURN2].prompt_token_ids
-    return run_engine(model, stores.file, [FULL, CORRUPT, turn2], chunk_tokens=CHUNK)
+    b, c = side_by_side(
+        partial(run_engine, model, stores.file, [FULL, CORRUPT, turn2], chunk_tokens=CHUNK),
+        partial(run_engine, model, stores.http, [PARTIAL, FULL], chunk_tokens=CHUNK))
+    return SimpleNamespace(file=b, http=c)
+
+
+@pytest.fixture(scope="module")
+def from_file(readers):
+    return readers.file
+
+
+@pytest.fixture(scope="module")
+def later(model, stores, saved, readers):
+    """Side by side, once B has saved CORRUPT's damaged chunk again: D over file:// with
+    vLLM's async scheduler (FULL, then CORRUPT damaged again) and E over s3:// inside
+    vLLM's MultiConnector (see `in_multi`)."""
+    damage_second_chunk_of_corrupt(stores.root)  # B saved it again
+    d, e = side_by_side(
+        partial(run_engine, model, stores.file, [FULL, CORRUPT], chunk_tokens=CHUNK,
+                load_mode="async", async_scheduling=True),
+        partial(run_engine, model, stores.s3, [FULL, RESET_ALL, FULL, wait_stored(3),
+                                               RESET_LOCAL, FULL], chunk_tokens=CHUNK,
+                multi=True))
+    return SimpleNamespace(async_scheduler=d, multi=e)
 
 
 def same_output(a, b) -> None:
@@ -221,15 +257,13 @@ def test_a_corrupt_chunk_is_recomputed_counted_and_saved_again(saved, from_file,
 
 
 def test_vllms_async_scheduler_loads_between_steps_and_recovers_a_corrupt_chunk(
-        model, saved, from_file, stores):
+        saved, later, stores):
     """vLLM's GPU defaults, scheduler side: async scheduling (the `AsyncScheduler` and two
     batches in flight, turned on here against the CPU platform's choice) and loads
     between steps (`load_mode: auto` on a GPU), which park a request in
     WAITING_FOR_REMOTE_KVS until its workers report the load. Hits and a failed chunk come
     out as under the synchronous scheduler."""
-    damage_second_chunk_of_corrupt(stores.root)  # B saved it again
-    run = run_engine(model, stores.file, [FULL, CORRUPT], chunk_tokens=CHUNK,
-                     load_mode="async", async_scheduling=True)
+    run = later.async_scheduler
     assert run.scheduler == "AsyncScheduler"
     full, corrupt = run.generations
     assert full.num_cached_tokens == 3 * CHUNK
@@ -243,11 +277,11 @@ def test_vllms_async_scheduler_loads_between_steps_and_recovers_a_corrupt_chunk(
     assert len(chunks) == STORED and all(chunks.values())
 
 
-def test_a_partial_prefix_and_then_the_rest_hit_through_http(model, saved, stores):
-    run = run_engine(model, stores.http, [PARTIAL, FULL], chunk_tokens=CHUNK)
-    partial, full = run.generations
-    assert partial.num_cached_tokens == 2 * CHUNK  # from the store: a fresh process
-    same_output(saved.generations[A_PARTIAL], partial)
+def test_a_partial_prefix_and_then_the_rest_hit_through_http(saved, readers):
+    run = readers.http
+    head, full = run.generations
+    assert head.num_cached_tokens == 2 * CHUNK  # from the store: a fresh process
+    same_output(saved.generations[A_PARTIAL], head)
     # FULL: two chunks from this process's own prefix cache, the third from the store
     assert full.num_cached_tokens == 3 * CHUNK
     same_output(saved.generations[A_FULL_CACHED], full)
@@ -257,13 +291,12 @@ def test_a_partial_prefix_and_then_the_rest_hit_through_http(model, saved, store
 
 
 @pytest.fixture(scope="module")
-def in_multi(model, stores, saved):
-    """Process C over s3://, named only inside vLLM's MultiConnector: FULL; then vLLM's
+def in_multi(later):
+    """Process E over s3://, named only inside vLLM's MultiConnector: FULL; then vLLM's
     `reset_prefix_cache(reset_connector=True)` (as `pause_generation(clear_cache=True)`
     calls it around a weight update, through MultiConnector to kvstash) and FULL; once its
     three chunks are stored, a reset of vLLM's own cache alone and FULL."""
-    return run_engine(model, stores.s3, [FULL, RESET_ALL, FULL, wait_stored(3), RESET_LOCAL,
-                                         FULL], chunk_tokens=CHUNK, multi=True)
+    return later.multi
 
 
 def test_a_fresh_process_hits_through_s3_inside_vllms_multiconnector(saved, in_multi):
@@ -292,8 +325,8 @@ def test_after_vllm_resets_the_connectors_cache_no_chunk_stored_before_is_loaded
     assert "reset the connector's cache" in in_multi.log
 
 
-def test_an_unreachable_store_is_a_miss_with_the_right_output(model, saved):
-    run = run_engine(model, "http://127.0.0.1:9", [FULL], chunk_tokens=CHUNK)  # nothing listens
+def test_an_unreachable_store_is_a_miss_with_the_right_output(first, saved):
+    run = first.unreachable
     assert run.generations[0].num_cached_tokens == 0
     same_output(saved.generations[A_FULL], run.generations[0])  # both a full prefill
     assert run.metrics["vllm:kvstash_lookups"] == 1
@@ -353,36 +386,51 @@ def prometheus_value(url: str, name: str, timeout: float = 10.0) -> float:
         time.sleep(0.2)
 
 
-def test_a_sliding_window_model_hits_across_processes(tmp_path):
+def save_then_load(model: Path, store: str, **engine) -> SimpleNamespace:
+    """Process A computes a prompt of two chunks and a token twice (the second time from
+    vLLM's own prefix cache), then a fresh process B, without `prefix_caching`, once."""
+    prompt = FULL[: 2 * CHUNK + 1]
+    a = run_engine(model, store, [prompt, prompt], chunk_tokens=CHUNK, **engine)
+    engine.pop("prefix_caching", None)
+    b = run_engine(model, store, [prompt], chunk_tokens=CHUNK, **engine)
+    return SimpleNamespace(a=a, b=b, store=store)
+
+
+@pytest.fixture(scope="module")
+def other_models(tmp_path_factory: pytest.TempPathFactory):
+    """A sliding-window Mistral and an MLA DeepSeek-V3, each saved by its process A and
+    read by a fresh process B (`save_then_load`), the two models side by side."""
+    swa, mla = tmp_path_factory.mktemp("swa"), tmp_path_factory.mktemp("mla")
+    # MLA: vLLM's reference MLA backend for CPUs, which every x86 CPU runs (where AMX is
+    # there, vLLM picks another by default); vLLM's CPU platform turns its own prefix
+    # cache off for MLA, and A turns it back on for the reference
+    swa_runs, mla_runs = side_by_side(
+        partial(save_then_load, build_tiny_sliding_window(swa / "model"), f"file://{swa}/kv"),
+        partial(save_then_load, build_tiny_mla(mla / "model"), f"file://{mla}/kv",
+                prefix_caching=True, tensor_parallel_size=2, attention_backend="CPU_MLA"))
+    return SimpleNamespace(swa=swa_runs, mla=mla_runs)
+
+
+def test_a_sliding_window_model_hits_across_processes(other_models):
     """A model with a 128-token window on every layer: vLLM gives a hit's request its null
     block for the blocks outside the window. A fresh process loads the rest and continues
     exactly like A's own prefix cache; the stored chunks stay (none quarantined)."""
-    model = build_tiny_sliding_window(tmp_path / "swa")
-    store = f"file://{tmp_path}/kv"
-    prompt = FULL[: 2 * CHUNK + 1]
-    a = run_engine(model, store, [prompt, prompt], chunk_tokens=CHUNK)
-    b = run_engine(model, store, [prompt], chunk_tokens=CHUNK)
+    a, b, store = other_models.swa.a, other_models.swa.b, other_models.swa.store
     assert [g.num_cached_tokens for g in a.generations] == [0, 2 * CHUNK]
     assert b.generations[0].num_cached_tokens == 2 * CHUNK, b.log[-4000:]
     same_output(a.generations[1], b.generations[0])
     assert "quarantined" not in b.log and len(stored_chunks(store)) == 2
 
 
-def test_an_mla_model_on_two_ranks_stores_one_copy_and_hits_like_vllms_own_cache(tmp_path):
+def test_an_mla_model_on_two_ranks_stores_one_copy_and_hits_like_vllms_own_cache(
+        other_models):
     """Multi-head latent attention (a dense DeepSeek-V3): one latent per token and layer,
     no K/V split, 16-token blocks, the same on both tensor-parallel ranks: rank 0 saves
     it, and both ranks load it. vLLM's CPU platform turns its own prefix cache off for
     MLA; A turns it back on for the reference (its second prompt continues from vLLM's
     own cache, each rank from the latent it computed). A fresh process on the connector
     alone (vLLM's cache off) loads the two chunks and continues exactly like that."""
-    model = build_tiny_mla(tmp_path / "mla")
-    store = f"file://{tmp_path}/kv"
-    prompt = FULL[: 2 * CHUNK + 1]
-    # vLLM's reference MLA backend for CPUs, which every x86 CPU runs (where AMX is there,
-    # vLLM picks another by default)
-    engine = {"chunk_tokens": CHUNK, "tensor_parallel_size": 2, "attention_backend": "CPU_MLA"}
-    a = run_engine(model, store, [prompt, prompt], prefix_caching=True, **engine)
-    b = run_engine(model, store, [prompt], **engine)
+    a, b, store = other_models.mla.a, other_models.mla.b, other_models.mla.store
     assert "MLA: rank 1 loads the chunks rank 0 saves" in b.log
     assert [g.num_cached_tokens for g in a.generations] == [0, 2 * CHUNK]
     assert len(stored_chunks(store)) == 2  # one copy, not one per rank

@@ -8,6 +8,8 @@ ids, their logprobs and vLLM's `num_cached_tokens`, plus the kvstash counters fr
 KV-connector metrics. vLLM spawns its engine core and workers, hence one process per
 engine and the `__main__` guard.
 
+`side_by_side(*runs)` runs independent engine runs two at a time.
+
 `serve_openai(...)` runs `python -m vllm.entrypoints.openai.api_server` on the same model.
 """
 
@@ -22,10 +24,11 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 
@@ -207,6 +210,18 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
         for g in out["generations"]
     ]
     return EngineRun(gens, out["metrics"], log, out["scheduler"], out["resets"])
+
+
+T = TypeVar("T")
+
+
+def side_by_side(*runs: Callable[[], T]) -> list[T]:
+    """Independent engine runs (or sequences of them), two at a time; their results in
+    order. An engine's start is mostly Python imports, one core at a time in each of its
+    three processes: on 2 cores two engines side by side took 1.4x one engine's time
+    (53 s against 37 s), three 2.3x."""
+    with ThreadPoolExecutor(2) as pool:
+        return [f.result() for f in [pool.submit(run) for run in runs]]
 
 
 def override_cpu_platform(async_scheduling: bool, prefix_caching: bool) -> None:
