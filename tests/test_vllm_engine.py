@@ -46,6 +46,7 @@ from storage.codec import decode_header  # noqa: E402
 from tests.kvserver_fixtures import running_kvserver  # noqa: E402
 from tests.s3_fixtures import with_prefix  # noqa: E402
 from tests.vllm_engine_fixtures import (  # noqa: E402
+    ENGINE_ENV,
     RESET_ALL,
     RESET_LOCAL,
     VOCAB,
@@ -528,7 +529,7 @@ def test_the_connectors_saves_reach_vllms_kv_event_stream(model, tmp_path):
 
 
 def test_pd_a_decode_instance_loads_what_the_prefill_instance_stored_before_its_reply(
-        model, tmp_path):
+        model, tmp_path, monkeypatch):
     """Prefill/decode disaggregation through a shared store, as a proxy runs it: both
     instances up, the request to the prefill instance (kv_producer) and, at its reply, to
     the decode instance (kv_consumer). The prefill's chunks are stored before it replies
@@ -537,6 +538,9 @@ def test_pd_a_decode_instance_loads_what_the_prefill_instance_stored_before_its_
     cache does."""
     from bench.vllm import Engine
 
+    # bench.vllm's engines take the environment's; as `run_engine`'s, none bound (see
+    # `side_by_side`)
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", ENGINE_ENV["VLLM_CPU_OMP_THREADS_BIND"])
     store = f"file://{tmp_path}/kv"
     spec = {"model_dir": str(model), "dtype": "bfloat16", "max_model_len": 2048,
             "chunk_tokens": CHUNK, "prefix_caching": True, "store": store}

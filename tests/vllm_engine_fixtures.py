@@ -36,10 +36,11 @@ ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
 MAX_MODEL_LEN = 4096
 # The engine's environment: 1 GiB of CPU KV cache (the default asks for most of the
-# machine's memory); the project root first on the path, as the connector is loaded by
-# module path in the engine core process.
+# machine's memory); no OpenMP binding (see `side_by_side`); the project root first on
+# the path, as the connector is loaded by module path in the engine core process.
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
     "TOKENIZERS_PARALLELISM": "false",
 }
@@ -218,8 +219,11 @@ T = TypeVar("T")
 def side_by_side(*runs: Callable[[], T]) -> list[T]:
     """Independent engine runs (or sequences of them), two at a time; their results in
     order. An engine's start is mostly Python imports, one core at a time in each of its
-    three processes: on 2 cores two engines side by side took 1.4x one engine's time
-    (53 s against 37 s), three 2.3x."""
+    three processes: on 2 cores two engines side by side took 1.05x one engine's time
+    (36 s against 35 s), three 1.6x. That is without vLLM's OpenMP binding (`nobind`),
+    which these tests do not measure: with it every worker imports most of vLLM pinned to
+    the first core of its list (GOMP_CPU_AFFINITY binds the thread that loads torch), the
+    same core for every engine, and two took 1.4x, three 2.3x."""
     with ThreadPoolExecutor(2) as pool:
         return [f.result() for f in [pool.submit(run) for run in runs]]
 
