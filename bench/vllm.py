@@ -1034,6 +1034,7 @@ def run(args: argparse.Namespace) -> int:
             "chunk_tokens": args.chunk_tokens, "cached_tokens": args.cached_tokens,
             "load_mode": args.load_mode,
             "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", RESERVED_CPUS),
+            "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             "prompt_tokens": args.cached_tokens + 1, "repeat": args.repeat,
             "warmup": args.warmup, "concurrency": args.concurrency, "batches": args.batches,
             "stores": {s.label: s.about for s in stores}, "notes": notes,
