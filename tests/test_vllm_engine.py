@@ -60,6 +60,7 @@ from tests.vllm_engine_fixtures import (  # noqa: E402
     run_engine,
     side_by_side,
     stored_chunks,
+    together,
     wait_stored,
 )
 
@@ -397,26 +398,50 @@ def save_then_load(model: Path, store: str, **engine) -> SimpleNamespace:
     return SimpleNamespace(a=a, b=b, store=store)
 
 
+PREEMPTED, PREEMPTED_REPLY = 5, 200
+
+
+def preempt_then_load(model: Path, store: str) -> SimpleNamespace:
+    """An engine on a KV cache of 17 blocks (2176 tokens) gets five 600-token prompts at
+    once, 200 tokens each (7 blocks each at the end): vLLM preempts some of them while
+    they decode, frees their blocks and computes them again later. Then, with vLLM's own
+    cache reset before each pass, each chat's next turn (prompt, reply, question) computed
+    in full (kvstash off: the reference), and again, loading its chunks from the store."""
+    prompts = [{"prompt_token_ids": _tokens(600), "max_tokens": PREEMPTED_REPLY}
+               for _ in range(PREEMPTED)]
+    question = _tokens(20)
+    off = {"kvstash": {"load": False, "save": False}}
+    run = run_engine(model, store, [
+        together(*prompts),
+        RESET_LOCAL, *(next_turn(i, question, kv_transfer_params=off) for i in range(PREEMPTED)),
+        RESET_LOCAL, *(next_turn(i, question) for i in range(PREEMPTED)),
+    ], chunk_tokens=CHUNK, kv_blocks=17, max_model_len=2048)
+    return SimpleNamespace(run=run, store=store)
+
+
 @pytest.fixture(scope="module")
-def other_models(tmp_path_factory: pytest.TempPathFactory):
-    """A sliding-window Mistral and an MLA DeepSeek-V3, each saved by its process A and
-    read by a fresh process B (`save_then_load`), the two models side by side."""
+def own_stores(model, tmp_path_factory: pytest.TempPathFactory):
+    """Runs on stores of their own, two at a time: a sliding-window Mistral and an MLA
+    DeepSeek-V3, each saved by its process A and read by a fresh process B
+    (`save_then_load`), and the Llama under preemption (`preempt_then_load`)."""
     swa, mla = tmp_path_factory.mktemp("swa"), tmp_path_factory.mktemp("mla")
+    pre = tmp_path_factory.mktemp("preempt")
     # MLA: vLLM's reference MLA backend for CPUs, which every x86 CPU runs (where AMX is
     # there, vLLM picks another by default); vLLM's CPU platform turns its own prefix
     # cache off for MLA, and A turns it back on for the reference
-    swa_runs, mla_runs = side_by_side(
-        partial(save_then_load, build_tiny_sliding_window(swa / "model"), f"file://{swa}/kv"),
+    mla_runs, swa_runs, preempted = side_by_side(
         partial(save_then_load, build_tiny_mla(mla / "model"), f"file://{mla}/kv",
-                prefix_caching=True, tensor_parallel_size=2, attention_backend="CPU_MLA"))
-    return SimpleNamespace(swa=swa_runs, mla=mla_runs)
+                prefix_caching=True, tensor_parallel_size=2, attention_backend="CPU_MLA"),
+        partial(save_then_load, build_tiny_sliding_window(swa / "model"), f"file://{swa}/kv"),
+        partial(preempt_then_load, model, f"file://{pre}/kv"))
+    return SimpleNamespace(swa=swa_runs, mla=mla_runs, preempted=preempted)
 
 
-def test_a_sliding_window_model_hits_across_processes(other_models):
+def test_a_sliding_window_model_hits_across_processes(own_stores):
     """A model with a 128-token window on every layer: vLLM gives a hit's request its null
     block for the blocks outside the window. A fresh process loads the rest and continues
     exactly like A's own prefix cache; the stored chunks stay (none quarantined)."""
-    a, b, store = other_models.swa.a, other_models.swa.b, other_models.swa.store
+    a, b, store = own_stores.swa.a, own_stores.swa.b, own_stores.swa.store
     assert [g.num_cached_tokens for g in a.generations] == [0, 2 * CHUNK]
     assert b.generations[0].num_cached_tokens == 2 * CHUNK, b.log[-4000:]
     same_output(a.generations[1], b.generations[0])
@@ -424,14 +449,14 @@ def test_a_sliding_window_model_hits_across_processes(other_models):
 
 
 def test_an_mla_model_on_two_ranks_stores_one_copy_and_hits_like_vllms_own_cache(
-        other_models):
+        own_stores):
     """Multi-head latent attention (a dense DeepSeek-V3): one latent per token and layer,
     no K/V split, 16-token blocks, the same on both tensor-parallel ranks: rank 0 saves
     it, and both ranks load it. vLLM's CPU platform turns its own prefix cache off for
     MLA; A turns it back on for the reference (its second prompt continues from vLLM's
     own cache, each rank from the latent it computed). A fresh process on the connector
     alone (vLLM's cache off) loads the two chunks and continues exactly like that."""
-    a, b, store = other_models.mla.a, other_models.mla.b, other_models.mla.store
+    a, b, store = own_stores.mla.a, own_stores.mla.b, own_stores.mla.store
     assert "MLA: rank 1 loads the chunks rank 0 saves" in b.log
     assert [g.num_cached_tokens for g in a.generations] == [0, 2 * CHUNK]
     assert len(stored_chunks(store)) == 2  # one copy, not one per rank
@@ -440,6 +465,32 @@ def test_an_mla_model_on_two_ranks_stores_one_copy_and_hits_like_vllms_own_cache
     assert a.metrics["vllm:kvstash_saved_chunks"] == 2
     chunk_bytes = CHUNK * 2 * 576 * 2  # tokens, layers, latent width, bf16
     assert b.metrics["vllm:kvstash_hit_bytes"] == 2 * 2 * chunk_bytes  # by each rank
+
+
+def test_requests_vllm_preempts_save_chunks_whose_kv_is_their_tokens(own_stores):
+    """Every chunk stored around the preemptions reads back verified and holds a window of
+    one request's tokens (prompt and reply) at its place. The next turns load all of
+    them, and their first tokens agree with full prefills of the same prompts within the
+    rounding bound: the K/V saved are those of the tokens."""
+    a = own_stores.preempted.run
+    assert a.metrics["vllm:num_preemptions"] >= 1
+    replies = a.generations[:PREEMPTED]
+    assert all(len(g.token_ids) == PREEMPTED_REPLY for g in replies)
+    sequences = [g.prompt_token_ids + g.token_ids for g in replies]
+    chunks = stored_chunks(own_stores.preempted.store)
+    assert chunks and all(chunks.values())
+    root = Path(own_stores.preempted.store.removeprefix("file://"))
+    for path in root.rglob("*.kv"):
+        head = decode_header(path.read_bytes())
+        assert any(head.matches_tokens(seq[i : i + CHUNK]) for seq in sequences
+                   for i in range(0, len(seq) - CHUNK + 1, CHUNK)), path
+    assert len(chunks) == sum(len(seq) // CHUNK for seq in sequences)
+    assert a.metrics["vllm:kvstash_loaded_chunks"] == len(chunks)
+    fulls, hits = a.generations[PREEMPTED : 2 * PREEMPTED], a.generations[2 * PREEMPTED :]
+    for seq, full, hit in zip(sequences, fulls, hits, strict=True):
+        assert full.num_cached_tokens == 0
+        assert hit.num_cached_tokens == len(seq) // CHUNK * CHUNK
+        close_to_recompute(full, hit)
 
 
 def test_a_chunk_no_prompt_can_fill_is_refused_at_start(model):

