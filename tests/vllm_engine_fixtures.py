@@ -298,10 +298,10 @@ def _main(spec: dict[str, Any]) -> None:
         inputs = [_inputs(p, params, generations) for p in batch]
         outs = llm.generate([i for i, _ in inputs], [sp for _, sp in inputs], use_tqdm=False)
         seconds = time.perf_counter() - start
-        for (these, _), out in zip(inputs, outs, strict=True):
+        for (sent, _), out in zip(inputs, outs, strict=True):
             completion = out.outputs[0]
             generations.append({
-                "prompt_token_ids": list(these["prompt_token_ids"]),
+                "prompt_token_ids": list(sent["prompt_token_ids"]),
                 "token_ids": list(completion.token_ids),
                 "logprobs": [{str(t): lp.logprob for t, lp in step.items()}
                              for step in completion.logprobs],
