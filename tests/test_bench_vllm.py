@@ -20,10 +20,13 @@ import sys
 import numpy as np
 import pytest
 
+from tests.vllm_engine_fixtures import ENGINE_ENV
+
 # Seven engines start at once (about 2 minutes on 2 busy cores), then run a few rounds.
 pytestmark = pytest.mark.timeout(1200)
 
 CACHED_TOKENS = 256  # two 128-token chunks; prompts are 257 tokens
+OMP_THREADS_BIND = ENGINE_ENV["VLLM_CPU_OMP_THREADS_BIND"]
 CHUNK_TOKENS = 128
 
 PROBE = (
@@ -56,12 +59,11 @@ def bench_run(tmp_path_factory):
     if why:
         pytest.skip(why)
     out = tmp_path_factory.mktemp("bench-vllm")
-    # Without vLLM's OpenMP binding, which pins the thread that loads torch in every
-    # worker to the first core of its list, the same for every engine: bound, the seven
-    # workers import most of vLLM one after the other on that core (engines ready in
-    # 181 s against 108 s). What is checked here does not depend on it.
+    # The engine tests' binding (none; see `side_by_side`): bound, the seven workers import
+    # most of vLLM one after the other on one core (engines ready in 181 s against 108 s).
+    # What is checked here does not depend on it.
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-           "VLLM_CPU_OMP_THREADS_BIND": "nobind"}
+           "VLLM_CPU_OMP_THREADS_BIND": OMP_THREADS_BIND}
     done = subprocess.run(
         [sys.executable, "-m", "kvstash.cli", "bench", "vllm",
          "--cached-tokens", str(CACHED_TOKENS), "--chunk-tokens", str(CHUNK_TOKENS),
@@ -212,7 +214,7 @@ def test_every_engine_computes_on_the_same_cores(bench_run):
     assert set(reserved.values()) == {want}, reserved
     assert len(set(cores.values())) == 1, cores  # all None where threads are not bound
     assert result["reserved_cpus"] == want
-    assert result["omp_threads_bind"] == "nobind"
+    assert result["omp_threads_bind"] == OMP_THREADS_BIND
 
 
 def test_the_pd_bench_reads_each_path_against_its_baseline():
