@@ -335,40 +335,48 @@ def test_an_unreachable_store_is_a_miss_with_the_right_output(first, saved):
     assert run.metrics.get("vllm:kvstash_hit_tokens", 0) == 0
 
 
-def test_openai_server_hits_and_flushes_queued_saves_on_sigterm(model, saved, stores, tmp_path):
-    """The server hits what A saved, and its SIGTERM shutdown (vLLM aborts the requests and
-    gives its engine processes `--shutdown-timeout` seconds) still writes the saves of a
-    new prompt that are queued behind a slow store; a request that turns saving off in its
-    `kv_transfer_params` leaves nothing in the store."""
-    new_prompt = _tokens(2 * CHUNK + 100)
-    private = _tokens(2 * CHUNK + 100)
+def serve_then_stop(model: Path, saved_store: str, tmp_path: Path) -> SimpleNamespace:
+    """The OpenAI server with A's stores: a hit of FULL, a prompt whose request turns
+    saving off, and a new prompt whose saves queue behind a slow store, then SIGTERM
+    (vLLM aborts the requests and gives its engine processes `--shutdown-timeout`
+    seconds). The stores behind the server are read after it has exited."""
+    new_prompt, private = _tokens(2 * CHUNK + 100), _tokens(2 * CHUNK + 100)
+    log = tmp_path / "server.log"
     with running_kvserver("--store", f"file://{tmp_path}/slow") as target, \
             SlowWrites(target.url, delay=1.0) as slow:
-        with openai_server(model, [stores.file, slow.url], tmp_path / "server.log",
-                           chunk_tokens=CHUNK) as (url, proc):
+        with openai_server(model, [saved_store, slow.url], log, chunk_tokens=CHUNK) as (url, proc):
             hit = complete(url, FULL)
-            assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * CHUNK, \
-                (tmp_path / "server.log").read_text()[-6000:]
-            choice = hit["choices"][0]
-            ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
-            assert ids == saved.generations[A_FULL_CACHED].token_ids
             # the hit in the server's Prometheus metrics, as a scraper reads them
-            assert prometheus_value(url, "vllm:kvstash_hit_tokens_total") == 3 * CHUNK
+            hit_tokens = prometheus_value(url, "vllm:kvstash_hit_tokens_total")
             complete(url, private, max_tokens=1, kv_transfer_params={"kvstash": {"save": False}})
             # a miss: two new chunks go to file:// and, behind it, through the slow proxy
             complete(url, new_prompt, max_tokens=1)
             proc.send_signal(signal.SIGTERM)
             proc.wait(120)
-        log = (tmp_path / "server.log").read_text()
-        assert slow.held >= 2, "the cascade's writes went through the slow proxy"
-        behind = stored_chunks(f"file://{tmp_path}/slow")
-    assert "kvstash: request" in log
+        held = slow.held
+    return SimpleNamespace(hit=hit, hit_tokens=hit_tokens, held=held, log=log.read_text(),
+                           behind=stored_chunks(f"file://{tmp_path}/slow"),
+                           slow_root=tmp_path / "slow", new_prompt=new_prompt, private=private)
+
+
+def test_openai_server_hits_and_flushes_queued_saves_on_sigterm(served, saved, stores):
+    """The server hits what A saved, and its SIGTERM shutdown still writes the saves of a
+    new prompt that are queued behind a slow store; a request that turns saving off in its
+    `kv_transfer_params` leaves nothing in the store."""
+    run = served.openai
+    assert run.hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 3 * CHUNK, run.log[-6000:]
+    choice = run.hit["choices"][0]
+    ids = [int(t.removeprefix("token_id:")) for t in choice["logprobs"]["tokens"]]
+    assert ids == saved.generations[A_FULL_CACHED].token_ids
+    assert run.hit_tokens == 3 * CHUNK
+    assert run.held >= 2, "the cascade's writes went through the slow proxy"
+    assert "kvstash: request" in run.log
     # FULL's 3 chunks cascade from file:// too; the new prompt's 2 chunks must be there
-    assert len(behind) >= 2 and all(behind.values())
+    assert len(run.behind) >= 2 and all(run.behind.values())
     heads = [decode_header(p.read_bytes()) for p in [*stores.root.rglob("*.kv"),
-                                                      *(tmp_path / "slow").rglob("*.kv")]]
-    assert any(h.matches_tokens(new_prompt[:CHUNK]) for h in heads)
-    assert not any(h.matches_tokens(private[:CHUNK]) for h in heads)
+                                                      *run.slow_root.rglob("*.kv")]]
+    assert any(h.matches_tokens(run.new_prompt[:CHUNK]) for h in heads)
+    assert not any(h.matches_tokens(run.private[:CHUNK]) for h in heads)
 
 
 def prometheus_value(url: str, name: str, timeout: float = 10.0) -> float:
@@ -514,18 +522,14 @@ def test_a_chunk_no_prompt_can_fill_is_refused_at_start(model):
     assert "\n" not in str(err.value)
 
 
-def test_the_connectors_saves_reach_vllms_kv_event_stream(model, tmp_path):
-    """A router subscribed to vLLM's KV events (--kv-events-config, ZMQ) sees the chunks
-    the connector stored, as BlockStored with medium "kvstash", decoded by vLLM's own
-    decoder, beside vLLM's own block events, and saying of each block what vLLM's own
-    event says of it: its hash in the same form, and the extra keys of its hash (here a
-    tenant's cache salt). The salted prompt, the same tokens as FULL, is not a hit for
-    FULL's stored chunks: the salt is in the keys."""
+def subscribed_run(model: Path, tmp_path: Path) -> SimpleNamespace:
+    """An engine publishing vLLM's KV events (--kv-events-config, ZMQ) runs FULL, then
+    SALTED and PARTIAL, while a subscriber decodes every batch with vLLM's own decoder."""
     import threading
 
     import msgspec
     import zmq
-    from vllm.distributed.kv_events import BlockStored, KVEventBatch
+    from vllm.distributed.kv_events import KVEventBatch
 
     from tests.test_http_store_client import free_port
 
@@ -554,12 +558,34 @@ def test_the_connectors_saves_reach_vllms_kv_event_stream(model, tmp_path):
     try:
         # a save's event leaves with the engine's next step: a second request makes one
         run = run_engine(model, f"file://{tmp_path}/kv", [FULL, SALTED, PARTIAL],
-                   chunk_tokens=CHUNK, exit_flush_s=10,
-                   kv_events={"enable_kv_cache_events": True, "publisher": "zmq",
-                              "endpoint": f"tcp://*:{port}"})
+                         chunk_tokens=CHUNK, exit_flush_s=10,
+                         kv_events={"enable_kv_cache_events": True, "publisher": "zmq",
+                                    "endpoint": f"tcp://*:{port}"})
     finally:
         done.set()
         listener.join(5)
+    return SimpleNamespace(run=run, batches=batches)
+
+
+@pytest.fixture(scope="module")
+def served(model, saved, stores, tmp_path_factory: pytest.TempPathFactory):
+    """The OpenAI server (`serve_then_stop`) beside the engine publishing KV events
+    (`subscribed_run`)."""
+    openai, events = side_by_side(
+        partial(serve_then_stop, model, stores.file, tmp_path_factory.mktemp("served")),
+        partial(subscribed_run, model, tmp_path_factory.mktemp("events")))
+    return SimpleNamespace(openai=openai, events=events)
+
+
+def test_the_connectors_saves_reach_vllms_kv_event_stream(served):
+    """A router subscribed to vLLM's KV events sees the chunks the connector stored, as
+    BlockStored with medium "kvstash", beside vLLM's own block events, and saying of each
+    block what vLLM's own event says of it: its hash in the same form, and the extra keys
+    of its hash (here a tenant's cache salt). The salted prompt, the same tokens as FULL,
+    is not a hit for FULL's stored chunks: the salt is in the keys."""
+    from vllm.distributed.kv_events import BlockStored
+
+    run, batches = served.events.run, served.events.batches
     assert [g.num_cached_tokens for g in run.generations] == [0, 0, 2 * CHUNK]
     stored = [e for b in batches for e in b.events if isinstance(e, BlockStored)]
     ours = [e for e in stored if e.medium == "kvstash"]
