@@ -569,8 +569,8 @@ def subscribed_run(model: Path, tmp_path: Path) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def served(model, saved, stores, tmp_path_factory: pytest.TempPathFactory):
-    """The OpenAI server (`serve_then_stop`) beside the engine publishing KV events
-    (`subscribed_run`)."""
+    """The OpenAI server (`serve_then_stop`, on `stores.file` once A has `saved` there)
+    beside the engine publishing KV events (`subscribed_run`)."""
     openai, events = side_by_side(
         partial(serve_then_stop, model, stores.file, tmp_path_factory.mktemp("served")),
         partial(subscribed_run, model, tmp_path_factory.mktemp("events")))
