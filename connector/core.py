@@ -64,6 +64,8 @@ COUNTERS = {
                       "engine's own prefix cache held."),
     "lookup_errors": "Lookups that failed (store unreachable or erroring): misses.",
     "lookup_timeouts": "Lookups that outlived lookup_timeout_s: misses.",
+    "lookups_given_up": ("Lookups not waited for past the time recomputing the prefix they "
+                         "asked for takes (vLLM): misses."),
     "bypassed": "Lookups and loads skipped while the circuit breaker had the store bypassed.",
     "loads": "Loads started.",
     "loaded_chunks": "Chunks read, verified and placed into the engine's KV cache.",

@@ -32,6 +32,15 @@ def store_id(urls: StoreSpec) -> tuple[str, ...]:
     return (urls,) if isinstance(urls, str) else tuple(urls)
 
 
+async def _cancel_others(grace: float = 1.0) -> None:
+    """Cancel every other task of the running loop; wait up to `grace` for them to end."""
+    tasks = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in tasks:
+        task.cancel()
+    if tasks:
+        await asyncio.wait(tasks, timeout=grace)
+
+
 class StoreLoop:
     _shared: dict[tuple[str, ...], StoreLoop] = {}
     _shared_lock = threading.Lock()
@@ -104,6 +113,9 @@ class StoreLoop:
             return
         try:
             self.call(lambda store: store.close() if close_store else store.flush(), timeout)
+            # Requests still waiting on the store (a lookup to a store that never answers)
+            # end here, not as "Task was destroyed but it is pending!" when the loop goes.
+            self.call(lambda _: _cancel_others(), timeout)
         except Exception as exc:  # noqa: BLE001 - shutting down must not fail the engine
             log.warning("closing %s: %s", self.store, exc)
         finally:

@@ -24,7 +24,8 @@ Scheduler side (engine core process): `get_num_new_matched_tokens` starts one ba
 existence check per request (`lookup_async`), waits up to `lookup_wait_ms` for it (up to
 `lookup_idle_wait_ms` when the request is the only one in the engine), and
 answers None ("ask again next step") until it resolves (within `lookup_timeout_s`; a
-failure or timeout is no hit). The core's
+failure or timeout is no hit), or until it has taken as long as recomputing the chunks
+it asked for (`_lookup_patience`: no hit either). The core's
 policy then decides how many of the stored chunks are worth loading, from the load and
 prefill speeds the workers measure and report through vLLM's KV-connector stats. Hits
 load asynchronously between steps (the request waits in WAITING_FOR_REMOTE_KVS, other
@@ -56,6 +57,7 @@ import functools
 import itertools
 import json
 import logging
+import math
 import os
 import secrets
 import signal
@@ -1116,18 +1118,22 @@ class KvstashConnector(KVConnectorBase_V1):
             # gets `lookup_idle_wait_ms` then.
             alone = len(self._reqs) == 1
             if not st.lookup.done():
-                concurrent.futures.wait([st.lookup], timeout=max(
-                    self.lookup_wait_s, self.lookup_idle_wait_s if alone else 0.0))
+                concurrent.futures.wait([st.lookup], timeout=min(self._lookup_patience(st), max(
+                    self.lookup_wait_s, self.lookup_idle_wait_s if alone else 0.0)))
         answered = False
+        waited = time.monotonic() - st.lookup_started
         if st.lookup.done():
             try:
                 stored, answered = st.lookup.result(), True
             except Exception as exc:  # noqa: BLE001 - cancelled: a miss
                 log.warning("lookup on %s failed: %s", self.core.store, exc)
                 stored = 0
-        elif time.monotonic() - st.lookup_started > self.core.lookup_timeout_s + 1.0:
+        elif waited > self.core.lookup_timeout_s + 1.0:
             st.lookup.cancel()  # the core answers by its timeout; this is its loop stuck
             self.core.count(lookup_timeouts=1)
+            stored = 0
+        elif waited >= self._lookup_patience(st):
+            self.core.count(lookups_given_up=1)  # it ends by its timeout, unheard
             stored = 0
         else:
             return None
@@ -1172,6 +1178,17 @@ class KvstashConnector(KVConnectorBase_V1):
             return None, False
         extra = hit * self.chunk_tokens - num_computed_tokens
         return (extra, not st.sync) if extra > 0 else (0, False)
+
+    def _lookup_patience(self, st: _Req) -> float:
+        """How long a request is held for its lookup: once prefill has been timed, no
+        longer than recomputing every chunk it asked for would take (even a hit loses to
+        that: its load comes on top), and at least `lookup_wait_ms`. A slow or stalled store
+        (an S3 round trip against a short prefill on a GPU) then costs a miss no more than
+        the prefix's own compute. Before any prefill was timed: until the lookup's timeout
+        (inf here)."""
+        tokens = (len(st.keys[0]) - st.lookup_from) * self.chunk_tokens if st.keys else 0
+        compute = self.core.policy.recompute_s(tokens)
+        return math.inf if compute is None else max(self.lookup_wait_s, compute)
 
     def _loaded_by_another(self, st: _Req) -> bool:
         """Whether the first chunk this request would load is being loaded by another

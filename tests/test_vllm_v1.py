@@ -1550,6 +1550,34 @@ def test_a_store_that_never_answers_does_not_hold_the_scheduler():
             engine.shutdown()
 
 
+def test_a_lookup_slower_than_recomputing_its_prefix_is_not_waited_for():
+    """Once the engine has timed a prefill, a request is held for its lookup no longer than
+    recomputing the chunks it asked for would take (a load would come on top): against a
+    store that never answers, it is then a miss, counted, long before the lookup's
+    timeout. Before any prefill was timed, the timeout alone ends the wait."""
+    import socket
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)  # the kernel accepts; nobody reads or answers
+        engine = V1Engine(f"http://127.0.0.1:{silent.getsockname()[1]}",
+                          chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=1, lookup_timeout_s=8)
+        try:
+            scheduler = engine.scheduler
+            req = make_request(PROMPT)
+            assert scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
+            scheduler._reqs[req.request_id].lookup_started -= 4  # 4 s into its 8 s timeout
+            assert scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
+            # what the workers report of a prefill: the 3 chunks asked for take 0.2 s
+            scheduler.core.policy.observe_prefill(3 * CHUNK_TOKENS, 0.2)
+            assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+            assert engine.lookup(make_request(PROMPT)) == (0, False)  # a new one: after 0.2 s
+            counters = scheduler.core.counters()
+            assert counters["lookups_given_up"] == 2 and counters["lookup_timeouts"] == 0
+        finally:
+            engine.shutdown()
+
+
 def slow_chunk_reads(monkeypatch, seconds: float) -> None:
     """Every direct chunk read of a file:// store takes `seconds` longer."""
     import time
