@@ -8,7 +8,9 @@ vLLM's attention layers and model runner do (a GPU build cannot run here).
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 
@@ -1531,23 +1533,31 @@ def test_a_local_directory_is_looked_up_within_the_first_ask_whatever_lookup_wai
         engine.shutdown()
 
 
-def test_a_store_that_never_answers_does_not_hold_the_scheduler():
-    """A kvserver that accepts the connection and never answers: the first ask returns
-    "ask again" after `lookup_wait_ms`, and the lookup ends as a miss at its timeout."""
+@contextlib.contextmanager
+def engine_on_a_silent_store(lookup_timeout_s: float) -> Iterator[V1Engine]:
+    """An engine whose store is a kvserver address that accepts connections and never
+    answers (the kernel accepts; nobody reads), asking again after 1 ms."""
     import socket
 
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
-        silent.listen(16)  # the kernel accepts; nobody reads or answers
-        engine = V1Engine(f"http://127.0.0.1:{silent.getsockname()[1]}",
-                          chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=1, lookup_timeout_s=0.5)
+        silent.listen(16)
+        engine = V1Engine(f"http://127.0.0.1:{silent.getsockname()[1]}", chunk_tokens=CHUNK_TOKENS,
+                          lookup_wait_ms=1, lookup_timeout_s=lookup_timeout_s)
         try:
-            req = make_request(PROMPT)
-            assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
-            assert engine.lookup(req) == (0, False)
-            assert engine.scheduler.core.counters()["lookup_timeouts"] == 1
+            yield engine
         finally:
             engine.shutdown()
+
+
+def test_a_store_that_never_answers_does_not_hold_the_scheduler():
+    """A kvserver that accepts the connection and never answers: the first ask returns
+    "ask again" after `lookup_wait_ms`, and the lookup ends as a miss at its timeout."""
+    with engine_on_a_silent_store(lookup_timeout_s=0.5) as engine:
+        req = make_request(PROMPT)
+        assert engine.scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
+        assert engine.lookup(req) == (0, False)
+        assert engine.scheduler.core.counters()["lookup_timeouts"] == 1
 
 
 def test_a_lookup_slower_than_recomputing_its_prefix_is_not_waited_for():
@@ -1555,27 +1565,18 @@ def test_a_lookup_slower_than_recomputing_its_prefix_is_not_waited_for():
     recomputing the chunks it asked for would take (a load would come on top): against a
     store that never answers, it is then a miss, counted, long before the lookup's
     timeout. Before any prefill was timed, the timeout alone ends the wait."""
-    import socket
-
-    with socket.socket() as silent:
-        silent.bind(("127.0.0.1", 0))
-        silent.listen(16)  # the kernel accepts; nobody reads or answers
-        engine = V1Engine(f"http://127.0.0.1:{silent.getsockname()[1]}",
-                          chunk_tokens=CHUNK_TOKENS, lookup_wait_ms=1, lookup_timeout_s=8)
-        try:
-            scheduler = engine.scheduler
-            req = make_request(PROMPT)
-            assert scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
-            scheduler._reqs[req.request_id].lookup_started -= 4  # 4 s into its 8 s timeout
-            assert scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
-            # what the workers report of a prefill: the 3 chunks asked for take 0.2 s
-            scheduler.core.policy.observe_prefill(3 * CHUNK_TOKENS, 0.2)
-            assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
-            assert engine.lookup(make_request(PROMPT)) == (0, False)  # a new one: after 0.2 s
-            counters = scheduler.core.counters()
-            assert counters["lookups_given_up"] == 2 and counters["lookup_timeouts"] == 0
-        finally:
-            engine.shutdown()
+    with engine_on_a_silent_store(lookup_timeout_s=8) as engine:
+        scheduler = engine.scheduler
+        req = make_request(PROMPT)
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
+        scheduler._reqs[req.request_id].lookup_started -= 4  # 4 s into its 8 s timeout
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
+        # what the workers report of a prefill: the 3 chunks asked for take 0.2 s
+        scheduler.core.policy.observe_prefill(3 * CHUNK_TOKENS, 0.2)
+        assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
+        assert engine.lookup(make_request(PROMPT)) == (0, False)  # a new one: after 0.2 s
+        counters = scheduler.core.counters()
+        assert counters["lookups_given_up"] == 2 and counters["lookup_timeouts"] == 0
 
 
 def slow_chunk_reads(monkeypatch, seconds: float) -> None:
