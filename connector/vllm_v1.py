@@ -1186,8 +1186,8 @@ class KvstashConnector(KVConnectorBase_V1):
         (an S3 round trip against a short prefill on a GPU) then costs a miss no more than
         the prefix's own compute. Before any prefill was timed: until the lookup's timeout
         (inf here)."""
-        tokens = (len(st.keys[0]) - st.lookup_from) * self.chunk_tokens if st.keys else 0
-        compute = self.core.policy.recompute_s(tokens)
+        compute = self.core.policy.recompute_s(
+            (len(st.keys[0]) - st.lookup_from) * self.chunk_tokens)
         return math.inf if compute is None else max(self.lookup_wait_s, compute)
 
     def _loaded_by_another(self, st: _Req) -> bool:
