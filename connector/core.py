@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 import weakref
@@ -36,7 +38,9 @@ import numpy as np
 
 from connector.engine_io import StoreLoop
 from connector.layout import ChunkLayout, EngineLayout
-from connector.policy import LoadPlan, LoadPolicy
+from connector.lookup import LookupPoll
+from connector.options import CoreOptions
+from connector.policy import LoadPlan, LoadPolicy, PrefillTimer
 from connector.writebehind import SaveJob, WriteBehindQueue
 from gds.buffers import for_gpu, host_view
 from gds.chunkio import run_on
@@ -275,7 +279,8 @@ class KVConnector:
     that long after it is queued (see WriteBehindQueue); `lookup_timeout_s` bounds the one
     store call a miss costs. `policy` decides how much of a stored prefix is worth
     loading and how long to wait for it; `breaker_*` set the circuit breaker that
-    bypasses a failing store.
+    bypasses a failing store. These are `CoreOptions`, with its defaults;
+    `load_deadline_s` fixes the deadline of every load (None: the policy's).
 
     `direct_io`: a store that reads directly into device buffers (`SupportsDirectReads`:
     file://, or a tier list whose first tier is file://) is read that way, straight into
@@ -300,14 +305,15 @@ class KVConnector:
         ns: Namespace,
         *,
         layout: ChunkLayout | EngineLayout | None = None,
-        max_in_flight: int = 8,
-        lookup_timeout_s: float = 1.0,
+        max_in_flight: int = CoreOptions.max_in_flight,
+        lookup_timeout_s: float = CoreOptions.lookup_timeout_s,
+        load_deadline_s: float | None = CoreOptions.load_deadline_s,
         save_queue_bytes: int = 512 * 1024**2,
         save_delay_s: float = 0.0,
         policy: LoadPolicy | None = None,
-        breaker_failures: int = 1,
-        breaker_cooldown: float = 1.0,
-        breaker_max_cooldown: float = 30.0,
+        breaker_failures: int = CoreOptions.breaker_failures,
+        breaker_cooldown: float = CoreOptions.breaker_cooldown,
+        breaker_max_cooldown: float = CoreOptions.breaker_max_cooldown,
         direct_io: bool | str | ChunkIO = True,
         segment_checksums: bool = True,
         resident_reads: bool = True,
@@ -321,7 +327,13 @@ class KVConnector:
         self.layout: ChunkLayout | EngineLayout | None = None
         self.max_in_flight = max_in_flight
         self.lookup_timeout_s = lookup_timeout_s
+        self.load_deadline_s = load_deadline_s
         self.policy = policy or LoadPolicy()
+        self._prefill_timers: list[PrefillTimer] = []  # stopped, time not yet known
+        self._timers_lock = threading.Lock()
+        # Chunks being written (key -> the write that holds them), for `writing`.
+        self._writing: dict[str, concurrent.futures.Future[list[bool]]] = {}
+        self._writing_lock = threading.Lock()  # writes end on write-behind's thread
         self.segment_checksums = segment_checksums
         self.resident_reads = resident_reads
         # Asked once: a runtime protocol check costs ~40 us, and loads ask per chunk.
@@ -376,6 +388,11 @@ class KVConnector:
                 + " (build it with connector.hf.namespace_for(model))"
             )
         self.layout = layout
+
+    def set_namespace(self, ns: Namespace) -> None:
+        """Move to another key space (e.g. a new epoch after the engine reset its cache):
+        lookups, loads and saves started from now on use `ns`."""
+        self.ns = ns
 
     @property
     def chunk_tokens(self) -> int:
@@ -496,6 +513,27 @@ class KVConnector:
         done.set_result(now)
         return done
 
+    def start_lookup(self, lists: Sequence[Sequence[str]], asked_tokens: int, floor_s: float,
+                     page_cache: bool = False) -> LookupPoll:
+        """`lookup_async` of every key list, to be polled (`LookupPoll`) within the
+        patience `lookup_patience_s(asked_tokens, floor_s)`. `page_cache`: also ask, where
+        the store answers on this thread (`lookup_cached`), which chunks are all in the
+        page cache now (`LookupPoll.cached`)."""
+        now = self.lookup_cached(lists) if page_cache else None
+        if now is None:
+            return LookupPoll(self, self.lookup_async(lists), asked_tokens, floor_s)
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        done.set_result(now[0])
+        return LookupPoll(self, done, asked_tokens, floor_s, cached=now[1])
+
+    def lookup_patience_s(self, tokens: int, floor_s: float = 0.0) -> float:
+        """How long a lookup of `tokens` is worth waiting for: once prefill has been
+        timed, no longer than recomputing them would take (even a hit loses to that: its
+        load comes on top), and at least `floor_s`; before any prefill was timed, until
+        the lookup's timeout (inf here)."""
+        compute = self.policy.recompute_s(tokens)
+        return math.inf if compute is None else max(floor_s, compute)
+
     def _lookup_now(self, lists: list[list[str]]) -> int | None:
         """`_lookup` on this thread where the store answers here (`prefix_len_now`: a local
         directory, an access(2) per key; the hop to the loop and back cost 1.7-2.4 ms in a
@@ -588,7 +626,21 @@ class KVConnector:
         declined = cached_tokens // self.chunk_tokens - plan.chunks
         if declined > 0:
             self._count(declined_tokens=declined * self.chunk_tokens)
+        if plan.chunks and self.load_deadline_s is not None:
+            plan = dataclasses.replace(plan, deadline_s=self.load_deadline_s)
         return plan
+
+    def load_deadline(self, tokens: int) -> float:
+        """How long a load of `tokens` waits for its chunks: `load_deadline_s` where set,
+        else the policy's deadline."""
+        if self.load_deadline_s is not None:
+            return self.load_deadline_s
+        return self.policy.deadline_s(tokens)
+
+    @property
+    def max_load_wait_s(self) -> float:
+        """The longest any load waits: `load_deadline_s`, or the policy's ceiling."""
+        return self.load_deadline_s if self.load_deadline_s is not None else self.policy.max_wait_s
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine reports each prefill it ran, so the policy knows what recompute costs."""
@@ -598,6 +650,29 @@ class KVConnector:
     def observe_load(self, nbytes: int, seconds: float) -> None:
         """A load measured elsewhere (e.g. vLLM's workers, reported to its scheduler)."""
         self.policy.observe_load(nbytes, seconds)
+
+    def learn_from(self, counters: dict[str, float]) -> None:
+        """The policy learns from counters another process's core counted (vLLM's
+        workers report theirs to the scheduler, whose policy plans their loads): how fast
+        loads delivered bytes, and how fast the engine computed prompt tokens. Not
+        counted again here."""
+        if counters.get("loads") and counters.get("load_seconds"):
+            self.policy.observe_load(int(counters.get("hit_bytes", 0)),
+                                     float(counters["load_seconds"]))
+        if counters.get("prefill_tokens") and counters.get("prefill_seconds"):
+            self.policy.observe_prefill(int(counters["prefill_tokens"]),
+                                        float(counters["prefill_seconds"]))
+
+    def prefill_timed(self, timer: PrefillTimer | None) -> None:
+        """A stopped `PrefillTimer` of a forward the engine ran (None: none this time):
+        observed (`observe_prefill`) once its time is known, with every earlier one now
+        known (on a GPU once its kernels are done: never a sync). Any thread."""
+        with self._timers_lock:
+            if timer is not None:
+                self._prefill_timers.append(timer)
+            done = list(PrefillTimer.finished(self._prefill_timers))
+        for t in done:
+            self.observe_prefill(t.tokens, t.seconds())
 
     def _require_layout(self) -> ChunkLayout | EngineLayout:
         if self.layout is None:
@@ -1050,7 +1125,7 @@ class KVConnector:
         if n_chunks == 0 or self._bypassed():
             handle.cancel()
             return handle
-        wait_s = (self.policy.deadline_s(n_chunks * self.chunk_tokens)
+        wait_s = (self.load_deadline(n_chunks * self.chunk_tokens)
                   if deadline_s is None else deadline_s)
         handle.deadline = handle.started + wait_s
         try:
@@ -1218,12 +1293,30 @@ class KVConnector:
         `save_delay_s`."""
         job = self._job(keys, [()] * len(keys) if tokens is None else tokens, payload, 0)
         job.check_store, job.urgent = check_store, urgent
-        job.done = concurrent.futures.Future()
+        done: concurrent.futures.Future[list[bool]] = concurrent.futures.Future()
+        job.done = done
         if self._closed:
-            job.done.set_result([False] * len(keys))
-        else:
-            self._writer.submit(job)
-        return job.done
+            done.set_result([False] * len(keys))
+            return done
+        with self._writing_lock:
+            self._writing.update(dict.fromkeys(job.keys, done))
+        done.add_done_callback(functools.partial(self._written, job.keys))
+        self._writer.submit(job)
+        return done
+
+    def writing(self, key: str) -> concurrent.futures.Future[list[bool]] | None:
+        """The write (`write`) that holds chunk `key` while it is in flight, else None:
+        an adapter that would save the same chunk again (another request of the same
+        prefix) waits for that write or leaves the chunk to it."""
+        with self._writing_lock:
+            return self._writing.get(key)
+
+    def _written(self, keys: list[str], done: concurrent.futures.Future[list[bool]]) -> None:
+        """A write has ended (any thread): its chunks are no longer in flight."""
+        with self._writing_lock:
+            for key in keys:
+                if self._writing.get(key) is done:
+                    del self._writing[key]
 
     def _job(self, keys: Sequence[str], tokens: Sequence[Any], payload: Callable[[int], Any],
              first: int) -> SaveJob:
@@ -1241,6 +1334,17 @@ class KVConnector:
         try:
             self._call(self._writer.join(), timeout)
         except concurrent.futures.TimeoutError:
+            return False
+        return True
+
+    def flush_store(self, timeout: float | None = None) -> bool:
+        """Wait for the store's own write-behind (a tier list's cascade to its lower
+        tiers) after `flush`; False on timeout or a failing tier."""
+        if self._closed:
+            return True
+        try:
+            self._call(self.store.flush(), timeout)
+        except Exception:  # noqa: BLE001 - a timeout or a failing tier: not flushed
             return False
         return True
 

