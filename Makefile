@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh clone:
 #   make demo   -- install, then run the end-to-end demo on the embedded default store
-#   make test   -- install, then run ruff and the whole test suite
+#   make test   -- install, then run ruff, mypy (the engine side) and the whole test suite
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
@@ -23,10 +23,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench-store: $(STAMP)
 	$(VENV)/bin/kvstash bench store --store file://$(CURDIR)/.kvstash-bench

@@ -102,6 +102,11 @@ class KvstashHiCache(HiCacheStorage):
         self._pages = BufferPool(self._page_buffer, lambda: self._pages_max)
         log.info("SGLang HiCache storage on %s, namespace %s", self.core.store, self.ns.id)
 
+    @property
+    def _core(self) -> KVConnector:
+        assert self.core is not None, "register_mem_pool_host must come first"
+        return self.core
+
     def stats(self) -> dict[str, Any]:
         """The engine core's counters and state (connector.core.COUNTERS)."""
         return self.core.stats() if self.core is not None else {}
@@ -114,26 +119,27 @@ class KvstashHiCache(HiCacheStorage):
         """Read, verify and copy pages into `pages` (host memory), within the load
         deadline: per page whether it was read, and whether every read has ended (a read
         cut short by the deadline may yet write its page)."""
-        wait_s = self.core.max_load_wait_s
-        handle = self.core.load_async(self._keys(keys), [()] * len(keys), Buffers(pages),
-                                      wait_s)
+        core = self._core
+        wait_s = core.max_load_wait_s
+        handle = core.load_async(self._keys(keys), [()] * len(keys), Buffers(pages), wait_s)
         ok = handle.result(wait_s + 1.0)
         return ok, handle.done() and not handle.stalled
 
     def _write(self, keys: list[str], payload: Any) -> list[bool]:
         """Write pages through the core's queue; waits up to the load deadline for the
         answer."""
-        wait_s = self.core.max_load_wait_s
-        future = self.core.write(self._keys(keys), None, payload)
+        core = self._core
+        wait_s = core.max_load_wait_s
+        future = core.write(self._keys(keys), None, payload)
         try:
             return future.result(wait_s)
         except Exception as exc:  # noqa: BLE001 - storage trouble is a miss, never an error
             log.warning("HiCache storage on %s: write not done in %.1f s: %s",
-                        self.core.store, wait_s, exc or type(exc).__name__)
+                        core.store, wait_s, exc or type(exc).__name__)
             return [False] * len(keys)
 
     def _page_buffer(self) -> torch.Tensor:
-        kind = "direct" if self.core.reads_direct else "host"
+        kind = "direct" if self._core.reads_direct else "host"
         return staging_tensor(kind, self.page_nbytes, torch.device("cpu"))
 
     # -- the interface SGLang's cache controller uses -----------------------------------
@@ -152,7 +158,7 @@ class KvstashHiCache(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> int:
-        return self.core.lookup_async(self._keys(keys)).result()
+        return self._core.lookup_async(self._keys(keys)).result()
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor,

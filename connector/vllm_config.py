@@ -31,8 +31,8 @@ FORMAT = "vllm-v1"
 DEFAULT_CHUNK_TOKENS = 256
 LOAD_MODES = ("auto", "async", "layerwise")
 
-# A step's saves start this long after it queues them: past its sampling and output (3-5 ms
-# on the 2-vCPU Xeon VM), which s3:// saves slowed by about 1 % of a miss's TTFT there.
+# A step's saves start this long after it queues them: past its sampling and output, which
+# s3:// saves started at once slowed (docs/benchmarks/2026-11-27-vllm-s3-miss.md).
 SAVE_DELAY_MS = 15.0
 
 
@@ -227,7 +227,7 @@ def _cpu_cores_moved_by_connector() -> bool:
     """Whether vLLM chose this engine's cores as for any KV connector on its CPU build: one
     more core per worker kept for the scheduler (vllm/utils/ompmultiprocessing.py), so the
     model computes on fewer cores than without the connector, or, where that reservation
-    does not fit (2 vCPUs), on every core beside the scheduler."""
+    does not fit (a host of two cores), on every core beside the scheduler."""
     return "VLLM_CPU_NUM_OF_RESERVED_CPU" not in os.environ and _cpu_platform()
 
 

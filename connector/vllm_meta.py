@@ -48,7 +48,7 @@ class KvstashConnectorStats(KVConnectorStats):
     workers (`aggregate`) and over its logging interval."""
 
     def reset(self) -> None:
-        self.data = {}
+        self.data: dict[str, float] = {}
 
     def aggregate(self, other: KVConnectorStats) -> KvstashConnectorStats:
         for name, value in other.data.items():
@@ -138,9 +138,8 @@ class ChunkRef:
     """One chunk of one request. `block_hash` is vLLM's hash of its last block; `first`
     skips blocks of a load that the GPU prefix cache already holds. `token_bytes` are the
     chunk's token ids as little-endian uint32, the form chunk headers hold them in: they
-    go to the workers with every step's metadata, where a list of ints took 3x as long to
-    pickle and unpickle (130 against 40 us for 2048 tokens, 2026-11-26) and longer to
-    check against a header."""
+    go to the workers with every step's metadata, where a list of ints takes several
+    times as long to pickle and unpickle, and longer to check against a header."""
 
     block_hash: bytes
     token_bytes: bytes

