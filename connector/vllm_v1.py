@@ -22,8 +22,9 @@ breaker that bypasses a failing store, verified loads, counters, write-behind sa
 
 - connector/vllm_scheduler.py, `KvstashScheduler` (engine core process): lookups, load
   decisions, the metadata each step sends the workers;
-- connector/vllm_worker.py, `KvstashWorker` (one per GPU): placement into the paged KV
-  cache, layerwise loads, gathers and saves;
+- connector/vllm_worker.py, `KvstashWorker` (one per GPU): loads (async and layerwise),
+  gathers and saves, over connector/vllm_cache.py's `PagedKv` (where blocks sit in the
+  paged KV cache, and the copies into and out of it);
 - connector/vllm_meta.py: what travels between them (metadata, counters as vLLM stats
   and Prometheus metrics, KV events); connector/vllm_config.py: the options, chunk
   geometry and key spaces both read.
@@ -45,6 +46,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from connector.core import KVConnector
+from connector.vllm_cache import GpuPlacement, PagedKv, gather_blocks, place_blocks
 from connector.vllm_config import (
     DEFAULT_CHUNK_TOKENS,
     FORMAT,
@@ -69,14 +71,7 @@ from connector.vllm_meta import (
     log,
 )
 from connector.vllm_scheduler import KvstashScheduler, handoff_requested, request_switches
-from connector.vllm_worker import (
-    READ_HERE_MAX_LAYERS,
-    READ_HERE_STEP_TOKENS,
-    GpuPlacement,
-    KvstashWorker,
-    gather_blocks,
-    place_blocks,
-)
+from connector.vllm_worker import READ_HERE_MAX_LAYERS, READ_HERE_STEP_TOKENS, KvstashWorker
 from hashing import Namespace
 from kvstash.vllm_plugin import register as register_name
 
@@ -93,7 +88,7 @@ __all__ = [
     "DEFAULT_CHUNK_TOKENS", "FORMAT", "LOAD_MODES", "NULL_BLOCK_ID", "OPTIONS",
     "READ_HERE_MAX_LAYERS", "READ_HERE_STEP_TOKENS", "ChunkRef", "GpuPlacement",
     "KvstashConnector", "KvstashConnectorStats", "KvstashKVEvents", "KvstashMetadata",
-    "KvstashPromMetrics", "ReqChunks", "check_options", "chunk_geometry",
+    "KvstashPromMetrics", "PagedKv", "ReqChunks", "check_options", "chunk_geometry",
     "connector_namespace", "gather_blocks", "handoff_requested", "hit_source", "key_ranks",
     "place_blocks", "request_switches",
 ]

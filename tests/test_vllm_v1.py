@@ -1658,19 +1658,19 @@ def test_a_chunks_blocks_in_the_cache_are_its_payload_in_order(block_dim):
     layer) hold exactly the bytes a save gathers, in the same order, and a save copies
     them out through the same views: runs, gaps and descending ids, block dimension
     first or second."""
-    from connector.vllm_worker import KvstashWorker, _LayerLayout, gather_blocks
+    from connector.vllm_cache import PagedKv, _LayerLayout, gather_blocks
 
     shape = [2, 3, 4, 8]
     shape.insert(block_dim, 12)
     kvs = {f"l{i}": torch.randn(shape).to(torch.bfloat16) for i in range(2)}
-    worker = KvstashWorker.__new__(KvstashWorker)
-    worker._kv = kvs
+    cache = PagedKv.__new__(PagedKv)
+    cache.kv = kvs
     block_shape = shape[:block_dim] + shape[block_dim + 1 :]
-    worker._layers = [_LayerLayout(n, block_dim, tuple(block_shape), torch.bfloat16, 0)
+    cache.layers = [_LayerLayout(n, block_dim, tuple(block_shape), torch.bfloat16, 0)
                       for n in kvs]
-    worker._block_bytes = worker._cpu_block_bytes()
+    cache.block_bytes = cache.cpu_block_bytes()
     ids = [3, 4, 5, 9, 1, 0]
-    parts = worker._destination(ids)
+    parts = cache.destination(ids)
     out_shape = list(shape)
     out_shape[block_dim] = len(ids)
     want = b""
@@ -1680,14 +1680,14 @@ def test_a_chunks_blocks_in_the_cache_are_its_payload_in_order(block_dim):
         want += gathered.view(torch.uint8).numpy().tobytes()
     assert b"".join(bytes(p) for p in parts) == want
     # A save copies a whole chunk out through the same views, layer by layer.
-    worker.chunk_blocks = len(ids)
-    worker._layers = [_LayerLayout(n, block_dim, tuple(block_shape), torch.bfloat16,
+    cache.chunk_blocks = len(ids)
+    cache.layers = [_LayerLayout(n, block_dim, tuple(block_shape), torch.bfloat16,
                                    len(want) // len(kvs) // len(ids)) for n in kvs]
-    worker._layer_offsets = [i * len(want) // len(kvs) for i in range(len(kvs))]
+    cache.layer_offsets = [i * len(want) // len(kvs) for i in range(len(kvs))]
     saved = torch.zeros(len(want), dtype=torch.uint8)
-    assert all(worker._copy_out(saved, ids, i) for i in range(len(kvs)))
+    assert all(cache.copy_out(saved, ids, i) for i in range(len(kvs)))
     assert saved.numpy().tobytes() == want
-    assert not worker._copy_out(saved, ids[:-1], 0)  # a partial chunk: the general path
+    assert not cache.copy_out(saved, ids[:-1], 0)  # a partial chunk: the general path
     parts[0][:2] = b"\xff\xff"  # views of the cache itself, not copies
     first = next(iter(kvs.values()))
     assert first.view(torch.uint8).numpy()[(0,) * block_dim + (3,)].reshape(-1)[:2].tolist() == [255, 255]
