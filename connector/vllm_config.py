@@ -6,6 +6,7 @@ by both roles; a bad setting fails the engine's start with one line naming it.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -241,12 +242,12 @@ class KeySpaces:
     by_rank: tuple[int, ...]  # per rank, the rank whose key space holds its chunks
     epoch: str = ""
 
-    @property
+    @functools.cached_property  # asked per request on the hot path: built once an epoch
     def ns_by_rank(self) -> list[Namespace]:
         mark = f"#reset-{self.epoch}" if self.epoch else ""
         return [replace(ns, salt=ns.salt + mark) for ns in self.base]
 
-    @property
+    @functools.cached_property
     def lookup_ns(self) -> list[Namespace]:
         ns = self.ns_by_rank
         return [ns[r] for r in sorted(set(self.by_rank))]
