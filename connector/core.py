@@ -825,7 +825,7 @@ class KVConnector:
         and placed at once. So is every chunk of a store read directly (`reads_direct`) into
         GPU staging, where one read per chunk costs less than a header read and a read per
         layer. A local directory into host memory is read on the layers thread instead
-        (`_read_layers`), or with `here`, on the calling thread before this returns, from
+        (`LayerFileReads`), or with `here`, on the calling thread before this returns, from
         the page cache: each chunk in one read, header and every layer, straight into
         its blocks (no staging taken for it); a chunk whose read finds a byte not cached
         is missed (vLLM recomputes it) rather than waited for on the engine's thread (a
