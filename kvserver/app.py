@@ -52,7 +52,7 @@ log = logging.getLogger("kvstash.kvserver")
 OCTETS = "application/octet-stream"
 # A key that is never stored: the readiness probe asks the backend about it.
 READY_PROBE_KEY = "0" * 16 + "/" + "0" * 32
-_RANGE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$")
+_RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
 
 NsId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="16 hex chars: the namespace")]
 Digest = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="32 hex chars: the chunk")]
@@ -137,7 +137,7 @@ def parse_range(header: str, total: int) -> tuple[int, int]:
 
     ValueError for a malformed header (400), LookupError for an unsatisfiable one (416).
     """
-    m = _RANGE.match(header.strip())
+    m = _RANGE.fullmatch(header.strip())
     if not m or m.groups() == ("", ""):
         raise ValueError(f"malformed Range header {header!r}: expected bytes=START-END")
     first, last = m.groups()
