@@ -35,12 +35,13 @@ from kvserver.admission import BodyBudget, BodyCharge, read_body
 from kvserver.auth import TokenTable
 from kvserver.bodies import BufferPool, FdResponse, FileBodyResponse, ViewResponse
 from kvserver.config import CONFIG_ENV, ServerConfig
-from kvserver.events import EventLog, ZmqPublisher
+from kvserver.events import EventLog, TooManyStreams, open_publisher
 from kvserver.gate import TENANT_SCOPE_KEY, RequestGate
 from kvserver.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvserver.metrics import MetricsMiddleware, ServerMetrics, leaf_stats
 from kvserver.protocol import FDPASS, ZEROCOPY
 from kvserver.protocol import configure as configure_protocol
+from kvserver.tenant_view import tenant_stats
 from storage.base import BlobFile, Store
 from storage.capabilities import SupportsBlobFiles
 from storage.errors import ConfigError, InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
@@ -224,16 +225,15 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             f"tenant, less than one --max-chunk-bytes ({config.max_chunk_bytes}) chunk: raise it "
             "to at least " + ("twice " if len(tenancy.scopes) > 1 else "") + "--max-chunk-bytes")
     budget = BodyBudget(config.max_in_flight_bytes, per_tenant)
-    events = EventLog(config.events_ring, max_streams=config.events_max_streams)
+    events = EventLog(config.events_ring, max_streams=config.events_max_streams,
+                      max_streams_total=config.events_max_streams_total)
     if tokens is None:
         events.watch("", store)
     for tenant, scope in tenancy.scopes.items():
         events.watch(tenant, scope)
     if config.events_zmq:
-        try:
-            events.publisher = ZmqPublisher(config.events_zmq)
-        except Exception as exc:  # noqa: BLE001 - a bad endpoint: one line at start-up
-            raise ConfigError(f"--events-zmq {config.events_zmq}: {exc}") from exc
+        events.publisher = open_publisher(config.events_zmq, list(tenancy.scopes),
+                                          config.events_zmq_all_tenants)
 
     async def trim_pools() -> None:
         while True:
@@ -502,17 +502,18 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         if since is not None and since < 0:
             raise HTTPException(400, "since must be a sequence number >= 0")
         tenant = request.scope.get(TENANT_SCOPE_KEY, "") if tokens is not None else ""
-        lines = events.open_stream(tenant, since)
-        if lines is None:
-            raise HTTPException(429, f"this tenant has {events.max_streams} event streams open "
-                                     "(--events-max-streams): close one first")
+        try:
+            lines = events.open_stream(tenant, since)
+        except TooManyStreams as exc:
+            raise HTTPException(429, str(exc)) from exc
         return StreamingResponse(lines, media_type="application/x-ndjson",
                                  headers={"cache-control": "no-store"})
 
     @app.get("/v1/stats", tags=["service"], summary="The caller's store counters and capacity",
              responses=_errors(*auth_errors))
     async def stats(s: TenantStore) -> dict[str, Any]:
-        return s.stats()
+        # A tenant sees its own figures, not where the store lives (kvserver.tenant_view).
+        return s.stats() if tokens is None else tenant_stats(s.stats())
 
     @app.get("/healthz", tags=["service"], response_model=Health, summary="The process is up")
     async def healthz() -> Any:

@@ -90,6 +90,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--events-max-streams", type=int, default=64, metavar="N",
                    help="open /v1/events streams one tenant may hold per server process; "
                         "more get 429 (default 64)")
+    p.add_argument("--events-max-streams-total", type=int, default=1024, metavar="N",
+                   help="open /v1/events streams of all tenants per server process; more "
+                        "get 429 (default 1024)")
+    p.add_argument("--events-zmq-all-tenants", action="store_true",
+                   help="with --auth-tokens, start --events-zmq anyway: its subscribers are "
+                        "not authenticated and receive every tenant's events")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -106,6 +112,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         events_zmq=getattr(args, "events_zmq", None),
         events_ring=getattr(args, "events_ring", 65536),
         events_max_streams=getattr(args, "events_max_streams", 64),
+        events_max_streams_total=getattr(args, "events_max_streams_total", 1024),
+        events_zmq_all_tenants=getattr(args, "events_zmq_all_tenants", False),
     )
 
 
@@ -162,6 +170,15 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _zmq_is_local(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint is reachable from this host only (ipc://, inproc://, or tcp://
+    on a loopback address; `*`, a wildcard address or an interface name is not)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    return _is_loopback(rest.rpartition(":")[0].strip("[]"))
+
+
 # Open files a server asks for at start where its hard limit allows (the kernel's own cap,
 # fs.nr_open, is 1048576 by default).
 WANTED_OPEN_FILES = 1 << 20
@@ -207,6 +224,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--events-ring must be at least 1")
     if config.events_max_streams < 1:
         raise ConfigError("--events-max-streams must be at least 1")
+    if config.events_max_streams_total < 1:
+        raise ConfigError("--events-max-streams-total must be at least 1")
     if config.tenant_quota is not None and config.tokens_file is None:
         raise ConfigError("--tenant-quota needs --auth-tokens (tenants come from tokens)")
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -244,6 +263,10 @@ def run(args: argparse.Namespace) -> int:
     if not config.tokens_file and not _is_loopback(host):
         print("kvstash serve: warning: listening beyond loopback without --auth-tokens",
               file=sys.stderr, flush=True)
+    if config.events_zmq and not _zmq_is_local(config.events_zmq):
+        print(f"kvstash serve: warning: --events-zmq {config.events_zmq} is reachable beyond "
+              "this host, and its subscribers are not authenticated: anyone who connects "
+              "receives every chunk event", file=sys.stderr, flush=True)
     common = {
         "log_level": "info" if getattr(args, "verbose", False) else "warning",
         "access_log": args.access_log, "timeout_keep_alive": KEEP_ALIVE_S, "lifespan": "on",

@@ -59,6 +59,11 @@ class ServerConfig:
     # Open `GET /v1/events` streams a tenant may hold at once (each costs the server a
     # wake-up and a write per event).
     events_max_streams: int = 64
+    # ... and all tenants of the process together.
+    events_max_streams_total: int = 1024
+    # With tenants, --events-zmq (unauthenticated, every tenant's events) starts only when
+    # the operator says so.
+    events_zmq_all_tenants: bool = False
 
     def to_json(self) -> str:
         d = asdict(self)
