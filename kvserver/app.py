@@ -547,6 +547,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         pooled = [bodies.stats(), put_bodies.stats()]
         metrics.pool_lent.set(sum(p["lent"] for p in pooled))
         metrics.pool_free_bytes.set(sum(p["free_bytes"] for p in pooled))
+        metrics.note_events(events.streams, events.wakeups)
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     app.add_middleware(RequestGate, tokens=tokens)

@@ -414,3 +414,31 @@ def test_events_zmq_beyond_loopback_is_warned_about_at_start(tmp_path):
     with running_kvserver("--store", f"file://{tmp_path}/s", "--events-zmq", "tcp://*:*") as server:
         log = server.log()
     assert "warning: --events-zmq tcp://*:* is reachable beyond this host" in log
+
+
+def events_metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def test_an_event_wakes_only_the_streams_of_its_own_tenant(tmp_path, ns):
+    """Other tenants' idle streams cost a tenant's writes nothing: each event wakes the
+    streams of its own tenant and no other (counted, not timed)."""
+    tokens = tmp_path / "tokens"
+    names = {t: t * 20 + "-events" for t in "abcd"}
+    tokens.write_text("".join(f"tenant-{t} {tok}\n" for t, tok in names.items()))
+    tokens.chmod(0o600)
+    with running_kvserver("--store", f"file://{tmp_path}/s", "--auth-tokens", str(tokens)) as server:
+        idle = [Subscriber(server.url, names[t]) for t in "abc" for _ in range(4)]
+        wait_until(lambda: events_metric(server.url, "kvstash_event_streams") == 12)
+        d_url = server.url + f"?token={names['d']}"
+        asyncio.run(_put_then_close(d_url, make_chunks(ns, 20, payload_size=1000, seed=1)))
+        assert events_metric(server.url, "kvstash_event_wakeups_total") == 0
+        d_sub = Subscriber(server.url, names["d"])
+        d_from = d_sub.lines[0]["since"]
+        asyncio.run(_put_then_close(d_url, make_chunks(ns, 10, payload_size=1000, seed=2)))
+        d_sub.wait_for(d_from + 10)
+        assert events_metric(server.url, "kvstash_event_wakeups_total") == 10
+    assert all("event" not in m for sub in idle for m in sub.lines)
