@@ -28,6 +28,7 @@ from kvserver.config import (
     DEFAULT_MAX_LOOKUP_KEYS,
     DEFAULT_PORT,
     DEFAULT_SEND_TIMEOUT_S,
+    DEFAULT_SHUTDOWN_GRACE_S,
     ServerConfig,
     default_store_url,
 )
@@ -74,6 +75,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--send-timeout", type=parse_seconds, default=DEFAULT_SEND_TIMEOUT_S,
                    metavar="SECONDS", help="a client that takes no response bytes for this "
                    f"long is disconnected (default {DEFAULT_SEND_TIMEOUT_S:g}s)")
+    p.add_argument("--shutdown-grace", type=parse_seconds, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   metavar="SECONDS", help="on SIGTERM/SIGINT, requests still running after "
+                   "this long are cancelled and their connections closed, and the process "
+                   f"exits (default {DEFAULT_SHUTDOWN_GRACE_S:g}s)")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="server processes sharing the port (default 1); needs a shared "
                         "backend (file://, s3://): a memory:// tier would be per process")
@@ -108,6 +113,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_in_flight_bytes=args.max_in_flight_bytes,
         body_stall_timeout_s=args.body_stall_timeout,
         send_timeout_s=args.send_timeout,
+        shutdown_grace_s=getattr(args, "shutdown_grace", DEFAULT_SHUTDOWN_GRACE_S),
         tenant_quota=getattr(args, "tenant_quota", None),
         events_zmq=getattr(args, "events_zmq", None),
         events_ring=getattr(args, "events_ring", 65536),
@@ -226,6 +232,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--events-max-streams must be at least 1")
     if config.events_max_streams_total < 1:
         raise ConfigError("--events-max-streams-total must be at least 1")
+    if config.shutdown_grace_s < 0:
+        raise ConfigError("--shutdown-grace must be 0 or more seconds")
     if config.tenant_quota is not None and config.tokens_file is None:
         raise ConfigError("--tenant-quota needs --auth-tokens (tenants come from tokens)")
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -270,6 +278,9 @@ def run(args: argparse.Namespace) -> int:
     common = {
         "log_level": "info" if getattr(args, "verbose", False) else "warning",
         "access_log": args.access_log, "timeout_keep_alive": KEEP_ALIVE_S, "lifespan": "on",
+        # On a stop signal: idle connections close at once, running requests get this
+        # long, then uvicorn cancels them and the process exits.
+        "timeout_graceful_shutdown": config.shutdown_grace_s,
         # httptools with a cap on request-head size and time (see kvserver/protocol.py).
         "http": BoundedHeadProtocol,
     }

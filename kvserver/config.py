@@ -22,6 +22,12 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_BODY_STALL_TIMEOUT_S = 10.0
 # A response whose client takes no bytes for this long is dropped (its buffer freed).
 DEFAULT_SEND_TIMEOUT_S = 60.0
+# On SIGTERM or SIGINT, requests still running after this long are cancelled and their
+# connections closed, so that the process exits well within the 30 s that orchestrators
+# (Kubernetes' terminationGracePeriodSeconds, systemd's TimeoutStopSec is 90 s) give
+# before they kill it; without a bound, one slow-drip PUT or a client that never reads
+# held the exit for --body-timeout or --send-timeout (60 s).
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
 DEFAULT_STORE_CAPACITY = "8GiB"
 # Request body bytes held at once (per process, counted as they arrive): a body that does
 # not fit gets 503 + Retry-After instead of growing the server's memory without bound.
@@ -48,6 +54,7 @@ class ServerConfig:
     max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES
     body_stall_timeout_s: float = DEFAULT_BODY_STALL_TIMEOUT_S
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     # Most bytes one tenant may hold (None: only the backend's shared capacity).
     tenant_quota: int | None = None
     # Readiness answers 503 when one presence check takes longer than this.
