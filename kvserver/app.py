@@ -35,12 +35,14 @@ from kvserver.admission import BodyBudget, BodyCharge, read_body
 from kvserver.auth import TokenTable
 from kvserver.bodies import BufferPool, FdResponse, FileBodyResponse, ViewResponse
 from kvserver.config import CONFIG_ENV, ServerConfig
-from kvserver.events import EventLog, TooManyStreams, open_publisher
+from kvserver.events import EventLog, open_publisher
 from kvserver.gate import TENANT_SCOPE_KEY, RequestGate
+from kvserver.listings import key_lines, listing_slots
 from kvserver.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvserver.metrics import MetricsMiddleware, ServerMetrics, leaf_stats
 from kvserver.protocol import FDPASS, ZEROCOPY
 from kvserver.protocol import configure as configure_protocol
+from kvserver.slots import SlotsFull
 from kvserver.tenant_view import tenant_stats
 from storage.base import BlobFile, Store
 from storage.capabilities import SupportsBlobFiles
@@ -231,6 +233,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         events.watch("", store)
     for tenant, scope in tenancy.scopes.items():
         events.watch(tenant, scope)
+    listings = listing_slots(config.max_tenant_listings, config.max_listings, tokens is not None)
     if config.events_zmq:
         events.publisher = open_publisher(config.events_zmq, list(tenancy.scopes),
                                           config.events_zmq_all_tenants)
@@ -298,6 +301,10 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     @app.exception_handler(InvalidChunk)
     async def invalid(request: Request, exc: Exception) -> JSONResponse:
         return _error(400, str(exc))
+
+    @app.exception_handler(SlotsFull)
+    async def no_slot(request: Request, exc: SlotsFull) -> JSONResponse:
+        return _error(429, str(exc))
 
     @app.exception_handler(StoreFull)
     async def full(request: Request, exc: StoreFull) -> JSONResponse:
@@ -477,20 +484,11 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         "/v1/keys", tags=["chunks"], response_class=StreamingResponse,
         summary="Every stored key of the caller's scope, one per line",
         responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-                   **_errors(*auth_errors)},
+                   **_errors(429, *auth_errors)},
     )
-    async def list_keys(s: TenantStore) -> StreamingResponse:
-        async def lines() -> AsyncIterator[bytes]:
-            batch: list[str] = []
-            async for key in s.list_keys():
-                batch.append(key)
-                if len(batch) == 1024:
-                    yield ("\n".join(batch) + "\n").encode()
-                    batch = []
-            if batch:
-                yield ("\n".join(batch) + "\n").encode()
-
-        return StreamingResponse(lines(), media_type="text/plain")
+    async def list_keys(request: Request, s: TenantStore) -> StreamingResponse:
+        slot = listings.take(request.scope[TENANT_SCOPE_KEY])  # SlotsFull: 429
+        return StreamingResponse(key_lines(s.list_keys(), slot), media_type="text/plain")
 
     @app.get(
         "/v1/events", tags=["chunks"], response_class=StreamingResponse,
@@ -502,10 +500,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         if since is not None and since < 0:
             raise HTTPException(400, "since must be a sequence number >= 0")
         tenant = request.scope.get(TENANT_SCOPE_KEY, "") if tokens is not None else ""
-        try:
-            lines = events.open_stream(tenant, since)
-        except TooManyStreams as exc:
-            raise HTTPException(429, str(exc)) from exc
+        lines = events.open_stream(tenant, since)
         return StreamingResponse(lines, media_type="application/x-ndjson",
                                  headers={"cache-control": "no-store"})
 
@@ -548,6 +543,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         metrics.pool_lent.set(sum(p["lent"] for p in pooled))
         metrics.pool_free_bytes.set(sum(p["free_bytes"] for p in pooled))
         metrics.note_events(events.streams, events.wakeups)
+        metrics.listings.set(listings.open)
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
     app.add_middleware(RequestGate, tokens=tokens)

@@ -75,6 +75,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--send-timeout", type=parse_seconds, default=DEFAULT_SEND_TIMEOUT_S,
                    metavar="SECONDS", help="a client that takes no response bytes for this "
                    f"long is disconnected (default {DEFAULT_SEND_TIMEOUT_S:g}s)")
+    p.add_argument("--max-listings", type=int, default=16, metavar="N",
+                   help="GET /v1/keys listings running at once per server process; more get "
+                        "429 (default 16)")
+    p.add_argument("--max-tenant-listings", type=int, default=4, metavar="N",
+                   help="... and per tenant, with --auth-tokens (default 4)")
     p.add_argument("--shutdown-grace", type=parse_seconds, default=DEFAULT_SHUTDOWN_GRACE_S,
                    metavar="SECONDS", help="on SIGTERM/SIGINT, requests still running after "
                    "this long are cancelled and their connections closed, and the process "
@@ -114,6 +119,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         body_stall_timeout_s=args.body_stall_timeout,
         send_timeout_s=args.send_timeout,
         shutdown_grace_s=getattr(args, "shutdown_grace", DEFAULT_SHUTDOWN_GRACE_S),
+        max_listings=getattr(args, "max_listings", 16),
+        max_tenant_listings=getattr(args, "max_tenant_listings", 4),
         tenant_quota=getattr(args, "tenant_quota", None),
         events_zmq=getattr(args, "events_zmq", None),
         events_ring=getattr(args, "events_ring", 65536),
@@ -232,6 +239,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--events-max-streams must be at least 1")
     if config.events_max_streams_total < 1:
         raise ConfigError("--events-max-streams-total must be at least 1")
+    if config.max_listings < 1 or config.max_tenant_listings < 1:
+        raise ConfigError("--max-listings and --max-tenant-listings must be at least 1")
     if config.shutdown_grace_s < 0:
         raise ConfigError("--shutdown-grace must be 0 or more seconds")
     if config.tenant_quota is not None and config.tokens_file is None:

@@ -68,6 +68,9 @@ class ServerConfig:
     events_max_streams: int = 64
     # ... and all tenants of the process together.
     events_max_streams_total: int = 1024
+    # `GET /v1/keys` listings running at once, per tenant and per process.
+    max_tenant_listings: int = 4
+    max_listings: int = 16
     # With tenants, --events-zmq (unauthenticated, every tenant's events) starts only when
     # the operator says so.
     events_zmq_all_tenants: bool = False

@@ -47,6 +47,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
+from kvserver.slots import Slot, Slots
 from storage.errors import ConfigError
 
 log = logging.getLogger("kvstash.kvserver.events")
@@ -80,27 +81,6 @@ def _wake(waiters: list[Waiter]) -> None:
             pass
 
 
-class TooManyStreams(Exception):
-    """A stream refused: the tenant's or the process's limit of open streams is reached
-    (the message names the flag)."""
-
-
-class _Slot:
-    """One open stream's place in `EventLog`'s counts, given back once (at the stream's
-    end, or when a stream never started is collected)."""
-
-    def __init__(self, log: EventLog, tenant: str):
-        self._log, self._tenant = log, tenant
-
-    def release(self) -> None:
-        log, self._log = self._log, None
-        if log is not None:
-            log._release(self._tenant)
-
-    def __del__(self) -> None:
-        self.release()
-
-
 class _TenantEvents:
     """One tenant's events: its own sequence numbers, its ring of recent events and its
     live subscribers. Nothing here is shared with another tenant, so what a tenant's event
@@ -112,7 +92,6 @@ class _TenantEvents:
         self.ring: collections.deque[Event] = collections.deque(maxlen=ring)
         self.seq = start
         self.waiters: set[Waiter] = set()
-        self.streams = 0  # open, guarded by EventLog's lock
         self.wakeups = 0  # subscriber wake-ups this tenant's events caused
 
     def since(self, seq: int) -> tuple[list[Event], int | None]:
@@ -136,16 +115,16 @@ class EventLog:
 
     Each tenant has its own sequence, ring of the last `ring` events and set of
     subscribers: an event wakes only the subscribers of its own tenant. A tenant holds at
-    most `max_streams` open streams, and the process at most `max_streams_total`."""
+    most `max_streams` open streams, and the process at most `max_streams_total`
+    (`slots`)."""
 
     def __init__(self, ring: int = 65536, heartbeat_s: float = 10.0, max_streams: int = 64,
                  max_streams_total: int = 1024):
         self._ring = ring
-        self.max_streams = max_streams
-        self.max_streams_total = max_streams_total
+        self.slots = Slots(max_streams, max_streams_total, "event streams open",
+                           "--events-max-streams", "--events-max-streams-total")
         self._tenants: dict[str, _TenantEvents] = {}
-        self._lock = threading.Lock()  # the tenants, the stream counts, `_ended`
-        self._open = 0
+        self._lock = threading.Lock()  # the tenants, `_ended`
         self._start = time.time_ns() // 1000  # above any number an earlier process gave
         self._ended = False
         self.heartbeat_s = heartbeat_s
@@ -166,7 +145,7 @@ class EventLog:
     @property
     def streams(self) -> int:
         """Open streams, all tenants."""
-        return self._open
+        return self.slots.open
 
     @property
     def wakeups(self) -> int:
@@ -198,29 +177,14 @@ class EventLog:
         return self._of(tenant).since(seq)
 
     def open_stream(self, tenant: str, since: int | None) -> AsyncIterator[bytes]:
-        """`stream` for `tenant`; TooManyStreams when it holds `max_streams` open already,
-        or the process `max_streams_total` (each stream costs the server a wake-up and a
-        write per event of its tenant, a heartbeat when idle, and a connection). The slot
-        is held until the stream ends, or, for one never started, until it is collected."""
-        events = self._of(tenant)
-        with self._lock:
-            if events.streams >= self.max_streams:
-                raise TooManyStreams(f"this tenant has {self.max_streams} event streams open "
-                                     "(--events-max-streams): close one first")
-            if self._open >= self.max_streams_total:
-                raise TooManyStreams(f"the server has {self.max_streams_total} event streams "
-                                     "open (--events-max-streams-total): try again later")
-            events.streams += 1
-            self._open += 1
-        return self.stream(tenant, since, _Slot(self, tenant))
-
-    def _release(self, tenant: str) -> None:
-        with self._lock:
-            self._tenants[tenant].streams -= 1
-            self._open -= 1
+        """`stream` for `tenant`; SlotsFull when it holds `max_streams` open already, or
+        the process `max_streams_total` (each stream costs the server a wake-up and a write
+        per event of its tenant, a heartbeat when idle, and a connection). The slot is held
+        until the stream ends, or, for one never started, until it is collected."""
+        return self.stream(tenant, since, self.slots.take(tenant))
 
     async def stream(self, tenant: str, since: int | None,
-                     slot: _Slot | None = None) -> AsyncIterator[bytes]:
+                     slot: Slot | None = None) -> AsyncIterator[bytes]:
         """NDJSON lines: the tenant's events after `since` (default: from now on), a
         `{"resync": SEQ}` line if they are gone, a `{"heartbeat": SEQ}` line when idle;
         `slot` (from `open_stream`) is given back when it ends."""

@@ -64,6 +64,8 @@ class ServerMetrics:
             "kvstash_event_wakeups", "event stream wake-ups: one per open stream of the "
             "event's own tenant, per event", registry=r)
         self._wakeups_seen = 0
+        self.listings = Gauge("kvstash_listings", "GET /v1/keys listings running (all tenants)",
+                              registry=r)
 
     def note_events(self, streams: int, wakeups: int) -> None:
         """Event streams open now, and wake-ups so far (kvserver.events.EventLog)."""

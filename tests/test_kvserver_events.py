@@ -332,12 +332,13 @@ def test_past_its_event_stream_limit_a_tenant_gets_429_until_a_stream_closes(tmp
 
 
 def test_a_stream_closed_early_gives_back_its_slot_and_its_subscription():
-    from kvserver.events import EventLog, TooManyStreams
+    from kvserver.events import EventLog
+    from kvserver.slots import SlotsFull
 
     async def main() -> None:
         log = EventLog(max_streams=1)
         lines = log.open_stream("", None)
-        with pytest.raises(TooManyStreams):  # the one slot is taken
+        with pytest.raises(SlotsFull):  # the one slot is taken
             log.open_stream("", None)
         assert "since" in json.loads(await anext(lines))
         await lines.aclose()  # as the server does when its client goes away
