@@ -43,7 +43,7 @@ from kvserver.metrics import MetricsMiddleware, ServerMetrics, leaf_stats
 from kvserver.protocol import FDPASS, ZEROCOPY
 from kvserver.protocol import configure as configure_protocol
 from kvserver.slots import SlotsFull
-from kvserver.tenant_view import tenant_stats
+from kvserver.tenant_view import StorePlaces, tenant_stats
 from storage.base import BlobFile, Store
 from storage.capabilities import SupportsBlobFiles
 from storage.errors import ConfigError, InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
@@ -233,6 +233,8 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         events.watch("", store)
     for tenant, scope in tenancy.scopes.items():
         events.watch(tenant, scope)
+    # With tenants, no message tells a client where the stores live (kvserver.tenant_view).
+    told = StorePlaces(tenancy.stores()).hide if tokens is not None else str
     listings = listing_slots(config.max_tenant_listings, config.max_listings, tokens is not None)
     if config.events_zmq:
         events.publisher = open_publisher(config.events_zmq, list(tenancy.scopes),
@@ -300,7 +302,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     @app.exception_handler(InvalidKey)
     @app.exception_handler(InvalidChunk)
     async def invalid(request: Request, exc: Exception) -> JSONResponse:
-        return _error(400, str(exc))
+        return _error(400, told(str(exc)))
 
     @app.exception_handler(SlotsFull)
     async def no_slot(request: Request, exc: SlotsFull) -> JSONResponse:
@@ -308,11 +310,11 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
 
     @app.exception_handler(StoreFull)
     async def full(request: Request, exc: StoreFull) -> JSONResponse:
-        return _error(507, str(exc))
+        return _error(507, told(str(exc)))
 
     @app.exception_handler(StoreUnavailable)
     async def unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
-        return _error(503, str(exc))
+        return _error(503, told(str(exc)))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
@@ -531,7 +533,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         except TimeoutError as exc:
             raise HTTPException(503, f"backend did not answer within {config.ready_timeout_s}s") from exc
         if why is not None:
-            raise HTTPException(503, why)
+            raise HTTPException(503, told(why))
         return {"status": "ready"}
 
     @app.get("/metrics", tags=["service"], response_class=Response,
