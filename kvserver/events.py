@@ -25,12 +25,12 @@ Two ways out:
 - `--events-zmq tcp://HOST:PORT`: a ZMQ PUB socket in vLLM's KV-event wire format
   (multipart `[topic, seq as 8-byte big-endian, msgpack KVEventBatch]`, as vLLM's
   `ZmqEventPublisher` sends, numbered per socket), topic `kvstash/<tenant>`, medium
-  "kvstash". A PUB socket has no authentication: any subscriber that reaches it receives
-  every tenant's events, so with tenants the server starts it only when told so
-  (kvserver.cli, `--events-zmq-all-tenants`). vLLM's
-  `block_hashes` carry the chunk key's 16-byte digest (the 32 hex characters after the
-  namespace id, as bytes); `token_ids` is empty and `block_size` 0 (a router keys on the
-  digest, which chains over the whole prefix, as vLLM's block hashes do).
+  "kvstash". vLLM's `block_hashes` carry the chunk key's 16-byte digest (the 32 hex
+  characters after the namespace id, as bytes); `token_ids` is empty and `block_size` 0
+  (a router keys on the digest, which chains over the whole prefix, as vLLM's block
+  hashes do). A PUB socket has no authentication: any subscriber that reaches it receives
+  every tenant's events, so with tenants it opens only when the operator says so
+  (`open_publisher`, `--events-zmq-all-tenants`).
 
 Neither imports vLLM or torch: the msgspec structs below encode like vLLM's own.
 """
