@@ -25,7 +25,9 @@ from kvserver.config import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_IN_FLIGHT_BYTES,
+    DEFAULT_MAX_LISTINGS,
     DEFAULT_MAX_LOOKUP_KEYS,
+    DEFAULT_MAX_TENANT_LISTINGS,
     DEFAULT_PORT,
     DEFAULT_SEND_TIMEOUT_S,
     DEFAULT_SHUTDOWN_GRACE_S,
@@ -75,11 +77,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--send-timeout", type=parse_seconds, default=DEFAULT_SEND_TIMEOUT_S,
                    metavar="SECONDS", help="a client that takes no response bytes for this "
                    f"long is disconnected (default {DEFAULT_SEND_TIMEOUT_S:g}s)")
-    p.add_argument("--max-listings", type=int, default=16, metavar="N",
+    p.add_argument("--max-listings", type=int, default=DEFAULT_MAX_LISTINGS, metavar="N",
                    help="GET /v1/keys listings running at once per server process; more get "
-                        "429 (default 16)")
-    p.add_argument("--max-tenant-listings", type=int, default=4, metavar="N",
-                   help="... and per tenant, with --auth-tokens (default 4)")
+                        f"429 (default {DEFAULT_MAX_LISTINGS})")
+    p.add_argument("--max-tenant-listings", type=int, default=DEFAULT_MAX_TENANT_LISTINGS,
+                   metavar="N", help="... and per tenant, with --auth-tokens "
+                                     f"(default {DEFAULT_MAX_TENANT_LISTINGS})")
     p.add_argument("--shutdown-grace", type=parse_seconds, default=DEFAULT_SHUTDOWN_GRACE_S,
                    metavar="SECONDS", help="on SIGTERM/SIGINT, requests still running after "
                    "this long are cancelled and their connections closed, and the process "
@@ -119,8 +122,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         body_stall_timeout_s=args.body_stall_timeout,
         send_timeout_s=args.send_timeout,
         shutdown_grace_s=getattr(args, "shutdown_grace", DEFAULT_SHUTDOWN_GRACE_S),
-        max_listings=getattr(args, "max_listings", 16),
-        max_tenant_listings=getattr(args, "max_tenant_listings", 4),
+        max_listings=getattr(args, "max_listings", DEFAULT_MAX_LISTINGS),
+        max_tenant_listings=getattr(args, "max_tenant_listings", DEFAULT_MAX_TENANT_LISTINGS),
         tenant_quota=getattr(args, "tenant_quota", None),
         events_zmq=getattr(args, "events_zmq", None),
         events_ring=getattr(args, "events_ring", 65536),

@@ -23,11 +23,15 @@ DEFAULT_BODY_STALL_TIMEOUT_S = 10.0
 # A response whose client takes no bytes for this long is dropped (its buffer freed).
 DEFAULT_SEND_TIMEOUT_S = 60.0
 # On SIGTERM or SIGINT, requests still running after this long are cancelled and their
-# connections closed, so that the process exits well within the 30 s that orchestrators
-# (Kubernetes' terminationGracePeriodSeconds, systemd's TimeoutStopSec is 90 s) give
-# before they kill it; without a bound, one slow-drip PUT or a client that never reads
-# held the exit for --body-timeout or --send-timeout (60 s).
+# connections closed, so that the process exits well within the 30 s Kubernetes gives a
+# pod by default (terminationGracePeriodSeconds) before it kills it; without a bound, one
+# slow-drip PUT or a client that never reads held the exit for --body-timeout or
+# --send-timeout (60 s).
 DEFAULT_SHUTDOWN_GRACE_S = 10.0
+# `GET /v1/keys` listings running at once, per process and per tenant: each holds a piece
+# of ~50 KiB, the store's walk state and a worker-thread trip per 1,024 keys.
+DEFAULT_MAX_LISTINGS = 16
+DEFAULT_MAX_TENANT_LISTINGS = 4
 DEFAULT_STORE_CAPACITY = "8GiB"
 # Request body bytes held at once (per process, counted as they arrive): a body that does
 # not fit gets 503 + Retry-After instead of growing the server's memory without bound.
@@ -69,8 +73,8 @@ class ServerConfig:
     # ... and all tenants of the process together.
     events_max_streams_total: int = 1024
     # `GET /v1/keys` listings running at once, per tenant and per process.
-    max_tenant_listings: int = 4
-    max_listings: int = 16
+    max_tenant_listings: int = DEFAULT_MAX_TENANT_LISTINGS
+    max_listings: int = DEFAULT_MAX_LISTINGS
     # With tenants, --events-zmq (unauthenticated, every tenant's events) starts only when
     # the operator says so.
     events_zmq_all_tenants: bool = False
