@@ -16,7 +16,8 @@ same one every store and the connector use) opens and the hot path misses at onc
 without I/O, for `breaker_cooldown`; then one probe request goes out: its success closes
 the breaker, its failure reopens it for twice as long, up to `breaker_max_cooldown`.
 
-Options: `token` (else $KVSTASH_TOKEN), `timeout` (per request, default 10s),
+Options: `token` (else $KVSTASH_TOKEN), `timeout` (the deadline of one operation, every
+request and byte of it included, default 10s),
 `connect_timeout` (1s), `pool` (connections, default 16), `verify` (re-check payload
 checksums here, default true), `breaker_failures` (3), `breaker_cooldown` (2s),
 `breaker_max_cooldown` (60s),
@@ -91,6 +92,8 @@ _MAX_ERROR = 64 << 10
 # A key listing is read in pieces of this size, so memory grows with the bytes that
 # arrive, never with a Content-Length or chunk size the server announces.
 _PIECE = 1 << 20
+# `get` allocates a body up to this size at once, a larger one in steps of it.
+_GROW = 64 << 20
 # A listing line is a 49-character key and its newline; the bytes a listing may take are
 # bounded at this many a key, so lines that are not keys cannot make it endless either.
 _LISTED_BYTES_PER_KEY = 64
@@ -835,11 +838,19 @@ class HttpStore(Store):
             # The header first: nothing the size of the body is allocated before the
             # header names this key and this very length.
             header, head = await _read_chunk_header(conn, key, length)
-            blob = bytearray(length)
-            view = memoryview(blob)
-            view[: len(head)] = head
+            blob = bytearray(min(length, _GROW))
+            blob[: len(head)] = head
             hasher = xxhash.xxh3_64(seed=0) if self.verify else None
-            await conn.read_into(view[len(head) :], hasher)
+            have = len(head)
+            while True:
+                with memoryview(blob) as view:
+                    await conn.read_into(view[have:], hasher)
+                have = len(blob)
+                if have == length:
+                    break
+                # A larger body grows as it arrives: allocating (and zeroing) what a
+                # header announces could outlast the deadline before a byte is read.
+                blob += bytes(min(length - have, _GROW))
             conn.reusable = True
             if hasher is not None and hasher.intdigest() != header.payload_checksum:
                 raise ChunkError(f"payload checksum mismatch for {key}")
@@ -917,8 +928,10 @@ class HttpStore(Store):
         raise err
 
     async def read_header(self, key: str) -> ChunkHeader | None:
-        """The verified header: one `Range: bytes=0-4095` GET (a second for a longer one)."""
+        """The verified header: one `Range: bytes=0-4095` GET (a second for a longer one),
+        both within one `timeout`."""
         check_key(key)
+        deadline = self._deadline()
 
         async def head_of(stop: int) -> tuple[bytearray, int] | None:
             async def op(conn: _Connection) -> tuple[bytearray, int] | None:
@@ -929,7 +942,7 @@ class HttpStore(Store):
                 conn.reusable = True
                 return data, got[1]
 
-            return await self._call(op)
+            return await self._call(op, deadline)
 
         header = None
         try:
@@ -974,7 +987,8 @@ class HttpStore(Store):
             self._count_failure("read_range_into", key, exc)
             return False
 
-    async def _lookup(self, keys: Sequence[str], stop_at_gap: bool) -> tuple[int, list[bool]]:
+    async def _lookup(self, keys: Sequence[str], stop_at_gap: bool,
+                      deadline: float) -> tuple[int, list[bool]]:
         body = json.dumps({"keys": list(keys), "stop_at_gap": stop_at_gap},
                           separators=(",", ":")).encode()
 
@@ -987,15 +1001,16 @@ class HttpStore(Store):
             conn.reusable = True
             return _lookup_answer(answer, len(keys))
 
-        return await self._call(op)
+        return await self._call(op, deadline)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         for k in keys:
             check_key(k)
         out: list[bool] = []
+        deadline = self._deadline()  # one for all the batches: a lookup is one operation
         try:
             for i in range(0, len(keys), LOOKUP_BATCH):
-                out += (await self._lookup(keys[i : i + LOOKUP_BATCH], False))[1]
+                out += (await self._lookup(keys[i : i + LOOKUP_BATCH], False, deadline))[1]
         except _HttpError as exc:
             self._count_failure("lookup", "", exc)
             return [False] * len(keys)
@@ -1005,10 +1020,11 @@ class HttpStore(Store):
         for k in keys:
             check_key(k)
         n = 0
+        deadline = self._deadline()
         try:
             for i in range(0, len(keys), LOOKUP_BATCH):
                 batch = keys[i : i + LOOKUP_BATCH]
-                got = (await self._lookup(batch, True))[0]
+                got = (await self._lookup(batch, True, deadline))[0]
                 n += got
                 if got < len(batch):
                     break
