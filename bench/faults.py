@@ -6,8 +6,8 @@ not only for a valid checksum; corruption of stored chunks (bit flips in header 
 payload, truncation, replacement by another valid chunk); a writer process to SIGKILL
 mid-put; kvserver and SeaweedFS processes to SIGKILL and restart on the same port; a
 small-filesystem mount; a tenants' tokens file; slow clients (a PUT whose body drips, a GET
-whose reply is never read) that report when the server cut them off; process RSS; latency
-percentiles.
+whose reply is never read) that report when the server cut them off; process RSS and CPU
+time; latency percentiles.
 
 `python -m bench.faults writer --store URL ...` (driven by `Writer`) is the process the
 crash scenarios kill: it prints one `ok <index> <key>` line per acknowledged put, so the
@@ -134,6 +134,14 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a live process has used, from /proc: unlike a rate, it does
+    not move with what else the machine runs."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
