@@ -41,6 +41,7 @@ from kvserver.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvserver.metrics import MetricsMiddleware, ServerMetrics, leaf_stats
 from kvserver.protocol import FDPASS, ZEROCOPY
 from kvserver.protocol import configure as configure_protocol
+from kvserver.status import mount_status
 from storage.base import BlobFile, Store
 from storage.capabilities import SupportsBlobFiles
 from storage.errors import ConfigError, InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
@@ -548,6 +549,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         metrics.pool_free_bytes.set(sum(p["free_bytes"] for p in pooled))
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
+    mount_status(app, metrics)
     app.add_middleware(RequestGate, tokens=tokens)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
