@@ -250,7 +250,9 @@ def render_page(r: dict[str, Any]) -> str:
                     ("tier_capacity", _size(t["capacity_bytes"])), ("breaker", t["breaker"])])
         tiers.append(row.replace('data-figure="breaker">open<',
                                  'data-figure="breaker" class="open">open<'))
-    limits = [_row([("limit", k), ("value", v)]) for k, v in r["limits"].items()]
+    limits = [_row([("limit", k), ("value", _size(v) if k.endswith(("_bytes", "_quota")) else
+                                        "—" if v is None else v)])
+              for k, v in r["limits"].items()]
     who = r["viewer"] or "open (no tokens configured)"
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><meta http-equiv="refresh" content="10">

@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import email.utils
+import ipaddress
 import secrets
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 from botocore import UNSIGNED
 from botocore.config import Config
@@ -51,7 +53,8 @@ def _reach(o: S3Options) -> tuple[Any, list[Finding], float | None]:
             response = client.head_bucket(Bucket=o.bucket)
             received = time.time()
         except ClientError as exc:
-            failure = f"{_status(exc)} {exc.response.get('Error', {}).get('Code', '')}".strip()
+            code = str(exc.response.get("Error", {}).get("Code", ""))
+            failure = f"{_status(exc)}" + (f" {code}" if code != str(_status(exc)) else "")
             if _status(exc) in (403, 404) and style == o.addressing:
                 break  # the bucket answered: addressing is not the problem
             continue
@@ -119,6 +122,13 @@ def check_conditional(client: Any, o: S3Options) -> Finding:
                 "the probe")
 
 
+def _loopback(host: str) -> bool:
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def check_s3(url: str) -> list[Finding]:
     o = S3Options.from_url(StoreURL(url))
     client, out, skew = _reach(o)
@@ -126,7 +136,8 @@ def check_s3(url: str) -> list[Finding]:
         return out
     out.append(check_skew(skew))
     out.append(check_conditional(client, o))
-    if o.endpoint and o.endpoint.startswith("http://") and not o.anonymous:
+    host = urlsplit(o.endpoint or "").hostname or ""
+    if o.endpoint and o.endpoint.startswith("http://") and not _loopback(host):
         out.append(warn("s3.tls", f"{o.endpoint}: plain HTTP: request signatures are safe, "
                         "chunk contents (prompts' KV) cross the network unencrypted",
                         "use an https:// endpoint unless the link is private"))
