@@ -36,6 +36,7 @@ from storage.options import StoreURL, format_size
 
 COOKIE = "kvstash_token"
 RATE_WINDOW_S = 60.0
+MAX_SAMPLES = 256  # per viewer scope: a page polled often shortens the window, not memory
 ALL = None  # a viewer who sees every tenant (an admin token, or no tokens configured)
 
 
@@ -63,7 +64,7 @@ class Rates:
         """(read GB/s, write GB/s, seconds measured over) ending now."""
         now = time.monotonic()
         with self._lock:
-            samples = self._samples.setdefault(scope, deque())
+            samples = self._samples.setdefault(scope, deque(maxlen=MAX_SAMPLES))
             while samples and now - samples[0][0] > RATE_WINDOW_S:
                 samples.popleft()
             t0, r0, w0 = samples[0] if samples else (self._started, 0, 0)
