@@ -5,9 +5,12 @@ Also the tier-health gauges it adds to /metrics, and that an admin token opens n
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
+import socket
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from html.parser import HTMLParser
@@ -170,3 +173,28 @@ def test_browser_screenshot(server, tmp_path):
     chromium(f"--screenshot={shot}", "--window-size=1200,900",
              f"{server.url}/status?token={ADMIN}")
     assert shot.stat().st_size > 10_000 and Path(shot).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_open_breaker_shows_on_the_page_in_metrics_and_to_the_doctor(tmp_path):
+    """An S3 tier whose endpoint refuses connections: after a few failed lookups its
+    breaker opens, and the page, /metrics (the alert's gauge) and `kvstash doctor` say so."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    s3 = (f"s3://b/p?endpoint=http://127.0.0.1:{dead}&region=us-east-1&access_key=k"
+          "&secret_key=s&retries=1&connect_timeout=0.2&breaker_failures=2&breaker_cooldown=60s")
+    with running_kvserver("--store", f"file://{tmp_path}/kv", "--store", s3) as srv:
+        for i in range(4):
+            httpx.get(f"{srv.url}/v1/chunks/{'0' * 16}/{i:032x}", timeout=10)
+        tiers = httpx.get(f"{srv.url}/status.json").json()["tiers"]
+        metrics = httpx.get(f"{srv.url}/metrics").text
+        page = httpx.get(f"{srv.url}/status").text
+        doctor = subprocess.run([sys.executable, "-m", "kvstash.cli", "doctor", "--json",
+                                 "--server", srv.url], capture_output=True, text=True,
+                                timeout=120)
+    assert [t["breaker"] for t in tiers] == ["none", "open"]
+    assert 'kvstash_tier_breaker_open{backend="s3",tier="1"} 1.0' in metrics
+    assert 'class="open">open<' in page
+    assert doctor.returncode == 1
+    assert any(f["check"] == "server.breaker" and f["level"] == "unsafe"
+               for f in json.loads(doctor.stdout))
