@@ -43,6 +43,7 @@ from kvserver.metrics import MetricsMiddleware, ServerMetrics, leaf_stats
 from kvserver.protocol import FDPASS, ZEROCOPY
 from kvserver.protocol import configure as configure_protocol
 from kvserver.slots import SlotsFull
+from kvserver.status import mount_status
 from kvserver.tenant_view import StorePlaces, tenant_stats
 from storage.base import BlobFile, Store
 from storage.capabilities import SupportsBlobFiles
@@ -548,6 +549,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         metrics.listings.set(listings.open)
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
+    mount_status(app, metrics)
     app.add_middleware(RequestGate, tokens=tokens)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app
