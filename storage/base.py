@@ -23,7 +23,7 @@ from storage.errors import InvalidChunk, InvalidKey
 
 log = logging.getLogger("kvstash.storage")
 
-TENANT_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # checked whole (fullmatch)
 
 COUNTERS = (
     "gets", "hits", "misses", "errors", "corrupt", "rechecked", "puts", "put_skipped", "put_errors",
@@ -39,7 +39,7 @@ def check_key(key: str) -> str:
 
 def check_tenant(tenant: str) -> str:
     """Tenant names become path components and key prefixes: keep them boring."""
-    if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
+    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
         raise ValueError(f"bad tenant name {tenant!r}: use 1-64 of [A-Za-z0-9_-]")
     return tenant
 

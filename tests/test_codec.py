@@ -122,3 +122,10 @@ def test_round_trip_property(tokens, payload, meta):
     key = chunk_keys(tokens, ns)[0]
     chunk = decode_chunk(encode_chunk(key, tokens, payload, meta), key, tokens)
     assert bytes(chunk.payload) == payload and chunk.meta == meta
+
+
+@pytest.mark.parametrize("tail", ["\n", "\r", "\x00"])
+def test_encode_refuses_a_key_with_a_trailing_control_character(tail):
+    key = "0" * 16 + "/" + "1" * 32
+    with pytest.raises(ChunkError, match="malformed key"):
+        encode_chunk(key + tail, [1, 2, 3], b"x" * 10)

@@ -140,6 +140,34 @@ async def test_malformed_keys_are_refused(store, bad_key):
         await store.exists([bad_key])
 
 
+@pytest.mark.parametrize("tail", ["\n", "\r\n", "\x00", "\t", " "])
+async def test_a_key_with_a_trailing_control_character_is_refused_by_every_call(store, ns, tail):
+    """A valid key plus a final newline once passed the key pattern (`$` matches before a
+    final newline): a file store then wrote a chunk that no listing, gc or scan saw."""
+    (key, tokens, blob), = make_chunks(ns, 1)
+    bad = key + tail
+    with pytest.raises(InvalidKey):
+        await store.put(bad, blob)
+    with pytest.raises(InvalidKey):
+        await store.get(bad)
+    with pytest.raises(InvalidKey):
+        await store.exists([bad])
+    with pytest.raises(InvalidKey):
+        await store.delete(bad)
+    assert [k async for k in store.list_keys() if k.startswith(ns.id)] == []
+    assert await store.put(key, blob) is True
+
+
+@pytest.mark.parametrize("tenant", ["alice\n", "alice\x00", "", "a" * 65, "../alice"])
+async def test_a_tenant_name_with_anything_but_its_characters_is_refused(store, tenant):
+    try:
+        store.scoped("alice")
+    except NotImplementedError:
+        pytest.skip(f"{store} has no tenant scopes")
+    with pytest.raises(ValueError, match="tenant"):
+        store.scoped(tenant)
+
+
 async def test_prefix_len_stops_at_first_gap(store, ns):
     chunks = make_chunks(ns, 5)
     for i in (0, 1, 3, 4):
