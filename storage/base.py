@@ -45,7 +45,8 @@ def check_tenant(tenant: str) -> str:
 
 
 def check_blob(key: str, blob: Any) -> ChunkHeader:
-    """Reject a blob that is not a complete, valid chunk for `key` (used by every `put`)."""
+    """Reject a blob that is not a complete, valid chunk for `key` (used by every `put`):
+    its header, length and every checksum it carries."""
     header = check_blob_header(key, blob)
     check_blob_payload(header, blob)
     return header
@@ -66,9 +67,10 @@ def check_blob_header(key: str, blob: Any) -> ChunkHeader:
 
 
 def check_blob_payload(header: ChunkHeader, blob: Any) -> None:
-    """The rest of `check_blob`: the payload's xxh3 against the (checked) header."""
+    """The rest of `check_blob`: the payload against every checksum of the (checked)
+    header, the whole payload's and each segment's."""
     try:
-        header.verify_payload(memoryview(blob).cast("B")[header.header_len :])
+        header.verify_contents(memoryview(blob).cast("B")[header.header_len :])
     except ChunkError as exc:
         raise InvalidChunk(f"rejected chunk for {header.key}: {exc}") from exc
 

@@ -103,6 +103,26 @@ class ChunkHeader:
         if _checksum(payload, self.payload_len, "payload") != self.payload_checksum:
             raise ChunkError(f"payload checksum mismatch for {self.key}")
 
+    def verify_contents(self, payload: Any) -> None:
+        """Raise ChunkError unless `payload` (one buffer) matches every checksum this header
+        carries: the whole payload's and each segment's, in one pass over the bytes. A
+        writer's chunk is checked so before it is stored, so that whole readers and
+        segment readers never disagree about one chunk."""
+        view = memoryview(payload).cast("B")
+        if not self.segments:
+            self.verify_payload(view)
+            return
+        if view.nbytes != self.payload_len:
+            raise ChunkError(f"payload is {view.nbytes} bytes, header says {self.payload_len}")
+        whole = xxhash.xxh3_64(seed=0)
+        for i, (offset, length, checksum) in enumerate(self.segments):
+            part = view[offset : offset + length]
+            whole.update(part)
+            if xxhash.xxh3_64_intdigest(part, seed=0) != checksum:
+                raise ChunkError(f"segment {i} checksum mismatch for {self.key}")
+        if whole.intdigest() != self.payload_checksum:
+            raise ChunkError(f"payload checksum mismatch for {self.key}")
+
     def verify_segment(self, i: int, data: Any) -> None:
         """Raise ChunkError unless `data` (a buffer, or a list of buffers that hold it in
         order) is segment i's bytes (its length and checksum)."""

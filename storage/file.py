@@ -21,7 +21,9 @@ never follows a symlink; a name that is not a chunk or tmp file of the layout is
 listed, counted nor deleted. Reads, writes, deletes and evictions first check that the
 chunk's directories are real ones (remembered once found so), chunk files are opened
 O_NOFOLLOW (a symlink planted as a chunk is quarantined unread), and `.quarantine/` is
-used only while it is a real directory. Files are created with `mode=` (default 0600), directories with the same bits
+used only while it is a real directory. It keeps the most recent rejected files up to
+`QUARANTINE_MAX_BYTES` or a sixteenth of `capacity=` (the oldest go first; a larger file
+is deleted at once), and its bytes count in `used_bytes` and against the capacity. Files are created with `mode=` (default 0600), directories with the same bits
 plus search where it grants read (0700; 0640 -> 0750); the umask may narrow both.
 Tmp files of other writers count in `used_bytes` while they exist; at open a tmp file is
 reclaimed when it is older than `tmp_grace`, or at once when its name says it was written
@@ -90,6 +92,10 @@ _NOWAIT_ERRNOS = (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _ATIME_REFRESH_S = 60.0
+# `.quarantine/` keeps the most recent rejected files, for a look by hand, up to this many
+# bytes (or a sixteenth of `capacity=`, where less): a reader that quarantines on every
+# read of a rewritten chunk must not fill the disk with copies.
+QUARANTINE_MAX_BYTES = 256 << 20
 VERIFY_MODES = ("changed", "always", "header")
 
 
@@ -360,6 +366,10 @@ class FileStore(Store):
         # key -> (file identity, its verified header) for files whose payload checked out
         self._verified: dict[str, tuple[tuple[int, int, int, int], ChunkHeader]] = {}
         self.tmp_grace_s = tmp_grace_s
+        self.quarantine_max = (QUARANTINE_MAX_BYTES if capacity is None
+                               else min(QUARANTINE_MAX_BYTES, capacity // 16))
+        self._quarantine_bytes = 0  # what `.quarantine/` holds, trimmed to quarantine_max
+        self._quarantined = 0  # files there
         self.url = url or f"file://{self.root}"
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
@@ -373,6 +383,7 @@ class FileStore(Store):
         # on a network filesystem even `open` may wait on a server.
         self._local = is_local(os.stat(self.root).st_dev)
         self._rebuild_index()
+        self._trim_quarantine()
 
     @classmethod
     def from_url(cls, u: StoreURL) -> FileStore:
@@ -506,12 +517,50 @@ class FileStore(Store):
             except FileExistsError as exc:
                 if not stat.S_ISDIR(os.lstat(qdir).st_mode):  # never moved through a symlink
                     raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(qdir)) from exc
+            if os.lstat(path).st_size > self.quarantine_max:
+                raise OSError(errno.EFBIG, "larger than the quarantine")
             os.rename(path, qdir / f"{path.name}.{int(time.time())}.{secrets.token_hex(2)}")
         except OSError:
             try:
                 path.unlink()
             except OSError:
                 pass
+        self._trim_quarantine()
+
+    def _trim_quarantine(self) -> None:
+        """Remove the oldest files of `.quarantine/` (a real directory only) until it holds
+        at most `quarantine_max` bytes; count what stays."""
+        try:
+            fd = os.open(self.root / QUARANTINE, _DIR_FLAGS)
+        except OSError:
+            with self._lock:
+                self._quarantine_bytes = self._quarantined = 0
+            return
+        try:
+            files = []
+            with os.scandir(fd) as it:
+                for e in it:
+                    try:
+                        if e.is_file(follow_symlinks=False):
+                            st = e.stat(follow_symlinks=False)
+                            files.append((st.st_ctime_ns, e.name, st.st_size))
+                    except OSError:
+                        continue
+            files.sort()
+            held = sum(size for _, _, size in files)
+            while files and held > self.quarantine_max:
+                _, name, size = files.pop(0)
+                try:
+                    os.unlink(name, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue
+                held -= size
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._quarantine_bytes, self._quarantined = held, len(files)
 
     # -- blocking halves, run in threads -------------------------------------------------
 
@@ -798,7 +847,8 @@ class FileStore(Store):
     def _evict_to(self, target: int) -> None:
         while True:
             with self._lock:
-                if self._used + self._tmp_bytes <= target or not self._index:
+                if (self._used + self._tmp_bytes + self._quarantine_bytes <= target
+                        or not self._index):
                     return
                 victim, size = self._index.popitem(last=False)
                 self._used -= size
@@ -955,7 +1005,7 @@ class FileStore(Store):
         before = self.counters["evictions"]
         await asyncio.to_thread(self._evict_to, capacity)
         with self._lock:
-            used, n = self._used + self._tmp_bytes, len(self._index)
+            used, n = self._used + self._tmp_bytes + self._quarantine_bytes, len(self._index)
         return {"evicted": self.counters["evictions"] - before, "used_bytes": used, "chunks": n}
 
     # -- direct reads: gds.ChunkIO straight into destination tensors (SupportsDirectReads)
@@ -1146,11 +1196,14 @@ class FileStore(Store):
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            used, n, tmp = self._used + self._tmp_bytes, len(self._index), self._tmp_bytes
+            tmp, quarantine = self._tmp_bytes, self._quarantine_bytes
+            used, n = self._used + tmp + quarantine, len(self._index)
+            quarantined = self._quarantined
         return {
             **super().stats(), "backend": "file", "root": str(self.root), "used_bytes": used,
             "capacity_bytes": self.capacity, "chunks": n, "used": format_size(used),
-            "tmp_bytes": tmp,
+            "tmp_bytes": tmp, "quarantine_bytes": quarantine, "quarantined_files": quarantined,
+            "quarantine_max_bytes": self.quarantine_max,
         }
 
 

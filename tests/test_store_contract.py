@@ -14,8 +14,8 @@ import secrets
 import pytest
 
 from storage import InvalidChunk, InvalidKey, open_store
-from storage.codec import decode_chunk
-from tests.store_helpers import make_chunks
+from storage.codec import ChunkError, decode_chunk
+from tests.store_helpers import forged_segment_chunk, make_chunks
 
 # Backends whose test fixtures could not be imported, with the reason (reported as skips).
 UNAVAILABLE: dict[str, str] = {}
@@ -129,6 +129,17 @@ async def test_put_rejects_a_blob_that_is_not_a_chunk_for_that_key(store, ns):
     with pytest.raises(InvalidChunk):
         await store.put(k1, b0)  # a valid chunk, but for another key
     assert await store.exists([k0, k1]) == [False, False]
+
+
+async def test_put_rejects_a_chunk_whose_segment_checksum_contradicts_its_payload(store, ns):
+    """The whole-payload checksum holds; one segment's does not. Stored, whole reads would
+    hit while segment readers reject it for good (an honest re-put is `created: false`)."""
+    key, _, forged = forged_segment_chunk(ns)
+    with pytest.raises(ChunkError):
+        decode_chunk(forged, key).header.verify_segment(1, forged[4096 + 2048 :])
+    with pytest.raises(InvalidChunk, match="segment 1"):
+        await store.put(key, forged)
+    assert await store.exists([key]) == [False]
 
 
 @pytest.mark.parametrize("bad_key", ["../../etc/passwd", "abc", "0" * 16 + "/" + "g" * 32,
