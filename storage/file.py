@@ -12,8 +12,11 @@ Verification (`verify=`): `changed` (default) checks the payload's xxh3 the firs
 this process reads a file and again whenever its identity (inode, size, mtime, ctime)
 changes; chunks are immutable, so any rewrite, truncation or byte flip through the
 filesystem re-triggers the check, while page-cached re-reads of an unchanged file cost
-no hashing (on 2 cores the hash would otherwise cost a third of a warm read). `always`
-hashes every read; `header` checks only the header (key, tokens, length).
+no hashing (on 2 cores the hash would otherwise cost a third of a warm read). The
+verified headers are kept in one cache per root (its tenants share it) bounded in bytes
+of memory (`VerifiedHeaders`, each header charged `ChunkHeader.cost`); a file whose
+header fell out is simply verified again. `always` hashes every read; `header` checks
+only the header (key, tokens, length).
 
 The root: the store touches only names of its own layout. The scan at open (and `gc`)
 opens each directory O_NOFOLLOW relative to its parent and lists regular files only, so it
@@ -97,6 +100,57 @@ _ATIME_REFRESH_S = 60.0
 # read of a rewritten chunk must not fill the disk with copies.
 QUARANTINE_MAX_BYTES = 256 << 20
 VERIFY_MODES = ("changed", "always", "header")
+
+
+# Headers of verified files kept per root (its tenants' scopes share it), in bytes of
+# memory as `ChunkHeader.cost` counts them; the least recently used go first.
+VERIFIED_CACHE_BYTES = 32 << 20
+
+
+class VerifiedHeaders:
+    """Headers of chunk files whose payload checked out, by (scope root, key) with the file's
+    identity, bounded in bytes: what a tenant makes this process hold is bounded whatever its
+    chunks' headers parse into. Thread-safe."""
+
+    def __init__(self, max_bytes: int = VERIFIED_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, str], tuple[tuple[int, int, int, int], ChunkHeader]] = (
+            OrderedDict())
+
+    def get(self, scope: str, key: str, identity: tuple[int, int, int, int]) -> ChunkHeader | None:
+        with self._lock:
+            known = self._entries.get((scope, key))
+            if known is None or known[0] != identity:
+                return None
+            self._entries.move_to_end((scope, key))
+            return known[1]
+
+    def put(self, scope: str, key: str, identity: tuple[int, int, int, int],
+            header: ChunkHeader) -> None:
+        cost = header.cost
+        with self._lock:
+            self._drop((scope, key))
+            if cost > self.max_bytes // 16:
+                return  # one header may take at most a sixteenth of the cache
+            self._entries[(scope, key)] = (identity, header)
+            self.bytes += cost
+            while self.bytes > self.max_bytes:
+                _, (_, old) = self._entries.popitem(last=False)
+                self.bytes -= old.cost
+
+    def pop(self, scope: str, key: str) -> None:
+        with self._lock:
+            self._drop((scope, key))
+
+    def _drop(self, entry: tuple[str, str]) -> None:
+        known = self._entries.pop(entry, None)
+        if known is not None:
+            self.bytes -= known[1].cost
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 # A verified identity is only trusted once its ctime is this old: any later change then
@@ -351,6 +405,7 @@ class FileStore(Store):
         tmp_grace_s: float = 600.0,
         mode: int = 0o600,
         url: str | None = None,
+        verified: VerifiedHeaders | None = None,
     ):
         super().__init__()
         self.root = Path(root)
@@ -363,8 +418,8 @@ class FileStore(Store):
         if verify not in VERIFY_MODES:
             raise ConfigError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
         self.verify = verify
-        # key -> (file identity, its verified header) for files whose payload checked out
-        self._verified: dict[str, tuple[tuple[int, int, int, int], ChunkHeader]] = {}
+        # (file identity, its verified header) by key for files whose payload checked out
+        self._verified = verified if verified is not None else VerifiedHeaders()
         self.tmp_grace_s = tmp_grace_s
         self.quarantine_max = (QUARANTINE_MAX_BYTES if capacity is None
                                else min(QUARANTINE_MAX_BYTES, capacity // 16))
@@ -482,7 +537,7 @@ class FileStore(Store):
 
     def _forget(self, key: str) -> bool:
         """Drop `key` from the index; whether it was there (then "removed" is reported)."""
-        self._verified.pop(key, None)
+        self._verified.pop(self._root, key)
         with self._lock:
             old = self._index.pop(key, None)
             if old is not None:
@@ -631,14 +686,13 @@ class FileStore(Store):
         payload hash; else None."""
         if self.verify != "changed":
             return None
-        known = self._verified.get(key)
-        return known[1] if known is not None and known[0] == _identity(st) else None
+        return self._verified.get(self._root, key, _identity(st))
 
     def note_verified(self, key: str, st: os.stat_result, header: ChunkHeader) -> None:
         """A reader checked this file's header and payload hash against `key` (trusted only
         once the file's ctime has settled)."""
         if time.time() - st.st_ctime > _SETTLED_S:
-            self._verified[key] = (_identity(st), header)
+            self._verified.put(self._root, key, _identity(st), header)
 
     def _touch(self, key: str, path: Path | str, st: os.stat_result) -> None:
         self._note(key, st.st_size)
@@ -852,7 +906,7 @@ class FileStore(Store):
                     return
                 victim, size = self._index.popitem(last=False)
                 self._used -= size
-            self._verified.pop(victim, None)
+            self._verified.pop(self._root, victim)
             try:
                 self._unlink_inside(_chunk_path(self.root, victim))
                 self.counters["evictions"] += 1
@@ -1192,6 +1246,7 @@ class FileStore(Store):
         return FileStore(
             tenants / tenant, self.capacity, fsync=self.fsync, verify=self.verify,
             tmp_grace_s=self.tmp_grace_s, mode=self.mode, url=f"{self.url}#{tenant}",
+            verified=self._verified,
         )
 
     def stats(self) -> dict[str, Any]:

@@ -15,8 +15,8 @@ import pytest
 
 from hashing import Namespace
 from storage import ConfigError, InvalidChunk, StoreFull, open_store
-from storage.codec import decode_chunk
-from storage.file import FileStore, _chunk_path
+from storage.codec import decode_chunk, decode_header, encode_chunk
+from storage.file import FileStore, VerifiedHeaders, _chunk_path
 from tests.store_helpers import make_chunks
 
 
@@ -254,8 +254,8 @@ async def test_a_chunk_changed_after_it_was_verified_is_checked_again(tmp_path, 
     await store.put(key, blob)
     time.sleep(1.1)  # let the file's ctime settle, so its verified identity is remembered
     assert bytes(await store.get(key)) == blob
-    assert key in store._verified
     path = _chunk_path(tmp_path, key)
+    assert store.known_header(key, os.stat(path)) is not None
     with open(path, "r+b") as f:  # flip one payload byte in place: same inode, same size
         f.seek(len(blob) - 10)
         f.write(bytes([blob[-10] ^ 0x40]))
@@ -268,7 +268,7 @@ async def test_verify_always_hashes_every_read(tmp_path, ns):
     (key, _, blob), = make_chunks(ns, 1)
     await store.put(key, blob)
     assert bytes(await store.get(key)) == blob
-    assert store._verified == {}
+    assert len(store._verified) == 0
     with pytest.raises(ConfigError, match="verify"):
         open_store(f"file://{tmp_path}?verify=sometimes")
 
@@ -342,3 +342,16 @@ async def test_open_blob_hands_over_a_file_only_when_it_needs_no_reading(tmp_pat
     assert bytes(await tiers.open_blob(low_key, buf)) == low_blob
     assert await tiers.open_blob(absent, buf) is None
     assert (tiers.counters["hits"], tiers.counters["misses"]) == (2, 1)
+
+
+def test_verified_headers_are_bounded_in_bytes_not_entries(ns):
+    """Each header is charged its cost (`ChunkHeader.cost`): many small ones or a few
+    expensive ones, the cache holds at most its bound; one too dear is not kept."""
+    cache = VerifiedHeaders(max_bytes=1 << 20)
+    heavy = {"text": ["ab"] * 300}  # ~50 KiB charged: a twentieth of the bound
+    for i, (key, _, _) in enumerate(make_chunks(ns, 200)):
+        header = decode_header(encode_chunk(key, list(range(16)), b"0", heavy if i % 2 else None))
+        cache.put("root", key, (i, 0, 0, 0), header)
+        assert cache.bytes <= cache.max_bytes
+        assert cache.get("root", key, (i, 0, 0, 0)) is (header if header.cost <= (1 << 16) else None)
+    assert 0 < len(cache) < 200

@@ -6,15 +6,18 @@ capacity across every process and tenant, and fair eviction on a full disk. Real
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import httpx
 import numpy as np
 
 from bench.faults import chunk_for, corrupt_file
+from storage import codec
+from storage.codec import encode_header
 from storage.file import QUARANTINE, FileStore, _chunk_path
 from tests.kvserver_fixtures import running_kvserver
-from tests.store_helpers import forged_segment_chunk
+from tests.store_helpers import forged_segment_chunk, make_chunks
 
 SEED = 50
 
@@ -66,3 +69,59 @@ async def test_quarantine_stays_within_its_bound_when_chunks_are_quarantined_aga
     assert stats["used_bytes"] == _bytes_under(store.root) <= capacity
     # A reopened store counts what is there.
     assert FileStore(tmp_path / "store", capacity).stats()["quarantine_bytes"] == stats["quarantine_bytes"]
+
+
+def _chunk_with_meta(ns, i: int, meta: dict) -> tuple[str, bytes]:
+    (key, tokens, _), = make_chunks(ns, 1, seed=1000 + i)
+    payload = os.urandom(4096)
+    return key, encode_header(key, tokens, payload, meta) + payload
+
+
+def _settled_rss(server) -> int:
+    """The server's RSS once two samples 0.2 s apart agree within 1 MiB (at most 5 s)."""
+    last = server.rss_bytes()
+    for _ in range(25):
+        time.sleep(0.2)
+        now = server.rss_bytes()
+        if abs(now - last) < 1 << 20:
+            return now
+        last = now
+    return last
+
+
+def test_headers_that_parse_into_much_memory_leave_the_servers_memory_where_it_was(
+        tmp_path, ns, monkeypatch):
+    """A tenant PUTs 60 chunks whose 250 KiB header meta is ~80,000 empty JSON objects
+    (~6 MiB each once parsed) and GETs each twice; then 60 chunks at the meta limits. The
+    server's RSS once the attack stops stays within 10 % (or 32 MiB) of its baseline."""
+    attack = {"pad": [{}] * 83_000}
+    with monkeypatch.context() as m:  # as a forger would: the encoder refuses such a meta
+        m.setattr(codec, "_check_meta_size", lambda raw: None, raising=False)
+        hostile = [_chunk_with_meta(ns, i, attack) for i in range(60)]
+    assert all(len(blob) < codec.MAX_HEADER_SIZE + 8192 for _, blob in hostile)
+    widest = {"pad": [{"k": i} for i in range(1021)],  # 1,024 objects and arrays in all
+              "text": ["ab"] * 5000}
+    allowed = [_chunk_with_meta(ns, 100 + i, widest) for i in range(60)]
+    headers = {"content-type": "application/octet-stream"}
+    with running_kvserver("--store", f"file://{tmp_path}/store") as server, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
+        for i in range(20):  # warm the code paths up first
+            key, _, blob = make_chunks(ns, 1, seed=i)[0]
+            assert client.put(f"/v1/chunks/{key}", content=blob, headers=headers).status_code == 201
+            assert client.get(f"/v1/chunks/{key}").status_code == 200
+        baseline = _settled_rss(server)
+        for chunks in (hostile, allowed):
+            for key, blob in chunks:
+                put = client.put(f"/v1/chunks/{key}", content=blob, headers=headers)
+                assert put.status_code in ((201, 400) if chunks is hostile else (201,)), put.text
+            # A file store trusts a verified file's identity only once its ctime is over
+            # 1 s old (storage.file._SETTLED_S): the reads below are the ones it keeps.
+            time.sleep(1.2)
+            for key, blob in chunks:
+                for _ in range(2):
+                    got = client.get(f"/v1/chunks/{key}")
+                    if chunks is allowed:
+                        assert got.status_code == 200 and got.content == blob
+        after = _settled_rss(server)
+    assert after <= max(baseline * 1.10, baseline + (32 << 20)), (
+        f"RSS {baseline >> 20} MiB before the attack, {after >> 20} MiB after")
