@@ -45,6 +45,7 @@ import concurrent.futures
 import contextlib
 import errno
 import functools
+import itertools
 import logging
 import os
 import secrets
@@ -219,6 +220,14 @@ def _leaves_root(leaf: str) -> bool | None:
         except OSError:
             return None
     return False
+
+
+# Keys a listing hands over per trip to a worker thread.
+_LIST_BATCH = 1024
+
+
+def _next_batch(items: Iterator[str], n: int) -> list[str]:
+    return list(itertools.islice(items, n))
 
 
 # Fan-out directories remembered as checked (~150 bytes each): a full namespace has 65,536.
@@ -1049,9 +1058,43 @@ class FileStore(Store):
         return True
 
     async def list_keys(self) -> AsyncIterator[str]:
-        found, _ = await asyncio.to_thread(self._scan, False)
-        for _, key, _ in found:
-            yield key
+        """Every chunk key of this store's layout, streamed from the directory walk a batch
+        at a time (each batch read on a worker thread): a listing holds one batch and the
+        walk's open directories, never the whole listing."""
+        walk = self._walk_keys()
+        try:
+            while True:
+                batch = await asyncio.to_thread(_next_batch, walk, _LIST_BATCH)
+                for key in batch:
+                    yield key
+                if len(batch) < _LIST_BATCH:
+                    return
+        finally:
+            # Closes the directories still open; a listing cancelled while a thread walks
+            # leaves that to the walk's own finalizer once the thread is done.
+            with contextlib.suppress(ValueError):
+                walk.close()
+
+    def _walk_keys(self) -> Iterator[str]:
+        """The keys of the chunk files under the root, as `_scan` finds them, one at a time."""
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            for leaf_fd, (ns_id, d1, d2) in _layout_dirs(root_fd, (16, 2, 2)):
+                fanout = d1 + d2
+                try:
+                    with os.scandir(leaf_fd) as it:
+                        for e in it:
+                            name = e.name
+                            if (name.endswith(SUFFIX) and _is_hex(name[:-3], 32)
+                                    and name.startswith(fanout) and e.is_file(follow_symlinks=False)):
+                                yield f"{ns_id}/{name[:-3]}"
+                except OSError:
+                    continue
+        finally:
+            os.close(root_fd)
 
     async def gc(self, capacity: int) -> dict[str, int]:
         """Rescan the directory and evict least-recently-used chunks down to `capacity`."""

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
 
 import pytest
 
@@ -355,3 +356,45 @@ def test_verified_headers_are_bounded_in_bytes_not_entries(ns):
         assert cache.bytes <= cache.max_bytes
         assert cache.get("root", key, (i, 0, 0, 0)) is (header if header.cost <= (1 << 16) else None)
     assert 0 < len(cache) < 200
+
+
+def _plant_chunk_names(root, ns_id: str, n: int) -> set[str]:
+    """`n` empty files named as chunks of one fan-out directory (a listing reads names only)."""
+    leaf = root / ns_id / "00" / "00"
+    leaf.mkdir(parents=True)
+    keys = set()
+    for i in range(n):
+        digest = f"0000{i:028x}"
+        (leaf / f"{digest}.kv").touch()
+        keys.add(f"{ns_id}/{digest}")
+    return keys
+
+
+async def test_a_listing_streams_from_the_directory_walk_in_memory_independent_of_its_length(
+        tmp_path):
+    """`list_keys` of 40,000 keys holds one batch at a time, not the listing (~150 bytes a
+    key): the peak memory of consuming it is far below what the keys themselves take."""
+    store = FileStore(tmp_path / "store")
+    expected = _plant_chunk_names(store.root, "0123456789abcdef", 40_000)
+    tracemalloc.start()
+    try:
+        seen = 0
+        async for key in store.list_keys():
+            assert key in expected
+            seen += 1
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert seen == len(expected)
+    assert peak < 1 << 20, f"a listing of {seen} keys peaked at {peak} bytes"
+
+
+async def test_a_listing_abandoned_midway_closes_its_directories(tmp_path):
+    store = FileStore(tmp_path / "store")
+    _plant_chunk_names(store.root, "0123456789abcdef", 3000)
+    before = len(os.listdir("/proc/self/fd"))
+    listing = store.list_keys()
+    async for _ in listing:
+        break
+    await listing.aclose()
+    assert len(os.listdir("/proc/self/fd")) == before

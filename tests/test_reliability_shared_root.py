@@ -6,6 +6,7 @@ capacity across every process and tenant, and fair eviction on a full disk. Real
 from __future__ import annotations
 
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -125,3 +126,36 @@ def test_headers_that_parse_into_much_memory_leave_the_servers_memory_where_it_w
         after = _settled_rss(server)
     assert after <= max(baseline * 1.10, baseline + (32 << 20)), (
         f"RSS {baseline >> 20} MiB before the attack, {after >> 20} MiB after")
+
+
+def _peak_rss(server) -> int:
+    with open(f"/proc/{server.pid}/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM line")
+
+
+def test_concurrent_listings_of_a_large_file_store_do_not_raise_the_servers_peak_memory(tmp_path):
+    """Four clients list 50,000 keys at once: the store streams each listing from the
+    directory walk, so the server's peak RSS stays where opening the store put it."""
+    leaf = tmp_path / "store" / "0123456789abcdef" / "00" / "00"
+    leaf.mkdir(parents=True)
+    for i in range(50_000):  # names only: a listing reads no chunk
+        os.close(os.open(leaf / f"0000{i:028x}.kv", os.O_CREAT | os.O_WRONLY, 0o600))
+    with running_kvserver("--store", f"file://{tmp_path}/store") as server:
+        before = _peak_rss(server)
+        counts: list[int] = []
+
+        def list_all() -> None:
+            with httpx.stream("GET", f"{server.url}/v1/keys", timeout=120) as resp:
+                counts.append(sum(part.count(b"\n") for part in resp.iter_bytes()))
+
+        listers = [threading.Thread(target=list_all) for _ in range(4)]
+        for t in listers:
+            t.start()
+        for t in listers:
+            t.join(timeout=120)
+        after = _peak_rss(server)
+    assert counts == [50_000] * 4
+    assert after - before < 16 << 20, f"peak RSS {before >> 20} -> {after >> 20} MiB"
