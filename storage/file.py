@@ -61,6 +61,7 @@ from pathlib import Path
 from typing import Any
 
 from storage.base import (
+    TENANT_PATTERN,
     BlobFile,
     Store,
     check_batch,
@@ -79,6 +80,7 @@ from storage.codec import (
     decode_header,
 )
 from storage.errors import ConfigError, StoreFull, StoreUnavailable
+from storage.ledger import QUARANTINE_SCOPE, RootLedger, quarantine_scope
 from storage.options import StoreURL, format_size, parse_bool, parse_mode, parse_seconds, parse_size
 from storage.pagecache import all_cached, is_local
 
@@ -403,6 +405,96 @@ def _atomic_publish(final: Path, data: memoryview, fsync: bool,
             pass
 
 
+def _scan_dir(root: Path | str, reclaim: bool, tmp_grace_s: float,
+          ) -> tuple[list[tuple[float, str, int]], int]:
+    """(last use, key, size) of every chunk file of this store's layout, and the bytes
+    of the other writers' tmp files there. Symlinks are never followed (directories
+    are opened O_NOFOLLOW, relative to their parent's descriptor) and any name that is
+    not a chunk or a tmp file of the layout is neither listed, counted nor touched.
+    With `reclaim`, tmp files whose writer is gone are deleted: past `tmp_grace`, or at
+    once when the writer ran on this host and its pid is no longer alive."""
+    found: list[tuple[float, str, int]] = []
+    tmp_bytes = 0
+    now = time.time()
+    mine = (socket.gethostname(), os.getpid())
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return found, 0
+    try:
+        for leaf_fd, (ns_id, d1, d2) in _layout_dirs(root_fd, (16, 2, 2)):
+            fanout = d1 + d2
+            try:
+                with os.scandir(leaf_fd) as it:
+                    entries = list(it)
+            except OSError:
+                continue
+            for e in entries:
+                name = e.name
+                try:
+                    if not e.is_file(follow_symlinks=False):
+                        continue
+                    if name.endswith(SUFFIX) and _is_hex(name[:-3], 32) and name.startswith(fanout):
+                        st = e.stat(follow_symlinks=False)
+                        found.append((max(st.st_atime, st.st_mtime), f"{ns_id}/{name[:-3]}", st.st_size))
+                        continue
+                    writer = _tmp_writer(name, fanout)
+                    if writer is None or writer == mine:
+                        continue  # not ours to judge, or in flight in this process
+                    st = e.stat(follow_symlinks=False)
+                    if reclaim and (now - st.st_mtime > tmp_grace_s or _writer_is_gone(*writer)):
+                        os.unlink(name, dir_fd=leaf_fd)
+                    else:
+                        tmp_bytes += st.st_size
+                except OSError:
+                    continue
+    finally:
+        os.close(root_fd)
+    return found, tmp_bytes
+
+
+def _scope_dirs(top: Path) -> Iterator[tuple[str, Path]]:
+    """(scope, directory) of the root itself ("") and of every tenant directory under it
+    (real directories with a tenant's name only)."""
+    yield "", top
+    try:
+        with os.scandir(top / TENANTS) as it:
+            names = [e.name for e in it if TENANT_PATTERN.fullmatch(e.name)
+                     and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    if not stat.S_ISDIR(os.lstat(top / TENANTS).st_mode):
+        return
+    for name in sorted(names):
+        yield name, top / TENANTS / name
+
+
+def _quarantine_bytes(scope_root: Path) -> int:
+    try:
+        fd = os.open(scope_root / QUARANTINE, _DIR_FLAGS)
+    except OSError:
+        return 0
+    try:
+        with os.scandir(fd) as it:
+            return sum(e.stat(follow_symlinks=False).st_size for e in it
+                       if e.is_file(follow_symlinks=False))
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+
+
+def scan_root(top: Path, tmp_grace_s: float = 600.0) -> dict[str, dict[str, int]]:
+    """Per scope of the root `top` ("" and each tenant): its chunk files (`chunks`, and
+    their bytes with the other writers' tmp files, `bytes`) and `.quarantine/`'s bytes."""
+    out = {}
+    for scope, path in _scope_dirs(top):
+        found, tmp_bytes = _scan_dir(path, False, tmp_grace_s)
+        out[scope] = {"chunks": len(found), "bytes": sum(size for _, _, size in found) + tmp_bytes,
+                      "quarantine_bytes": _quarantine_bytes(path)}
+    return out
+
+
 class FileStore(Store):
     def __init__(
         self,
@@ -415,9 +507,19 @@ class FileStore(Store):
         mode: int = 0o600,
         url: str | None = None,
         verified: VerifiedHeaders | None = None,
+        scope: str = "",
+        family: dict[str, FileStore] | None = None,
+        ledger: RootLedger | None = None,
     ):
         super().__init__()
         self.root = Path(root)
+        # The root's own chunks are scope "", a tenant's `tenants/<scope>/`; `family` holds
+        # the stores this process opened over one root, by scope (eviction on a full disk
+        # or past the capacity picks among them).
+        self.scope = scope
+        self._top = self.root.parent.parent if scope else self.root
+        self._family = family if family is not None else {}
+        self._family[scope] = self
         self._root = str(self.root)
         self.mode = mode
         # Directories: the file mode plus search (x) wherever it grants read (0640 -> 0750).
@@ -446,8 +548,26 @@ class FileStore(Store):
         # Whether reads of cached chunks may run on an engine's thread (read_resident_into):
         # on a network filesystem even `open` may wait on a server.
         self._local = is_local(os.stat(self.root).st_dev)
+        # With a capacity, every process and tenant writing under the root shares one count
+        # of its bytes (storage.ledger), counted anew from the whole root by its opener.
+        self._ledger = ledger
+        self._reserved = 0  # bytes this store reserved in the ledger for puts not yet landed
+        if capacity is not None and ledger is None:
+            try:
+                self._ledger = RootLedger(self.root, mode)
+            except OSError as exc:
+                raise ConfigError(f"store root {self.root}: cannot open its usage file: "
+                                  f"{exc.strerror}") from exc
         self._rebuild_index()
         self._trim_quarantine()
+        if self._ledger is not None and ledger is None:
+            self._recount()
+
+    @property
+    def capacity_shared(self) -> bool:
+        """Whether this store enforces its capacity over the whole root itself, across
+        every process and tenant scope (storage.tenancy then leaves it to the store)."""
+        return self._ledger is not None and self.capacity is not None
 
     @classmethod
     def from_url(cls, u: StoreURL) -> FileStore:
@@ -481,50 +601,7 @@ class FileStore(Store):
             raise ConfigError(f"store root {self.root} is not a writable directory: {exc.strerror}") from exc
 
     def _scan(self, reclaim: bool) -> tuple[list[tuple[float, str, int]], int]:
-        """(last use, key, size) of every chunk file of this store's layout, and the bytes
-        of the other writers' tmp files there. Symlinks are never followed (directories
-        are opened O_NOFOLLOW, relative to their parent's descriptor) and any name that is
-        not a chunk or a tmp file of the layout is neither listed, counted nor touched.
-        With `reclaim`, tmp files whose writer is gone are deleted: past `tmp_grace`, or at
-        once when the writer ran on this host and its pid is no longer alive."""
-        found: list[tuple[float, str, int]] = []
-        tmp_bytes = 0
-        now = time.time()
-        mine = (socket.gethostname(), os.getpid())
-        try:
-            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            return found, 0
-        try:
-            for leaf_fd, (ns_id, d1, d2) in _layout_dirs(root_fd, (16, 2, 2)):
-                fanout = d1 + d2
-                try:
-                    with os.scandir(leaf_fd) as it:
-                        entries = list(it)
-                except OSError:
-                    continue
-                for e in entries:
-                    name = e.name
-                    try:
-                        if not e.is_file(follow_symlinks=False):
-                            continue
-                        if name.endswith(SUFFIX) and _is_hex(name[:-3], 32) and name.startswith(fanout):
-                            st = e.stat(follow_symlinks=False)
-                            found.append((max(st.st_atime, st.st_mtime), f"{ns_id}/{name[:-3]}", st.st_size))
-                            continue
-                        writer = _tmp_writer(name, fanout)
-                        if writer is None or writer == mine:
-                            continue  # not ours to judge, or in flight in this process
-                        st = e.stat(follow_symlinks=False)
-                        if reclaim and (now - st.st_mtime > self.tmp_grace_s or _writer_is_gone(*writer)):
-                            os.unlink(name, dir_fd=leaf_fd)
-                        else:
-                            tmp_bytes += st.st_size
-                    except OSError:
-                        continue
-        finally:
-            os.close(root_fd)
-        return found, tmp_bytes
+        return _scan_dir(self.root, reclaim, self.tmp_grace_s)
 
     def _rebuild_index(self) -> None:
         found, tmp_bytes = self._scan(reclaim=True)
@@ -555,9 +632,103 @@ class FileStore(Store):
             self._changed("removed", key)
         return old is not None
 
-    def _evict_for(self, incoming: int) -> None:
-        if self.capacity is not None:
-            self._evict_to(self.capacity - incoming)
+    # -- the root's shared count (storage.ledger) ------------------------------------------
+
+    def _recount(self) -> None:
+        """Set the ledger to what a scan of the whole root finds, plus what this process's
+        stores reserved for puts still under way (theirs are not files yet)."""
+        assert self._ledger is not None
+        with self._ledger.locked() as usage:
+            usage.clear()
+            for scope, found in scan_root(self._top, self.tmp_grace_s).items():
+                usage[scope] = found["bytes"]
+                usage[quarantine_scope(scope)] = found["quarantine_bytes"]
+            for scope, member in list(self._family.items()):
+                usage[scope] = usage.get(scope, 0) + member._reserved
+
+    def _ledger_add(self, scope: str, nbytes: int) -> None:
+        if self._ledger is not None and nbytes:
+            with self._ledger.locked() as usage:
+                usage[scope] = usage.get(scope, 0) + nbytes
+
+    def _reserve(self, size: int) -> None:
+        """Count `size` more bytes for this scope in the root's ledger, first evicting from
+        the largest scopes of the root what the capacity needs, all under its lock."""
+        assert self._ledger is not None and self.capacity is not None
+        with self._ledger.locked() as usage:
+            if self._ledger.fresh:  # empty or torn: count the root anew
+                self._recount()
+            over = sum(usage.values()) + size - self.capacity
+            if over > 0:
+                self._free_across(over)
+            usage[self.scope] = usage.get(self.scope, 0) + size
+            self._reserved += size
+
+    def _settle(self, size: int, landed: bool) -> None:
+        """A reserved put is over: its bytes stay counted if its file landed."""
+        assert self._ledger is not None
+        with self._ledger.locked() as usage:
+            self._reserved -= size
+            if not landed:
+                usage[self.scope] = usage.get(self.scope, 0) - size
+
+    def _scope_sizes(self) -> dict[str, int]:
+        """Bytes per scope of the root: the ledger's count where there is one, else what
+        this process's stores over the root know of theirs."""
+        if self._ledger is not None:
+            with self._ledger.locked() as usage:
+                return {k: v for k, v in usage.items() if not k.endswith(QUARANTINE_SCOPE)}
+        out = {}
+        for scope, member in list(self._family.items()):
+            with member._lock:
+                out[scope] = member._used
+        return out
+
+    def _member(self, scope: str) -> FileStore | None:
+        """This process's store of `scope` under the root, opened now if it was not."""
+        member = self._family.get(scope)
+        if member is None and scope:
+            try:
+                member = self._family[""].scoped(scope) if "" in self._family else None
+            except (ConfigError, ValueError):
+                return None
+        return member
+
+    def _free_across(self, nbytes: int) -> int:
+        """Evict at least `nbytes` from the root, from the scope holding the most bytes
+        first (its least recently used chunks), then the next; the bytes freed."""
+        freed, spent = 0, set()
+        while freed < nbytes:
+            sizes = [(held, scope) for scope, held in self._scope_sizes().items()
+                     if held > 0 and scope not in spent]
+            if not sizes:
+                break
+            _, scope = max(sizes)
+            member = self._member(scope)
+            got = 0 if member is None else member._evict_bytes(nbytes - freed)
+            if got < nbytes - freed:
+                spent.add(scope)
+            freed += got
+        return freed
+
+    def _evict_bytes(self, nbytes: int) -> int:
+        """Evict this scope's least recently used chunks until `nbytes` are freed or none is
+        left: first those this process knows, then, after a scan of its directory, those
+        other processes wrote. The bytes freed (only unlinks made here count). Where the
+        scope is then empty, its ledger count is set to what is left on disk."""
+        freed = 0
+        for rescan in (False, True):
+            if rescan:
+                self._rebuild_index()
+            with self._lock:
+                target = max(self._used - (nbytes - freed), 0)
+            freed += self._evict_to(target, count_extra=False)
+            if freed >= nbytes:
+                return freed
+        if self._ledger is not None:
+            with self._ledger.locked() as usage, self._lock:
+                usage[self.scope] = self._used + self._tmp_bytes + self._reserved
+        return freed
 
     def _quarantine(self, key: str, path: Path | str, why: str, recheck: bool = True) -> None:
         """Move a chunk file that failed a check out of the store. With `recheck`, the file is
@@ -581,12 +752,17 @@ class FileStore(Store):
             except FileExistsError as exc:
                 if not stat.S_ISDIR(os.lstat(qdir).st_mode):  # never moved through a symlink
                     raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(qdir)) from exc
-            if os.lstat(path).st_size > self.quarantine_max:
+            size = os.lstat(path).st_size
+            if size > self.quarantine_max:
                 raise OSError(errno.EFBIG, "larger than the quarantine")
             os.rename(path, qdir / f"{path.name}.{int(time.time())}.{secrets.token_hex(2)}")
+            self._ledger_add(self.scope, -size)
+            self._ledger_add(quarantine_scope(self.scope), size)
         except OSError:
             try:
+                size = os.lstat(path).st_size
                 path.unlink()
+                self._ledger_add(self.scope, -size)
             except OSError:
                 pass
         self._trim_quarantine()
@@ -625,6 +801,9 @@ class FileStore(Store):
             os.close(fd)
         with self._lock:
             self._quarantine_bytes, self._quarantined = held, len(files)
+        if self._ledger is not None:
+            with self._ledger.locked() as usage:
+                usage[quarantine_scope(self.scope)] = held
 
     # -- blocking halves, run in threads -------------------------------------------------
 
@@ -638,26 +817,51 @@ class FileStore(Store):
         if self.capacity is not None and blob.nbytes > self.capacity:
             raise StoreFull(f"{self}: chunk of {blob.nbytes} bytes exceeds capacity {self.capacity}")
 
-        def make_room() -> None:
-            self._evict_for(blob.nbytes)
+        reserved = [False]
+        make_room: Callable[[], None] | None = None
+        if self.capacity_shared:
+            # The root's bytes never pass the capacity, tmp files included: the chunk is
+            # checked, then its bytes reserved (evicting what they need), then written.
+            if final.exists():
+                if check is not None:
+                    check()
+                return False
+            if check is not None:
+                check()
+                check = None
+        elif self.capacity is not None:
+            def make_room() -> None:
+                self._evict_to(self.capacity - blob.nbytes)
+
+        def settle(landed: bool) -> None:
+            if reserved[0]:
+                reserved[0] = False
+                self._settle(blob.nbytes, landed)
 
         for attempt in (0, 1):
             try:
+                if self.capacity_shared:
+                    self._reserve(blob.nbytes)
+                    reserved[0] = True
                 wrote = _atomic_publish(final, blob, self.fsync, check, make_room,
                                         self.mode, self.dir_mode)
+                settle(wrote)
                 break
             except OSError as exc:
+                settle(False)
                 if exc.errno in _FULL_ERRNOS:
-                    if attempt == 0 and self._index:
-                        # The disk is fuller than our index knows (other writers, other
-                        # files): free an extra chunk's worth and try once more.
-                        with self._lock:
-                            target = max(self._used - 2 * blob.nbytes, 0)
-                        self._evict_to(target)
+                    if attempt == 0 and self._free_across(2 * blob.nbytes):
+                        # The disk is fuller than the counts know (other writers, other
+                        # files): the largest scope of the root frees two chunks' worth
+                        # (this one's only where it holds the most), and the put is tried
+                        # once more.
                         continue
                     log.warning("%s: disk full, put of %s dropped: %s", self, key, exc.strerror)
                     raise StoreFull(f"{self}: no space for {key}: {exc.strerror}") from exc
                 raise StoreUnavailable(f"{self}: put {key} failed: {exc.strerror}") from exc
+            except BaseException:
+                settle(False)
+                raise
         if wrote:
             self._note(key, blob.nbytes)
         return wrote
@@ -907,18 +1111,24 @@ class FileStore(Store):
                 break
         return out
 
-    def _evict_to(self, target: int) -> None:
+    def _evict_to(self, target: int, count_extra: bool = True) -> int:
+        """Evict least recently used chunks until this store holds at most `target` bytes
+        (with `count_extra`, other writers' tmp files and the quarantine count too); the
+        bytes of the files unlinked here."""
+        freed = 0
         while True:
             with self._lock:
-                if (self._used + self._tmp_bytes + self._quarantine_bytes <= target
-                        or not self._index):
-                    return
+                extra = self._tmp_bytes + self._quarantine_bytes if count_extra else 0
+                if self._used + extra <= target or not self._index:
+                    return freed
                 victim, size = self._index.popitem(last=False)
                 self._used -= size
             self._verified.pop(self._root, victim)
             try:
                 self._unlink_inside(_chunk_path(self.root, victim))
                 self.counters["evictions"] += 1
+                freed += size
+                self._ledger_add(self.scope, -size)
             except OSError:
                 pass
             self._changed("removed", victim)
@@ -1047,7 +1257,7 @@ class FileStore(Store):
         check_key(key)
         reported = self._forget(key)
         try:
-            await asyncio.to_thread(self._unlink_inside, _chunk_path(self.root, key))
+            await asyncio.to_thread(self._delete_sync, key)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -1056,6 +1266,12 @@ class FileStore(Store):
         if not reported:  # a file this process had not indexed (another writer's)
             self._changed("removed", key)
         return True
+
+    def _delete_sync(self, key: str) -> None:
+        path = _chunk_path(self.root, key)
+        size = os.lstat(path).st_size
+        self._unlink_inside(path)
+        self._ledger_add(self.scope, -size)
 
     async def list_keys(self) -> AsyncIterator[str]:
         """Every chunk key of this store's layout, streamed from the directory walk a batch
@@ -1096,14 +1312,44 @@ class FileStore(Store):
         finally:
             os.close(root_fd)
 
-    async def gc(self, capacity: int) -> dict[str, int]:
-        """Rescan the directory and evict least-recently-used chunks down to `capacity`."""
-        await asyncio.to_thread(self._rebuild_index)
-        before = self.counters["evictions"]
-        await asyncio.to_thread(self._evict_to, capacity)
-        with self._lock:
-            used, n = self._used + self._tmp_bytes + self._quarantine_bytes, len(self._index)
-        return {"evicted": self.counters["evictions"] - before, "used_bytes": used, "chunks": n}
+    async def gc(self, capacity: int) -> dict[str, Any]:
+        """Rescan the whole root, its tenants' directories included, and evict least
+        recently used chunks, from the scope holding the most bytes first, until the root
+        holds at most `capacity` bytes (chunk files, other writers' tmp files, quarantine).
+        Done under the root's usage lock, whose count it then sets right."""
+        return await asyncio.to_thread(self._gc_sync, capacity)
+
+    def _gc_sync(self, capacity: int) -> dict[str, Any]:
+        if self._ledger is None:
+            ledger = RootLedger(self._top, self.mode)
+            for member in self._family.values():
+                member._ledger = ledger
+        assert self._ledger is not None
+        with self._ledger.locked() as usage:
+            members = [m for scope, _ in _scope_dirs(self._top) if (m := self._member(scope))]
+            before = sum(m.counters["evictions"] for m in members)
+            for member in members:
+                member._rebuild_index()
+            self._recount()
+            over = sum(usage.values()) - capacity
+            if over > 0:
+                self._free_across(over)
+            used = sum(usage.values())
+        return {"evicted": sum(m.counters["evictions"] for m in members) - before,
+                "used_bytes": used, "chunks": sum(len(m._index) for m in members),
+                "tenants": len(members) - 1}
+
+    def root_usage(self) -> dict[str, Any]:
+        """What a scan of the whole root finds now, its tenants' directories included:
+        `used_bytes` (chunk files, other writers' tmp files and quarantine, as `du
+        --apparent-size` counts them), `chunks`, and the same per tenant."""
+        scopes = scan_root(self._top, self.tmp_grace_s)
+        per = {scope: {"chunks": found["chunks"],
+                       "used_bytes": found["bytes"] + found["quarantine_bytes"]}
+               for scope, found in scopes.items()}
+        return {"used_bytes": sum(p["used_bytes"] for p in per.values()),
+                "chunks": sum(p["chunks"] for p in per.values()),
+                "tenants": {scope: p for scope, p in per.items() if scope}}
 
     # -- direct reads: gds.ChunkIO straight into destination tensors (SupportsDirectReads)
 
@@ -1275,8 +1521,10 @@ class FileStore(Store):
         return None
 
     def scoped(self, tenant: str) -> FileStore:
+        """The store of `tenant`'s chunks, `<root>/tenants/<tenant>/`, sharing this root's
+        capacity count and verified-header cache."""
         check_tenant(tenant)
-        tenants = self.root / TENANTS
+        tenants = self._top / TENANTS
         try:
             os.mkdir(tenants, self.dir_mode)
         except FileExistsError:
@@ -1288,8 +1536,9 @@ class FileStore(Store):
                 raise ConfigError(f"{self}: {d} is a symlink; a tenant's chunks stay inside the root")
         return FileStore(
             tenants / tenant, self.capacity, fsync=self.fsync, verify=self.verify,
-            tmp_grace_s=self.tmp_grace_s, mode=self.mode, url=f"{self.url}#{tenant}",
-            verified=self._verified,
+            tmp_grace_s=self.tmp_grace_s, mode=self.mode,
+            url=f"{self.url.partition('#')[0]}#{tenant}", verified=self._verified,
+            scope=tenant, family=self._family, ledger=self._ledger,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -1302,6 +1551,9 @@ class FileStore(Store):
             "capacity_bytes": self.capacity, "chunks": n, "used": format_size(used),
             "tmp_bytes": tmp, "quarantine_bytes": quarantine, "quarantined_files": quarantined,
             "quarantine_max_bytes": self.quarantine_max,
+            # The root's bytes as the processes sharing its capacity count them (as of this
+            # process's last write there).
+            "root_used_bytes": None if self._ledger is None else self._ledger.total(),
         }
 
 

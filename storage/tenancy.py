@@ -38,6 +38,9 @@ class SharedCapacity:
     def __init__(self, root: Store, quota: int | None = None):
         self.root = root
         self.capacity: int | None = root.stats().get("capacity_bytes") or None
+        # A backend that counts the bytes of its whole root across processes (file://
+        # with a capacity) enforces the capacity itself, under its own lock.
+        self.enforced_below = bool(getattr(root, "capacity_shared", False))
         self.quota = quota
         self.members: dict[str, Store] = {"": root}
         self.pending = 0  # bytes of puts admitted and not yet landed
@@ -54,7 +57,7 @@ class SharedCapacity:
                                 f"of {self.quota} bytes")
             if scope.used_bytes() + size > self.quota:
                 await scope.evict_to(self.quota - size)
-        if self.capacity is None:
+        if self.capacity is None or self.enforced_below:
             return
         for _ in range(len(self.members) + 1):
             over = self.used() + size - self.capacity

@@ -5,7 +5,10 @@ capacity across every process and tenant, and fair eviction on a full disk. Real
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,6 +20,7 @@ from bench.faults import chunk_for, corrupt_file
 from storage import codec
 from storage.codec import encode_header
 from storage.file import QUARANTINE, FileStore, _chunk_path
+from storage.ledger import LEDGER
 from tests.kvserver_fixtures import running_kvserver
 from tests.store_helpers import forged_segment_chunk, make_chunks
 
@@ -24,10 +28,13 @@ SEED = 50
 
 
 def _bytes_under(path: Path) -> int:
-    """Sizes of the regular files under `path`, as `du --apparent-size` counts them."""
+    """Sizes of the regular files under `path`, as `du --apparent-size` counts them, less
+    the root's few bytes of usage count (storage.ledger)."""
     total = 0
     for dirpath, _dirs, files in os.walk(path):
         for name in files:
+            if name == LEDGER:
+                continue
             try:
                 total += os.lstat(os.path.join(dirpath, name)).st_size
             except FileNotFoundError:
@@ -159,3 +166,93 @@ def test_concurrent_listings_of_a_large_file_store_do_not_raise_the_servers_peak
         after = _peak_rss(server)
     assert counts == [50_000] * 4
     assert after - before < 16 << 20, f"peak RSS {before >> 20} -> {after >> 20} MiB"
+
+
+TOKENS = {"alice": "alice-token-0123456789abcdef", "bob": "bob-token-0123456789abcdef-xyz"}
+OCTETS = {"content-type": "application/octet-stream"}
+MiB = 1 << 20
+
+
+def _tokens_file(tmp: Path) -> Path:
+    path = tmp / "tokens"
+    path.write_text("".join(f"{t} {tok}\n" for t, tok in TOKENS.items()))
+    path.chmod(0o600)
+    return path
+
+
+def _du(path: Path) -> int:
+    """Bytes of the regular files under `path` as `du --apparent-size` counts them: a file
+    linked twice (a chunk being published) once; the usage count itself not at all."""
+    seen, total = set(), 0
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            if name == LEDGER:
+                continue
+            try:
+                st = os.lstat(os.path.join(dirpath, name))
+            except FileNotFoundError:
+                continue
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_size
+    return total
+
+
+def _kvstash(*args: str) -> str:
+    done = subprocess.run([sys.executable, "-m", "kvstash.cli", *args], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_two_servers_with_tenants_on_one_root_hold_one_capacity_under_concurrent_writers(
+        tmp_path, ns):
+    """Two `kvstash serve` processes with tenants on one file:// root with capacity=4MiB;
+    alice and bob write through both at once. The root's bytes, sampled all along, never
+    pass the capacity plus one chunk; then `kvstash stat` and `kvstash gc` see every
+    tenant's directory and agree with a du of the root."""
+    root = tmp_path / "store"
+    capacity, chunk = 4 * MiB, 256 * 1024
+    url = f"file://{root}?capacity=4MiB"
+    tokens = str(_tokens_file(tmp_path))
+    with running_kvserver("--store", url, "--auth-tokens", tokens) as one, \
+            running_kvserver("--store", url, "--auth-tokens", tokens) as two:
+        done = threading.Event()
+        samples: list[int] = []
+        statuses: list[int] = []
+
+        def sample() -> None:
+            while not done.is_set() and len(samples) < 100_000:
+                samples.append(_du(root))
+
+        def write(server, tenant: str, seed: int) -> None:
+            headers = {**OCTETS, "Authorization": f"Bearer {TOKENS[tenant]}"}
+            with httpx.Client(base_url=server.url, timeout=60) as client:
+                for key, _, blob in make_chunks(ns, 24, payload_size=chunk - 4096, seed=seed):
+                    statuses.append(client.put(f"/v1/chunks/{key}", content=blob,
+                                               headers=headers).status_code)
+
+        sampler = threading.Thread(target=sample)
+        writers = [threading.Thread(target=write, args=(server, tenant, seed))
+                   for seed, (server, tenant) in enumerate(
+                       [(one, "alice"), (two, "alice"), (one, "bob"), (two, "bob")])]
+        sampler.start()
+        for t in writers:
+            t.start()
+        for t in writers:
+            t.join(timeout=300)
+        done.set()
+        sampler.join(timeout=60)
+        assert statuses == [201] * 96
+        samples.append(_du(root))
+        assert max(samples) <= capacity + chunk, (
+            f"the root held {max(samples)} bytes at most, capacity {capacity}")
+
+    stat = json.loads(_kvstash("stat", "--store", f"file://{root}", "--json"))
+    whole = stat["whole_root"]
+    assert whole["used_bytes"] == _du(root)
+    assert set(whole["tenants"]) == {"alice", "bob"}
+    assert whole["chunks"] == len(list(root.glob("tenants/*/*/*/*/*.kv"))) > 0
+    result = json.loads(_kvstash("gc", "--store", f"file://{root}", "--capacity", "2MiB"))
+    assert result["evicted"] > 0 and result["used_bytes"] == _du(root) <= 2 * MiB
+    assert result["chunks"] == len(list(root.glob("tenants/*/*/*/*/*.kv")))
