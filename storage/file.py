@@ -34,8 +34,16 @@ on this host by a pid that is no longer alive.
 
 Capacity: an in-process LRU index (key -> size) rebuilt from the directory at open,
 ordered by each file's atime (hits refresh it at most once a minute), so eviction order
-survives a restart and the hot path never scans. Several processes sharing one directory
-each keep their own index; `kvstash gc` enforces a capacity exactly from a fresh scan.
+survives a restart and the hot path never scans. With `capacity=`, the bytes of the whole
+root (its tenants' directories, tmp files and quarantine included) are counted once for
+every process and tenant writing there (storage.ledger, `<root>/.usage` under flock): a
+put is checked, then reserves its bytes, evicting first where the root would pass the
+capacity, then writes; so the root never holds more than the capacity, whoever writes.
+Eviction, for the capacity or for a full disk, takes from the scope (the root's own
+chunks, or one tenant's) holding the most bytes first, its least recently used chunks;
+a scope's chunks written by other processes are found by a scan of its directory once
+those this process knows are gone. `kvstash gc` rescans the whole root, evicts down to a
+capacity the same way and sets the count right.
 """
 
 from __future__ import annotations

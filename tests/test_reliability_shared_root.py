@@ -22,6 +22,7 @@ from storage.codec import encode_header
 from storage.file import QUARANTINE, FileStore, _chunk_path
 from storage.ledger import LEDGER
 from tests.kvserver_fixtures import running_kvserver
+from tests.reliability_fixtures import small_fs_fixture  # noqa: F401
 from tests.store_helpers import forged_segment_chunk, make_chunks
 
 SEED = 50
@@ -256,3 +257,34 @@ def test_two_servers_with_tenants_on_one_root_hold_one_capacity_under_concurrent
     result = json.loads(_kvstash("gc", "--store", f"file://{root}", "--capacity", "2MiB"))
     assert result["evicted"] > 0 and result["used_bytes"] == _du(root) <= 2 * MiB
     assert result["chunks"] == len(list(root.glob("tenants/*/*/*/*/*.kv")))
+
+
+def test_a_full_disk_takes_room_from_the_largest_tenant_not_the_writer(small_fs: Path, ns):
+    """No capacity= and an 8 MiB disk (tmpfs, root only): alice fills it, then bob writes.
+    Every PUT of bob's that answered 201 is readable afterwards, and alice shrank: room
+    came from the tenant holding the most bytes, not from the writer's own chunks."""
+    chunk = 512 * 1024
+    with running_kvserver("--store", f"file://{small_fs}/store",
+                          "--auth-tokens", str(_tokens_file(small_fs.parent))) as server, \
+            httpx.Client(base_url=server.url, timeout=60) as client:
+        def put(tenant: str, key: str, blob: bytes) -> int:
+            return client.put(f"/v1/chunks/{key}", content=blob, headers={
+                **OCTETS, "Authorization": f"Bearer {TOKENS[tenant]}"}).status_code
+
+        def held(tenant: str) -> int:
+            return client.get("/v1/stats", headers={
+                "Authorization": f"Bearer {TOKENS[tenant]}"}).json()["used_bytes"]
+
+        alice = [put("alice", key, blob)
+                 for key, _, blob in make_chunks(ns, 16, payload_size=chunk - 4096, seed=1)]
+        assert alice.count(201) >= 10 and set(alice) <= {201, 507}
+        alice_before = held("alice")
+        bob = make_chunks(ns, 6, payload_size=chunk - 4096, seed=2)
+        stored = [(key, blob) for key, _, blob in bob if put("bob", key, blob) == 201]
+        assert len(stored) == len(bob)
+        for key, blob in stored:
+            got = client.get(f"/v1/chunks/{key}",
+                             headers={"Authorization": f"Bearer {TOKENS['bob']}"})
+            assert got.status_code == 200 and got.content == blob, f"bob's {key} was lost"
+        assert held("bob") == len(bob) * chunk
+        assert held("alice") < alice_before
