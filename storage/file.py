@@ -675,10 +675,13 @@ class FileStore(Store):
     def _settle(self, size: int, landed: bool) -> None:
         """A reserved put is over: its bytes stay counted if its file landed."""
         assert self._ledger is not None
-        with self._ledger.locked() as usage:
+        if landed:  # counted already: nothing to write
+            with self._lock:
+                self._reserved -= size
+            return
+        with self._ledger.locked() as usage, self._lock:
             self._reserved -= size
-            if not landed:
-                usage[self.scope] = usage.get(self.scope, 0) - size
+            usage[self.scope] = usage.get(self.scope, 0) - size
 
     def _scope_sizes(self) -> dict[str, int]:
         """Bytes per scope of the root: the ledger's count where there is one, else what

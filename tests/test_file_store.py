@@ -399,3 +399,21 @@ async def test_a_listing_abandoned_midway_closes_its_directories(tmp_path):
         break
     await listing.aclose()
     assert len(os.listdir("/proc/self/fd")) == before
+
+
+async def test_a_torn_or_stale_usage_count_is_counted_anew_from_the_root(tmp_path, ns):
+    """The root's shared byte count (`.usage`) may be torn by a crash or left wrong by a
+    writer that died mid-put: a store opened there counts the root again, tenants too."""
+    chunks = make_chunks(ns, 4, payload_size=5000)
+    size = len(chunks[0][2])
+    store = FileStore(tmp_path, capacity=10 * size)
+    await store.put(*chunks[0][::2])
+    await store.scoped("alice").put(*chunks[1][::2])
+    for junk in (b'{"": 9999999', b'{"": 123456789}'):
+        (tmp_path / LEDGER).write_bytes(junk)
+        reopened = FileStore(tmp_path, capacity=10 * size)
+        assert reopened.stats()["root_used_bytes"] == 2 * size
+    alice = reopened.scoped("alice")
+    for key, _, blob in chunks[2:]:
+        assert await alice.put(key, blob)
+    assert reopened.root_usage()["used_bytes"] == 4 * size == reopened.stats()["root_used_bytes"]
