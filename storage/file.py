@@ -5,8 +5,9 @@ Publish: write `.<digest>.tmp.<host>.<pid>.<rand>` in the destination directory,
 then `link()` it to the final name (atomic and create-only on local filesystems and NFS:
 EEXIST means another writer won, which is success) and unlink the tmp. Readers therefore
 never see a partial chunk. `ENOENT`/`ESTALE` while reading (a peer evicted the file) is
-a miss. A large put checks the payload's hash while the fsync waits on the disk; a chunk
-that fails the check is never linked and evicts nothing.
+a miss. A put checks every checksum of the chunk (payload and segments); a large one does
+so while the fsync waits on the disk (with `capacity=`, before it writes, as its bytes are
+reserved first); a chunk that fails the check is never linked and evicts nothing.
 
 Verification (`verify=`): `changed` (default) checks the payload's xxh3 the first time
 this process reads a file and again whenever its identity (inode, size, mtime, ctime)
