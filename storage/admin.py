@@ -95,7 +95,7 @@ def summary_lines(stats: dict[str, Any], listed: int | None = None, indent: str 
     if whole:
         tenants = whole.get("tenants") or {}
         lines.append(f"{indent}whole root: {whole['chunks']} chunks, {_size(whole['used_bytes'])} "
-                     f"({whole['used_bytes']} bytes) with {len(tenants)} tenants' directories")
+                     f"({whole['used_bytes']} bytes), tenants: {len(tenants)}")
         for tenant, held in sorted(tenants.items()):
             lines.append(f"{indent}  {tenant}: {held['chunks']} chunks, {_size(held['used_bytes'])}")
     for i, tier in enumerate(stats.get("tiers") or []):
