@@ -89,7 +89,7 @@ from storage.codec import (
     decode_header,
 )
 from storage.errors import ConfigError, StoreFull, StoreUnavailable
-from storage.ledger import QUARANTINE_SCOPE, RootLedger, quarantine_scope
+from storage.ledger import LEDGER, QUARANTINE_SCOPE, RootLedger, quarantine_scope
 from storage.options import StoreURL, format_size, parse_bool, parse_mode, parse_seconds, parse_size
 from storage.pagecache import all_cached, is_local
 
@@ -1332,24 +1332,35 @@ class FileStore(Store):
         return await asyncio.to_thread(self._gc_sync, capacity)
 
     def _gc_sync(self, capacity: int) -> dict[str, Any]:
-        if self._ledger is None:
+        if self._ledger is None and os.path.lexists(self._top / LEDGER):
+            # Servers with capacity= count this root: take their lock and set their count.
             ledger = RootLedger(self._top, self.mode)
             for member in self._family.values():
                 member._ledger = ledger
-        assert self._ledger is not None
-        with self._ledger.locked() as usage:
+        with self._ledger.locked() if self._ledger is not None else contextlib.nullcontext():
             members = [m for scope, _ in _scope_dirs(self._top) if (m := self._member(scope))]
             before = sum(m.counters["evictions"] for m in members)
             for member in members:
                 member._rebuild_index()
-            self._recount()
-            over = sum(usage.values()) - capacity
+            if self._ledger is not None:
+                self._recount()
+            over = self._root_bytes(members) - capacity
             if over > 0:
                 self._free_across(over)
-            used = sum(usage.values())
+            used = self._root_bytes(members)
         return {"evicted": sum(m.counters["evictions"] for m in members) - before,
                 "used_bytes": used, "chunks": sum(len(m._index) for m in members),
                 "tenants": len(members) - 1}
+
+    def _root_bytes(self, members: list[FileStore]) -> int:
+        if self._ledger is not None:
+            with self._ledger.locked() as usage:
+                return sum(usage.values())
+        total = 0
+        for m in members:
+            with m._lock:
+                total += m._used + m._tmp_bytes + m._quarantine_bytes
+        return total
 
     def root_usage(self) -> dict[str, Any]:
         """What a scan of the whole root finds now, its tenants' directories included:
