@@ -21,6 +21,7 @@ import fcntl
 import json
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -38,11 +39,26 @@ class RootLedger:
 
     def __init__(self, root: Path, mode: int = 0o600):
         self.path = root / LEDGER
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+        self._mode = mode
+        self._fd = self._open()
         self._lock = threading.RLock()
         self._depth = 0
         self.usage: dict[str, int] = {}  # as of the last time this process held the lock
         self.fresh = False  # the file was empty or unreadable when last read: count it anew
+        # A flock belongs to the open file, which a forked child shares with its parent:
+        # the child opens its own, or the two would never exclude each other.
+        reopen = weakref.WeakMethod(self._after_fork)
+        os.register_at_fork(after_in_child=lambda: (m := reopen()) is not None and m())
+
+    def _open(self) -> int:
+        return os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, self._mode)
+
+    def _after_fork(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = self._open()
+        self._lock = threading.RLock()
+        self._depth = 0
 
     @contextlib.contextmanager
     def locked(self) -> Iterator[dict[str, int]]:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import fcntl
+import multiprocessing
 import os
 import random
 import signal
@@ -18,7 +20,7 @@ from hashing import Namespace
 from storage import ConfigError, InvalidChunk, StoreFull, open_store
 from storage.codec import decode_chunk, decode_header, encode_chunk
 from storage.file import FileStore, VerifiedHeaders, _chunk_path
-from storage.ledger import LEDGER
+from storage.ledger import LEDGER, RootLedger
 from tests.store_helpers import make_chunks
 
 
@@ -417,3 +419,28 @@ async def test_a_torn_or_stale_usage_count_is_counted_anew_from_the_root(tmp_pat
     for key, _, blob in chunks[2:]:
         assert await alice.put(key, blob)
     assert reopened.root_usage()["used_bytes"] == 4 * size == reopened.stats()["root_used_bytes"]
+
+
+def _hold_the_usage_lock(ledger, held, release) -> None:
+    with ledger.locked():
+        held.set()
+        release.wait(30)
+
+
+def test_a_forked_child_takes_the_usage_lock_for_itself(tmp_path):
+    """flock belongs to an open file, which a forked child shares with its parent: the
+    child reopens the usage file, so its lock excludes the parent's too."""
+    ledger = RootLedger(tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    held, release = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_hold_the_usage_lock, args=(ledger, held, release))
+    child.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(ledger._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        release.set()
+        child.join(30)
+    fcntl.flock(ledger._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(ledger._fd, fcntl.LOCK_UN)
