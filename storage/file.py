@@ -369,13 +369,12 @@ def _make_fanout(leaf: Path, dir_mode: int) -> None:
 
 def _atomic_publish(final: Path, data: memoryview, fsync: bool,
                     check: Callable[[], None] | None = None,
-                    make_room: Callable[[], None] | None = None,
                     mode: int = 0o600, dir_mode: int = 0o700) -> bool:
     """Create `final` with `data` unless it exists; True if this call created it.
 
-    Once the bytes are written, `check()` then `make_room()` run while the file syncs; if
-    either raises, nothing is published. When `final` exists, only `check()` runs. The
-    file gets `mode`, missing fan-out directories `dir_mode` (the umask may narrow both).
+    Once the bytes are written, `check()` runs while the file syncs; if it raises, nothing
+    is published. When `final` exists, only `check()` runs. The file gets `mode`, missing
+    fan-out directories `dir_mode` (the umask may narrow both).
     """
     if final.exists():
         if check is not None:
@@ -385,8 +384,6 @@ def _atomic_publish(final: Path, data: memoryview, fsync: bool,
     def before_link() -> None:
         if check is not None:
             check()
-        if make_room is not None:
-            make_room()
 
     tmp = final.parent / f".{final.name}{TMP_MARK}{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
@@ -830,7 +827,6 @@ class FileStore(Store):
             raise StoreFull(f"{self}: chunk of {blob.nbytes} bytes exceeds capacity {self.capacity}")
 
         reserved = [False]
-        make_room: Callable[[], None] | None = None
         if self.capacity_shared:
             # The root's bytes never pass the capacity, tmp files included: the chunk is
             # checked, then its bytes reserved (evicting what they need), then written.
@@ -841,9 +837,6 @@ class FileStore(Store):
             if check is not None:
                 check()
                 check = None
-        elif self.capacity is not None:
-            def make_room() -> None:
-                self._evict_to(self.capacity - blob.nbytes)
 
         def settle(landed: bool) -> None:
             if reserved[0]:
@@ -855,8 +848,7 @@ class FileStore(Store):
                 if self.capacity_shared:
                     self._reserve(blob.nbytes)
                     reserved[0] = True
-                wrote = _atomic_publish(final, blob, self.fsync, check, make_room,
-                                        self.mode, self.dir_mode)
+                wrote = _atomic_publish(final, blob, self.fsync, check, self.mode, self.dir_mode)
                 settle(wrote)
                 break
             except OSError as exc:
