@@ -63,7 +63,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
@@ -1295,7 +1295,7 @@ class FileStore(Store):
             with contextlib.suppress(ValueError):
                 walk.close()
 
-    def _walk_keys(self) -> Iterator[str]:
+    def _walk_keys(self) -> Generator[str, None, None]:
         """The keys of the chunk files under the root, as `_scan` finds them, one at a time."""
         try:
             root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
