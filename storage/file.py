@@ -464,12 +464,12 @@ def _scope_dirs(top: Path) -> Iterator[tuple[str, Path]]:
     (real directories with a tenant's name only)."""
     yield "", top
     try:
+        if not stat.S_ISDIR(os.lstat(top / TENANTS).st_mode):
+            return  # a symlink: the store follows none
         with os.scandir(top / TENANTS) as it:
             names = [e.name for e in it if TENANT_PATTERN.fullmatch(e.name)
                      and e.is_dir(follow_symlinks=False)]
     except OSError:
-        return
-    if not stat.S_ISDIR(os.lstat(top / TENANTS).st_mode):
         return
     for name in sorted(names):
         yield name, top / TENANTS / name
@@ -558,7 +558,8 @@ class FileStore(Store):
         # of its bytes (storage.ledger), counted anew from the whole root by its opener.
         self._ledger = ledger
         self._reserved = 0  # bytes this store reserved in the ledger for puts not yet landed
-        if capacity is not None and ledger is None:
+        self._owns_ledger = capacity is not None and ledger is None
+        if self._owns_ledger:
             try:
                 self._ledger = RootLedger(self.root, mode)
             except OSError as exc:
@@ -1329,6 +1330,7 @@ class FileStore(Store):
             ledger = RootLedger(self._top, self.mode)
             for member in self._family.values():
                 member._ledger = ledger
+            self._owns_ledger = True
         with self._ledger.locked() if self._ledger is not None else contextlib.nullcontext():
             members = [m for scope, _ in _scope_dirs(self._top) if (m := self._member(scope))]
             before = sum(m.counters["evictions"] for m in members)
@@ -1484,6 +1486,8 @@ class FileStore(Store):
         if self._chunk_io is not None and self._owns_chunk_io:
             self._chunk_io.close()
         self._chunk_io = None
+        if self._ledger is not None and self._owns_ledger:
+            self._ledger.close()
 
     # -- reads done by a reader outside the store (gds.ChunkIO's `trust=`) ---------------
 

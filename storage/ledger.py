@@ -104,6 +104,9 @@ class RootLedger:
         return sum(self.usage.values())
 
     def close(self) -> None:
-        if self._fd >= 0:
+        if getattr(self, "_fd", -1) >= 0:  # (not set where opening failed)
             fd, self._fd = self._fd, -1
             os.close(fd)
+
+    def __del__(self) -> None:  # an owner that never closed its store
+        self.close()
