@@ -1565,15 +1565,18 @@ class FileStore(Store):
             tmp, quarantine = self._tmp_bytes, self._quarantine_bytes
             used, n = self._used + tmp + quarantine, len(self._index)
             quarantined = self._quarantined
-        return {
+        out = {
             **super().stats(), "backend": "file", "root": str(self.root), "used_bytes": used,
             "capacity_bytes": self.capacity, "chunks": n, "used": format_size(used),
             "tmp_bytes": tmp, "quarantine_bytes": quarantine, "quarantined_files": quarantined,
             "quarantine_max_bytes": self.quarantine_max,
-            # The root's bytes as the processes sharing its capacity count them (as of this
-            # process's last write there).
-            "root_used_bytes": None if self._ledger is None else self._ledger.total(),
         }
+        if self._ledger is not None and not self.scope:
+            # The root's bytes as the processes sharing its capacity count them (as of this
+            # process's last use of the count); never in a tenant's stats, which show that
+            # tenant alone.
+            out["root_used_bytes"] = self._ledger.total()
+        return out
 
 
 def _checks_whole(path: Path, key: str) -> bool:

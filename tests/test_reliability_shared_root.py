@@ -288,3 +288,21 @@ def test_a_full_disk_takes_room_from_the_largest_tenant_not_the_writer(small_fs:
             assert got.status_code == 200 and got.content == blob, f"bob's {key} was lost"
         assert held("bob") == len(bob) * chunk
         assert held("alice") < alice_before
+
+
+def test_a_tenants_stats_show_nothing_of_the_other_tenants_bytes(tmp_path, ns):
+    """The root's shared count is the operator's: a tenant's /v1/stats carries its own
+    bytes and the capacity, not what the root holds in all (which would show how much the
+    others store)."""
+    url = f"file://{tmp_path}/store?capacity=64MiB"
+    with running_kvserver("--store", url, "--auth-tokens", str(_tokens_file(tmp_path))) as server, \
+            httpx.Client(base_url=server.url, timeout=30) as client:
+        stored = {}
+        for seed, tenant in enumerate(TOKENS):
+            for key, _, blob in make_chunks(ns, 2 + 3 * seed, payload_size=60_000, seed=seed):
+                assert client.put(f"/v1/chunks/{key}", content=blob, headers={
+                    **OCTETS, "Authorization": f"Bearer {TOKENS[tenant]}"}).status_code == 201
+                stored[tenant] = stored.get(tenant, 0) + len(blob)
+        alice = client.get("/v1/stats", headers={"Authorization": f"Bearer {TOKENS['alice']}"}).json()
+    assert alice["used_bytes"] == stored["alice"]
+    assert "root_used_bytes" not in alice and sum(stored.values()) not in alice.values()
