@@ -75,6 +75,9 @@ async def backend_url(url: str) -> str:
         r = await client.get(f"{u.scheme}://{u.netloc}{u.path.rstrip('/')}/v1/stats", headers=headers)
         r.raise_for_status()
         stats = r.json()
+    if "url" not in stats:  # a tenant is not told where the store lives
+        raise SystemExit("bench store: with a token the server does not name its store, so "
+                         "there is no in-process baseline: bench a server without --auth-tokens")
     return stats["url"].split("#", 1)[0]
 
 

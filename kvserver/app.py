@@ -35,12 +35,16 @@ from kvserver.admission import BodyBudget, BodyCharge, read_body
 from kvserver.auth import TokenTable
 from kvserver.bodies import BufferPool, FdResponse, FileBodyResponse, ViewResponse
 from kvserver.config import CONFIG_ENV, ServerConfig
-from kvserver.events import EventLog, ZmqPublisher
+from kvserver.events import EventLog, open_publisher
 from kvserver.gate import TENANT_SCOPE_KEY, RequestGate
+from kvserver.listings import key_lines, listing_slots
 from kvserver.metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
 from kvserver.metrics import MetricsMiddleware, ServerMetrics, leaf_stats
 from kvserver.protocol import FDPASS, ZEROCOPY
 from kvserver.protocol import configure as configure_protocol
+from kvserver.slots import SlotsFull
+from kvserver.status import mount_status
+from kvserver.tenant_view import StorePlaces, tenant_stats
 from storage.base import BlobFile, Store
 from storage.capabilities import SupportsBlobFiles
 from storage.errors import ConfigError, InvalidChunk, InvalidKey, StoreFull, StoreUnavailable
@@ -52,7 +56,7 @@ log = logging.getLogger("kvstash.kvserver")
 OCTETS = "application/octet-stream"
 # A key that is never stored: the readiness probe asks the backend about it.
 READY_PROBE_KEY = "0" * 16 + "/" + "0" * 32
-_RANGE = re.compile(r"^bytes=([0-9]*)-([0-9]*)$")
+_RANGE = re.compile(r"bytes=([0-9]*)-([0-9]*)")
 
 NsId = Annotated[str, Path(pattern=r"^[0-9a-f]{16}$", description="16 hex chars: the namespace")]
 Digest = Annotated[str, Path(pattern=r"^[0-9a-f]{32}$", description="32 hex chars: the chunk")]
@@ -137,7 +141,7 @@ def parse_range(header: str, total: int) -> tuple[int, int]:
 
     ValueError for a malformed header (400), LookupError for an unsatisfiable one (416).
     """
-    m = _RANGE.match(header.strip())
+    m = _RANGE.fullmatch(header.strip())
     if not m or m.groups() == ("", ""):
         raise ValueError(f"malformed Range header {header!r}: expected bytes=START-END")
     first, last = m.groups()
@@ -224,16 +228,18 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             f"tenant, less than one --max-chunk-bytes ({config.max_chunk_bytes}) chunk: raise it "
             "to at least " + ("twice " if len(tenancy.scopes) > 1 else "") + "--max-chunk-bytes")
     budget = BodyBudget(config.max_in_flight_bytes, per_tenant)
-    events = EventLog(config.events_ring, max_streams=config.events_max_streams)
+    events = EventLog(config.events_ring, max_streams=config.events_max_streams,
+                      max_streams_total=config.events_max_streams_total)
     if tokens is None:
         events.watch("", store)
     for tenant, scope in tenancy.scopes.items():
         events.watch(tenant, scope)
+    # With tenants, no message tells a client where the stores live (kvserver.tenant_view).
+    told = StorePlaces(tenancy.stores()).hide if tokens is not None else str
+    listings = listing_slots(config.max_tenant_listings, config.max_listings, tokens is not None)
     if config.events_zmq:
-        try:
-            events.publisher = ZmqPublisher(config.events_zmq)
-        except Exception as exc:  # noqa: BLE001 - a bad endpoint: one line at start-up
-            raise ConfigError(f"--events-zmq {config.events_zmq}: {exc}") from exc
+        events.publisher = open_publisher(config.events_zmq, list(tenancy.scopes),
+                                          config.events_zmq_all_tenants)
 
     async def trim_pools() -> None:
         while True:
@@ -297,15 +303,19 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     @app.exception_handler(InvalidKey)
     @app.exception_handler(InvalidChunk)
     async def invalid(request: Request, exc: Exception) -> JSONResponse:
-        return _error(400, str(exc))
+        return _error(400, told(str(exc)))
+
+    @app.exception_handler(SlotsFull)
+    async def no_slot(request: Request, exc: SlotsFull) -> JSONResponse:
+        return _error(429, str(exc))
 
     @app.exception_handler(StoreFull)
     async def full(request: Request, exc: StoreFull) -> JSONResponse:
-        return _error(507, str(exc))
+        return _error(507, told(str(exc)))
 
     @app.exception_handler(StoreUnavailable)
     async def unavailable(request: Request, exc: StoreUnavailable) -> JSONResponse:
-        return _error(503, str(exc))
+        return _error(503, told(str(exc)))
 
     @app.exception_handler(Exception)
     async def internal(request: Request, exc: Exception) -> JSONResponse:
@@ -477,20 +487,11 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         "/v1/keys", tags=["chunks"], response_class=StreamingResponse,
         summary="Every stored key of the caller's scope, one per line",
         responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}},
-                   **_errors(*auth_errors)},
+                   **_errors(429, *auth_errors)},
     )
-    async def list_keys(s: TenantStore) -> StreamingResponse:
-        async def lines() -> AsyncIterator[bytes]:
-            batch: list[str] = []
-            async for key in s.list_keys():
-                batch.append(key)
-                if len(batch) == 1024:
-                    yield ("\n".join(batch) + "\n").encode()
-                    batch = []
-            if batch:
-                yield ("\n".join(batch) + "\n").encode()
-
-        return StreamingResponse(lines(), media_type="text/plain")
+    async def list_keys(request: Request, s: TenantStore) -> StreamingResponse:
+        slot = listings.take(request.scope[TENANT_SCOPE_KEY])  # SlotsFull: 429
+        return StreamingResponse(key_lines(s.list_keys(), slot), media_type="text/plain")
 
     @app.get(
         "/v1/events", tags=["chunks"], response_class=StreamingResponse,
@@ -503,16 +504,14 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
             raise HTTPException(400, "since must be a sequence number >= 0")
         tenant = request.scope.get(TENANT_SCOPE_KEY, "") if tokens is not None else ""
         lines = events.open_stream(tenant, since)
-        if lines is None:
-            raise HTTPException(429, f"this tenant has {events.max_streams} event streams open "
-                                     "(--events-max-streams): close one first")
         return StreamingResponse(lines, media_type="application/x-ndjson",
                                  headers={"cache-control": "no-store"})
 
     @app.get("/v1/stats", tags=["service"], summary="The caller's store counters and capacity",
              responses=_errors(*auth_errors))
     async def stats(s: TenantStore) -> dict[str, Any]:
-        return s.stats()
+        # A tenant sees its own figures, not where the store lives (kvserver.tenant_view).
+        return s.stats() if tokens is None else tenant_stats(s.stats())
 
     @app.get("/healthz", tags=["service"], response_model=Health, summary="The process is up")
     async def healthz() -> Any:
@@ -535,7 +534,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         except TimeoutError as exc:
             raise HTTPException(503, f"backend did not answer within {config.ready_timeout_s}s") from exc
         if why is not None:
-            raise HTTPException(503, why)
+            raise HTTPException(503, told(why))
         return {"status": "ready"}
 
     @app.get("/metrics", tags=["service"], response_class=Response,
@@ -546,8 +545,11 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
         pooled = [bodies.stats(), put_bodies.stats()]
         metrics.pool_lent.set(sum(p["lent"] for p in pooled))
         metrics.pool_free_bytes.set(sum(p["free_bytes"] for p in pooled))
+        metrics.note_events(events.streams, events.wakeups)
+        metrics.listings.set(listings.open)
         return Response(metrics.render(), media_type=METRICS_CONTENT_TYPE)
 
+    mount_status(app, metrics)
     app.add_middleware(RequestGate, tokens=tokens)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
     return app

@@ -25,9 +25,12 @@ from kvserver.config import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_MAX_CHUNK_BYTES,
     DEFAULT_MAX_IN_FLIGHT_BYTES,
+    DEFAULT_MAX_LISTINGS,
     DEFAULT_MAX_LOOKUP_KEYS,
+    DEFAULT_MAX_TENANT_LISTINGS,
     DEFAULT_PORT,
     DEFAULT_SEND_TIMEOUT_S,
+    DEFAULT_SHUTDOWN_GRACE_S,
     ServerConfig,
     default_store_url,
 )
@@ -74,6 +77,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--send-timeout", type=parse_seconds, default=DEFAULT_SEND_TIMEOUT_S,
                    metavar="SECONDS", help="a client that takes no response bytes for this "
                    f"long is disconnected (default {DEFAULT_SEND_TIMEOUT_S:g}s)")
+    p.add_argument("--max-listings", type=int, default=DEFAULT_MAX_LISTINGS, metavar="N",
+                   help="GET /v1/keys listings running at once per server process; more get "
+                        f"429 (default {DEFAULT_MAX_LISTINGS})")
+    p.add_argument("--max-tenant-listings", type=int, default=DEFAULT_MAX_TENANT_LISTINGS,
+                   metavar="N", help="... and per tenant, with --auth-tokens "
+                                     f"(default {DEFAULT_MAX_TENANT_LISTINGS})")
+    p.add_argument("--shutdown-grace", type=parse_seconds, default=DEFAULT_SHUTDOWN_GRACE_S,
+                   metavar="SECONDS", help="on SIGTERM/SIGINT, requests still running after "
+                   "this long are cancelled and their connections closed, and the process "
+                   f"exits (default {DEFAULT_SHUTDOWN_GRACE_S:g}s)")
     p.add_argument("--workers", type=int, default=1, metavar="N",
                    help="server processes sharing the port (default 1); needs a shared "
                         "backend (file://, s3://): a memory:// tier would be per process")
@@ -90,6 +103,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--events-max-streams", type=int, default=64, metavar="N",
                    help="open /v1/events streams one tenant may hold per server process; "
                         "more get 429 (default 64)")
+    p.add_argument("--events-max-streams-total", type=int, default=1024, metavar="N",
+                   help="open /v1/events streams of all tenants per server process; more "
+                        "get 429 (default 1024)")
+    p.add_argument("--events-zmq-all-tenants", action="store_true",
+                   help="with --auth-tokens, start --events-zmq anyway: its subscribers are "
+                        "not authenticated and receive every tenant's events")
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
@@ -102,10 +121,15 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         max_in_flight_bytes=args.max_in_flight_bytes,
         body_stall_timeout_s=args.body_stall_timeout,
         send_timeout_s=args.send_timeout,
+        shutdown_grace_s=getattr(args, "shutdown_grace", DEFAULT_SHUTDOWN_GRACE_S),
+        max_listings=getattr(args, "max_listings", DEFAULT_MAX_LISTINGS),
+        max_tenant_listings=getattr(args, "max_tenant_listings", DEFAULT_MAX_TENANT_LISTINGS),
         tenant_quota=getattr(args, "tenant_quota", None),
         events_zmq=getattr(args, "events_zmq", None),
         events_ring=getattr(args, "events_ring", 65536),
         events_max_streams=getattr(args, "events_max_streams", 64),
+        events_max_streams_total=getattr(args, "events_max_streams_total", 1024),
+        events_zmq_all_tenants=getattr(args, "events_zmq_all_tenants", False),
     )
 
 
@@ -162,6 +186,15 @@ def _is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
+def _zmq_is_local(endpoint: str) -> bool:
+    """Whether a ZMQ endpoint is reachable from this host only (ipc://, inproc://, or tcp://
+    on a loopback address; `*`, a wildcard address or an interface name is not)."""
+    scheme, _, rest = endpoint.partition("://")
+    if scheme in ("ipc", "inproc"):
+        return True
+    return _is_loopback(rest.rpartition(":")[0].strip("[]"))
+
+
 # Open files a server asks for at start where its hard limit allows (the kernel's own cap,
 # fs.nr_open, is 1048576 by default).
 WANTED_OPEN_FILES = 1 << 20
@@ -207,6 +240,12 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--events-ring must be at least 1")
     if config.events_max_streams < 1:
         raise ConfigError("--events-max-streams must be at least 1")
+    if config.events_max_streams_total < 1:
+        raise ConfigError("--events-max-streams-total must be at least 1")
+    if config.max_listings < 1 or config.max_tenant_listings < 1:
+        raise ConfigError("--max-listings and --max-tenant-listings must be at least 1")
+    if config.shutdown_grace_s < 0:
+        raise ConfigError("--shutdown-grace must be 0 or more seconds")
     if config.tenant_quota is not None and config.tokens_file is None:
         raise ConfigError("--tenant-quota needs --auth-tokens (tenants come from tokens)")
     if (args.tls_cert is None) != (args.tls_key is None):
@@ -244,9 +283,16 @@ def run(args: argparse.Namespace) -> int:
     if not config.tokens_file and not _is_loopback(host):
         print("kvstash serve: warning: listening beyond loopback without --auth-tokens",
               file=sys.stderr, flush=True)
+    if config.events_zmq and not _zmq_is_local(config.events_zmq):
+        print(f"kvstash serve: warning: --events-zmq {config.events_zmq} is reachable beyond "
+              "this host, and its subscribers are not authenticated: anyone who connects "
+              "receives every chunk event", file=sys.stderr, flush=True)
     common = {
         "log_level": "info" if getattr(args, "verbose", False) else "warning",
         "access_log": args.access_log, "timeout_keep_alive": KEEP_ALIVE_S, "lifespan": "on",
+        # On a stop signal: idle connections close at once, running requests get this
+        # long, then uvicorn cancels them and the process exits.
+        "timeout_graceful_shutdown": config.shutdown_grace_s,
         # httptools with a cap on request-head size and time (see kvserver/protocol.py).
         "http": BoundedHeadProtocol,
     }

@@ -22,6 +22,16 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 DEFAULT_BODY_STALL_TIMEOUT_S = 10.0
 # A response whose client takes no bytes for this long is dropped (its buffer freed).
 DEFAULT_SEND_TIMEOUT_S = 60.0
+# On SIGTERM or SIGINT, requests still running after this long are cancelled and their
+# connections closed, so that the process exits well within the 30 s Kubernetes gives a
+# pod by default (terminationGracePeriodSeconds) before it kills it; without a bound, one
+# slow-drip PUT or a client that never reads held the exit for --body-timeout or
+# --send-timeout (60 s).
+DEFAULT_SHUTDOWN_GRACE_S = 10.0
+# `GET /v1/keys` listings running at once, per process and per tenant: each holds a piece
+# of ~50 KiB, the store's walk state and a worker-thread trip per 1,024 keys.
+DEFAULT_MAX_LISTINGS = 16
+DEFAULT_MAX_TENANT_LISTINGS = 4
 DEFAULT_STORE_CAPACITY = "8GiB"
 # Request body bytes held at once (per process, counted as they arrive): a body that does
 # not fit gets 503 + Retry-After instead of growing the server's memory without bound.
@@ -48,6 +58,7 @@ class ServerConfig:
     max_in_flight_bytes: int = DEFAULT_MAX_IN_FLIGHT_BYTES
     body_stall_timeout_s: float = DEFAULT_BODY_STALL_TIMEOUT_S
     send_timeout_s: float = DEFAULT_SEND_TIMEOUT_S
+    shutdown_grace_s: float = DEFAULT_SHUTDOWN_GRACE_S
     # Most bytes one tenant may hold (None: only the backend's shared capacity).
     tenant_quota: int | None = None
     # Readiness answers 503 when one presence check takes longer than this.
@@ -59,6 +70,14 @@ class ServerConfig:
     # Open `GET /v1/events` streams a tenant may hold at once (each costs the server a
     # wake-up and a write per event).
     events_max_streams: int = 64
+    # ... and all tenants of the process together.
+    events_max_streams_total: int = 1024
+    # `GET /v1/keys` listings running at once, per tenant and per process.
+    max_tenant_listings: int = DEFAULT_MAX_TENANT_LISTINGS
+    max_listings: int = DEFAULT_MAX_LISTINGS
+    # With tenants, --events-zmq (unauthenticated, every tenant's events) starts only when
+    # the operator says so.
+    events_zmq_all_tenants: bool = False
 
     def to_json(self) -> str:
         d = asdict(self)

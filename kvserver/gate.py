@@ -1,5 +1,10 @@
-"""The gate in front of every route: bearer tokens checked from the request head, before
-any route or body parser runs, and no unread body kept after an answer.
+"""The gate in front of every route: request paths and bearer tokens checked from the
+request head, before any route or body parser runs, and no unread body kept after an answer.
+
+A path whose percent-decoding makes a separator or a control character (`%2F`, `%5C`,
+`%00`-`%1F`, `%7F`, or a raw backslash) is answered 400 whatever the route: routing
+matches the decoded path, so `/v1/chunks/NS%2FDIGEST` would otherwise be served as
+`/v1/chunks/NS/DIGEST`, and a route pattern's `$` would take `/v1/keys%0A` for `/v1/keys`.
 
 A `/v1/*` request without a valid token is answered 401 or 403 from its head alone: its
 body is never read. Any answer given while the request's body is still unread (a refusal:
@@ -11,15 +16,34 @@ leaves nothing behind.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-from kvserver.auth import TokenTable
+from kvserver.auth import ADMIN, TokenTable
 
 # Routes that need a token when tokens are configured (health, readiness, metrics and the
 # OpenAPI document stay open for load balancers and scrapers).
 TENANT_PREFIX = "/v1/"
 # Where the gate leaves the caller's tenant ("" without tokens) in the ASGI scope.
 TENANT_SCOPE_KEY = "kvstash.tenant"
+# What a request path must not carry: an encoded slash or backslash (in the raw path), a
+# control character or a backslash (in the decoded one).
+_ENCODED_SEPARATOR = re.compile(rb"%(2f|5c)", re.IGNORECASE)
+_CONTROL_OR_BACKSLASH = re.compile(r"[\x00-\x1f\x7f\\]")
+
+
+def path_refusal(scope: dict) -> str | None:
+    """Why the request's path is refused (400), or None: see the module docstring."""
+    raw = scope.get("raw_path") or scope["path"].encode("utf-8", "surrogateescape")
+    found = _ENCODED_SEPARATOR.search(raw)
+    if found is not None:
+        return (f"request path holds an encoded separator ({found.group().decode()}): "
+                "path segments never contain '/' or '\\'")
+    found = _CONTROL_OR_BACKSLASH.search(scope["path"])
+    if found is not None:
+        return (f"request path holds a control character or backslash ({found.group()!r}); "
+                "a chunk path is /v1/chunks/<16 hex>/<32 hex>")
+    return None
 
 
 def bearer_token(headers: list[tuple[bytes, bytes]]) -> str | None:
@@ -67,6 +91,10 @@ class RequestGate:
                                                   (b"connection", b"close")]}
             await send(message)
 
+        refusal = path_refusal(scope)
+        if refusal is not None:
+            await _refuse(send_closing_if_unread, 400, refusal)
+            return
         tenant = ""
         if self.tokens is not None and scope["path"].startswith(TENANT_PREFIX):
             token = bearer_token(scope["headers"])
@@ -78,6 +106,10 @@ class RequestGate:
             found = self.tokens.tenant_for(token)
             if found is None:
                 await _refuse(send_closing_if_unread, 403, "token not recognised")
+                return
+            if found == ADMIN:
+                await _refuse(send_closing_if_unread, 403, "an admin token reads /status "
+                              "only; chunks need a tenant's token")
                 return
             tenant = found
         scope[TENANT_SCOPE_KEY] = tenant

@@ -58,6 +58,20 @@ class ServerMetrics:
         self.pool_free_bytes = Gauge(
             "kvstash_body_buffers_free_bytes", "bytes of pooled body buffers kept for reuse "
             "(dropped after 30 s unused)", registry=r)
+        self.event_streams = Gauge("kvstash_event_streams",
+                                   "open /v1/events streams (all tenants)", registry=r)
+        self.event_wakeups = Counter(
+            "kvstash_event_wakeups", "event stream wake-ups: one per open stream of the "
+            "event's own tenant, per event", registry=r)
+        self._wakeups_seen = 0
+        self.listings = Gauge("kvstash_listings", "GET /v1/keys listings running (all tenants)",
+                              registry=r)
+
+    def note_events(self, streams: int, wakeups: int) -> None:
+        """Event streams open now, and wake-ups so far (kvserver.events.EventLog)."""
+        self.event_streams.set(streams)
+        self.event_wakeups.inc(wakeups - self._wakeups_seen)
+        self._wakeups_seen = wakeups
 
     def render(self) -> bytes:
         used = capacity = chunks = 0

@@ -281,15 +281,16 @@ def test_bad_event_settings_fail_at_start_in_one_line(tmp_path):
 def test_the_ring_answers_each_tenant_the_events_after_its_number_in_order():
     from kvserver.events import EventLog
 
-    log = EventLog(ring=8)
-    start = log.seq
-    for i in range(12):  # 12 into a ring of 8: the first 4 are gone
+    log = EventLog(ring=4)
+    start = log.last_seq("a")
+    for i in range(12):  # 6 events each into rings of 4: each tenant's first 2 are gone
         log.emit("ab"[i % 2], "stored", f"k{i}")
-    assert [e.key for e in log.since("a", start + 4)[0]] == ["k4", "k6", "k8", "k10"]
-    assert [e.key for e in log.since("b", start + 9)[0]] == ["k9", "k11"]
-    assert log.since("a", start + 12) == ([], None)  # up to date
-    assert log.since("a", start + 3) == ([], start + 12)  # event 4 (k3) left the ring
-    assert log.since("a", start + 13) == ([], start + 12)  # a number this process never gave
+    assert log.last_seq("a") == log.last_seq("b") == start + 6  # numbered per tenant
+    assert [e.key for e in log.since("a", start + 2)[0]] == ["k4", "k6", "k8", "k10"]
+    assert [e.key for e in log.since("b", start + 4)[0]] == ["k9", "k11"]
+    assert log.since("a", start + 6) == ([], None)  # up to date
+    assert log.since("a", start + 1) == ([], start + 6)  # its event 2 (k2) left the ring
+    assert log.since("a", start + 7) == ([], start + 6)  # a number this process never gave
 
 
 def test_bench_events_delivers_every_event_to_every_subscriber(tmp_path):
@@ -332,16 +333,113 @@ def test_past_its_event_stream_limit_a_tenant_gets_429_until_a_stream_closes(tmp
 
 def test_a_stream_closed_early_gives_back_its_slot_and_its_subscription():
     from kvserver.events import EventLog
+    from kvserver.slots import SlotsFull
 
     async def main() -> None:
         log = EventLog(max_streams=1)
         lines = log.open_stream("", None)
-        assert log.open_stream("", None) is None  # the one slot is taken
+        with pytest.raises(SlotsFull):  # the one slot is taken
+            log.open_stream("", None)
         assert "since" in json.loads(await anext(lines))
         await lines.aclose()  # as the server does when its client goes away
-        assert not log._wakeups and not log._streams
+        assert not log._of("").waiters and log.streams == 0
         never_started = log.open_stream("", None)
         del never_started  # collected unstarted: the slot comes back too
         assert log.open_stream("", None) is not None
 
     asyncio.run(main())
+
+
+def two_tenants(tmp_path) -> str:
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {TOKEN_A}\nbob {TOKEN_B}\n")
+    tokens.chmod(0o600)
+    return str(tokens)
+
+
+def test_a_tenants_event_numbers_do_not_move_with_other_tenants_events(tmp_path, ns):
+    """Sequence numbers are per tenant: a tenant cannot count another's writes from them,
+    and resuming replays only its own events."""
+    with running_kvserver("--store", f"file://{tmp_path}/s", "--auth-tokens",
+                          two_tenants(tmp_path)) as server:
+        alice_from, bob_from = last_seq(server.url, TOKEN_A), last_seq(server.url, TOKEN_B)
+        sub_a = Subscriber(server.url, TOKEN_A)
+        asyncio.run(_put_then_close(server.url + f"?token={TOKEN_A}", make_chunks(ns, 5, seed=1)))
+        sub_a.wait_for(alice_from + 5)
+        assert last_seq(server.url, TOKEN_B) == bob_from  # alice's 5 puts left bob's number
+        bob_chunk = make_chunks(ns, 1, seed=2)
+        asyncio.run(_put_then_close(server.url + f"?token={TOKEN_B}", bob_chunk))
+        late_b = Subscriber(server.url, TOKEN_B, since=bob_from)
+        late_b.wait_for(bob_from + 1)
+    assert [m["seq"] for m in sub_a.lines if "event" in m] == list(range(alice_from + 1, alice_from + 6))
+    assert [m["seq"] for m in late_b.lines if "event" in m] == [bob_from + 1]
+    assert late_b.index == {bob_chunk[0][0]}
+    assert not any("resync" in m for m in late_b.lines)
+
+
+def test_events_zmq_with_tenants_starts_only_when_told_it_publishes_every_tenant(tmp_path, ns):
+    """A ZMQ PUB socket has no authentication: with --auth-tokens, --events-zmq alone stops
+    the server at start in one line naming --events-zmq-all-tenants."""
+    zmq = pytest.importorskip("zmq")
+    from tests.test_http_store_client import free_port
+
+    tokens = two_tenants(tmp_path)
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    refused = subprocess.run(
+        [sys.executable, "-m", "kvserver.cli", "--port", "0", "--store", f"file://{tmp_path}/s",
+         "--auth-tokens", tokens, "--events-zmq", endpoint],
+        capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stdout == ""
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "--events-zmq-all-tenants" in refused.stderr
+    with running_kvserver("--store", f"file://{tmp_path}/s", "--auth-tokens", tokens,
+                          "--events-zmq", endpoint, "--events-zmq-all-tenants") as server:
+        sock = zmq.Context.instance().socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"kvstash/")
+        sock.setsockopt(zmq.RCVTIMEO, 10_000)
+        sock.connect(endpoint)
+        try:
+            time.sleep(0.5)  # a SUB socket misses what was sent before it joined
+            asyncio.run(_put_then_close(server.url + f"?token={TOKEN_A}", make_chunks(ns, 1)))
+            topic = sock.recv_multipart()[0]
+        finally:
+            sock.close(0)
+        assert "--events-zmq" not in server.log()  # on loopback: no warning
+    assert topic == b"kvstash/alice"
+
+
+def test_events_zmq_beyond_loopback_is_warned_about_at_start(tmp_path):
+    """As for --host: a publisher anyone on the network can subscribe to is said so at start
+    (bound to every interface on a free port; nothing connects to it)."""
+    pytest.importorskip("zmq")
+    with running_kvserver("--store", f"file://{tmp_path}/s", "--events-zmq", "tcp://*:*") as server:
+        log = server.log()
+    assert "warning: --events-zmq tcp://*:* is reachable beyond this host" in log
+
+
+def events_metric(url: str, name: str) -> float:
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise AssertionError(f"no {name} in /metrics")
+
+
+def test_an_event_wakes_only_the_streams_of_its_own_tenant(tmp_path, ns):
+    """Other tenants' idle streams cost a tenant's writes nothing: each event wakes the
+    streams of its own tenant and no other (counted, not timed)."""
+    tokens = tmp_path / "tokens"
+    names = {t: t * 20 + "-events" for t in "abcd"}
+    tokens.write_text("".join(f"tenant-{t} {tok}\n" for t, tok in names.items()))
+    tokens.chmod(0o600)
+    with running_kvserver("--store", f"file://{tmp_path}/s", "--auth-tokens", str(tokens)) as server:
+        idle = [Subscriber(server.url, names[t]) for t in "abc" for _ in range(4)]
+        wait_until(lambda: events_metric(server.url, "kvstash_event_streams") == 12)
+        d_url = server.url + f"?token={names['d']}"
+        asyncio.run(_put_then_close(d_url, make_chunks(ns, 20, payload_size=1000, seed=1)))
+        assert events_metric(server.url, "kvstash_event_wakeups_total") == 0
+        d_sub = Subscriber(server.url, names["d"])
+        d_from = d_sub.lines[0]["since"]
+        asyncio.run(_put_then_close(d_url, make_chunks(ns, 10, payload_size=1000, seed=2)))
+        d_sub.wait_for(d_from + 10)
+        assert events_metric(server.url, "kvstash_event_wakeups_total") == 10
+    assert all("event" not in m for sub in idle for m in sub.lines)

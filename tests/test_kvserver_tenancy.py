@@ -163,3 +163,49 @@ def test_extra_words_on_a_token_line_are_an_error_naming_the_line(tmp_path: Path
     path.chmod(0o600)
     with pytest.raises(ConfigError, match=r"tokens:1: expected `TENANT TOKEN`"):
         TokenTable.from_file(path)
+
+
+def test_a_tenant_sees_its_own_stats_and_not_where_the_store_lives(tmp_path: Path, ns):
+    """/v1/stats of a tenant: its own counters and sizes, tier by tier, and no URL, path,
+    bucket or endpoint of the store (without tokens the operator sees them all)."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {ALICE}\nbob {BOB}\n")
+    tokens.chmod(0o600)
+    root = tmp_path / "store"
+    with running_kvserver("--store", "memory://?capacity=64MiB", "--store", f"file://{root}",
+                          "--auth-tokens", str(tokens)) as server, httpx.Client() as c:
+        for key, _, blob in make_chunks(ns, 2):
+            assert c.put(f"{server.url}/v1/chunks/{key}", content=blob,
+                         headers={**OCTETS, **auth(ALICE)}).status_code == 201
+        alice = c.get(f"{server.url}/v1/stats", headers=auth(ALICE)).json()
+        bob = c.get(f"{server.url}/v1/stats", headers=auth(BOB)).json()
+    assert (alice["puts"], bob["puts"]) == (2, 0)
+    assert [t["backend"] for t in alice["tiers"]] == ["memory", "file"]
+    assert alice["tiers"][0]["chunks"] == 2 and bob["tiers"][0]["chunks"] == 0
+    for seen in (alice, bob):
+        text = str(seen)
+        assert str(tmp_path) not in text and "file://" not in text and "memory://" not in text
+        assert not {"url", "root"} & {k for s in (seen, *seen["tiers"]) for k in s}
+
+
+def test_a_tenant_is_never_told_where_the_store_lives(tmp_path: Path, ns):
+    """Errors that reach a client behind --auth-tokens (a 507 from the store, /readyz's
+    reason) name the store as `the store`, not by its URL or directory."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"alice {ALICE}\n")
+    tokens.chmod(0o600)
+    root = tmp_path / "store"
+    (key, _, blob), = make_chunks(ns, 1, payload_size=2 << 20)
+    with running_kvserver("--store", f"file://{root}?capacity=1MiB",
+                          "--auth-tokens", str(tokens)) as server:
+        full = httpx.put(f"{server.url}/v1/chunks/{key}", content=blob,
+                         headers={**OCTETS, **auth(ALICE)})
+        root.rename(tmp_path / "gone")
+        try:
+            unready = httpx.get(f"{server.url}/readyz")
+        finally:
+            (tmp_path / "gone").rename(root)
+    assert full.status_code == 507 and "exceeds capacity" in full.json()["error"]
+    assert unready.status_code == 503 and "missing" in unready.json()["error"]
+    for said in (full.text, unready.text):
+        assert str(tmp_path) not in said and "file://" not in said and "the store" in said
