@@ -13,6 +13,16 @@ parallel ranged GETs while the first body streams, straight into the destination
 (`get_into` writes the payload into the caller's buffer). Every blob is verified (header
 and xxh3 payload checksum) and a corrupt object is deleted and counted as a miss.
 
+Chunk GETs (`get`, `get_into` and so `get_into_many`) run on the blocking botocore client
+in reader threads, each body read with `recv_into` straight into its destination: aiohttp
+hands a body over as fresh `bytes` per socket read, copies it again in its parser and
+pauses and resumes the socket every 128 KiB, which cost a GET about twice the CPU of a
+plain boto3 `get_object().read()`; with the server on the same cores, concurrency then
+made the store slower (docs/benchmarks/2026-11-29-s3-get.md). The event loop keeps the
+gate, the breaker and the deadline; a read whose caller is cancelled (the deadline) is
+told to stop and is waited for, so no byte lands in a caller's buffer after the call has
+returned. Everything else (puts, HEADs, lists, ranged header reads) stays on aiobotocore.
+
 Publishing is create-only: `PutObject` with `If-None-Match: *` (412 = already there =
 success, 409 = a concurrent writer: retried), multipart above `multipart_threshold` with
 the same condition on `CompleteMultipartUpload`. Some S3-compatible servers ignore the
@@ -43,14 +53,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import logging
 import re
 import secrets
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import aiohttp
+import urllib3.exceptions
 from botocore.exceptions import BotoCoreError, ClientError
 
 from hashing import is_valid_key
@@ -58,7 +72,7 @@ from storage.base import Store, check_blob, check_key, check_tenant
 from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, TruncatedHeader, decode_header
 from storage.errors import StoreError, StoreUnavailable
 from storage.options import StoreURL
-from storage.s3_client import S3Connection, S3Options
+from storage.s3_client import BlockingReads, S3Connection, S3Options
 from storage.s3_gc import marker_name, plan_eviction
 
 log = logging.getLogger("kvstash.storage.s3")
@@ -69,7 +83,10 @@ _MISS_STATUS = (403, 404)
 _CONFLICT_RETRIES = (0.05, 0.1, 0.2, 0.4)
 _TOUCHED_MAX = 100_000
 _STALE_UPLOAD_S = 86_400.0
-_TRANSPORT_ERRORS = (BotoCoreError, aiohttp.ClientError, OSError, TimeoutError)
+_TRANSPORT_ERRORS = (BotoCoreError, aiohttp.ClientError, OSError, TimeoutError,
+                     urllib3.exceptions.HTTPError, http.client.HTTPException)
+# A reader thread checks between slices of this size whether its caller still waits.
+_SLICE = 1024 * 1024
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _NS_DIR = re.compile(r"[0-9a-f]{16}/")
 
@@ -139,6 +156,120 @@ class _BodyReader:
             if take < piece.nbytes:
                 self._rest = piece[take:]
             pos += take
+
+
+def _body_readinto(body: Any) -> Callable[[memoryview], int]:
+    """`readinto` of a blocking response body that fills caller memory with no copy in
+    between: http.client's (under urllib3), whose socket reads land in place; urllib3's
+    own `readinto` reads into a fresh buffer and copies."""
+    raw = body._raw_stream
+    fp = getattr(raw, "_fp", None)
+    return fp.readinto if hasattr(fp, "readinto") else raw.readinto
+
+
+def _fill(body: Any, dest: memoryview, stop: threading.Event) -> None:
+    """Read exactly `dest.nbytes` body bytes into `dest` (a reader thread), ending at the
+    first slice boundary after `stop` is set. A body that ends early is a transport
+    failure (a cut connection), never a corrupt object."""
+    readinto = _body_readinto(body)
+    pos, n = 0, dest.nbytes
+    while pos < n:
+        if stop.is_set():
+            raise asyncio.CancelledError()
+        got = readinto(dest[pos : min(n, pos + _SLICE)])
+        if not got:
+            raise ConnectionError(f"response ended after {pos} of {n} bytes")
+        pos += got
+
+
+def _release(body: Any) -> None:
+    """Hand a fully read body's connection back to the pool (keep-alive); close a body
+    read only in part (its connection cannot carry another request)."""
+    raw = body._raw_stream
+    fp = getattr(raw, "_fp", None)
+    if fp is not None and hasattr(fp, "isclosed") and fp.isclosed():
+        raw.release_conn()
+    else:
+        body.close()
+
+
+def _get_first(client: Any, bucket: str, name: str, rng: str, head: int,
+               stop: threading.Event) -> tuple[Any, int, int, bytearray]:
+    """The first GET of a chunk (a reader thread): (its body, the object size, the bytes
+    this response carries, its first `head` bytes, read)."""
+    resp = client.get_object(Bucket=bucket, Key=name, Range=rng)
+    body = resp["Body"]
+    try:
+        if stop.is_set():  # the caller is gone: nobody would close this body
+            raise asyncio.CancelledError()
+        total, first = _object_size(resp), int(resp["ContentLength"])
+        got = bytearray(min(head, first))
+        _fill(body, memoryview(got), stop)
+    except BaseException:
+        body.close()
+        raise
+    return body, total, first, got
+
+
+def _get_blob_start(client: Any, bucket: str, name: str, rng: str,
+                    stop: threading.Event) -> tuple[Any, int, int, bytes | None]:
+    """The first GET of a whole blob (a reader thread): (its body, the object size, the bytes
+    this response carries, and the whole object when this response is all of it: then read
+    into a buffer of its own with no zero-fill, and the body is done with)."""
+    resp = client.get_object(Bucket=bucket, Key=name, Range=rng)
+    body = resp["Body"]
+    try:
+        if stop.is_set():
+            raise asyncio.CancelledError()
+        total, first = _object_size(resp), int(resp["ContentLength"])
+        if first < total:
+            return body, total, first, None
+        fp = getattr(body._raw_stream, "_fp", None)
+        # http.client reads a known length into one new bytes object (read(n) would copy)
+        whole = fp.read() if hasattr(fp, "isclosed") else body.read()
+        if len(whole) != first:
+            raise ConnectionError(f"response ended after {len(whole)} of {first} bytes")
+    except BaseException:
+        body.close()
+        raise
+    _release(body)
+    return None, total, first, whole
+
+
+def _get_range(client: Any, bucket: str, name: str, start: int, end: int, dest: memoryview,
+               stop: threading.Event) -> None:
+    """Bytes [start, end) of an object into `dest` by one ranged GET (a reader thread)."""
+    resp = client.get_object(Bucket=bucket, Key=name, Range=f"bytes={start}-{end - 1}")
+    body = resp["Body"]
+    try:
+        if not (resp.get("ContentRange") or "").startswith(f"bytes {start}-{end - 1}/"):
+            raise ChunkError(f"asked for bytes {start}-{end - 1}, got {resp.get('ContentRange')}")
+        _fill(body, dest, stop)
+    except BaseException:
+        body.close()
+        raise
+    _release(body)
+
+
+def _fill_rest(_client: Any, body: Any, dest: memoryview, stop: threading.Event) -> None:
+    """The rest of a body into `dest`, then its connection back to the pool."""
+    try:
+        _fill(body, dest, stop)
+    except BaseException:
+        body.close()
+        raise
+    _release(body)
+
+
+async def _outlive(job: asyncio.Future) -> None:
+    """Wait for a reader thread's job to end, whatever cancels the caller meanwhile: until
+    it does, it may write into the caller's memory. Bounded: a told-to-stop job ends at its
+    next slice, or when its socket's `read_timeout` expires."""
+    while not job.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([job])
+    if not job.cancelled():
+        job.exception()  # retrieved: the caller is already on its way out
 
 
 class S3Store(Store):
@@ -220,26 +351,51 @@ class S3Store(Store):
         # is still one request.
         return f"bytes=0-{self.opts.range_size * 5 // 4 - 1}"
 
-    async def _read_blob(self, key: str) -> tuple[ChunkHeader, bytearray]:
-        """The whole verified blob, in one buffer allocated once the first GET's
-        Content-Range gives the size; the other ranges start at once and land in place
-        while the first body streams. (One fresh buffer per get: this VM's page faults
-        made a join of buffered pieces cost as much as the network read itself.)
+    @staticmethod
+    async def _in_thread(reads: BlockingReads, job: Callable[..., Any], *args: Any) -> Any:
+        """`job(reads.client, *args, stop)` on a reader thread. Cancelled (the operation's
+        deadline), it tells the job to stop and waits for it to end (see `_outlive`)."""
+        stop = threading.Event()
+        fut: Future = reads.threads.submit(job, reads.client, *args, stop)
+        done = asyncio.wrap_future(fut)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            stop.set()
+            await _outlive(done)
+            raise
+
+    async def _read_range(self, reads: BlockingReads, name: str, start: int, end: int,
+                          dest: memoryview) -> None:
+        """Bytes [start, end) of an object into `dest`: one guarded ranged GET, threaded."""
+        async with self._op("get range"):
+            await self._in_thread(reads, _get_range, self.opts.bucket, name, start, end, dest)
+
+    async def _read_blob(self, key: str) -> tuple[ChunkHeader, bytes | bytearray]:
+        """The whole verified blob: the body of a one-request object as it was read (bytes);
+        a larger one in one buffer allocated once the first GET's Content-Range gives the
+        size, the other ranges started at once and landing in place while the first body
+        streams (a join of pieces would cost a copy of every byte).
         Raises `_Missing`, StoreUnavailable, ClientError or ChunkError (a corrupt object).
         """
         name, opts, loop = self._name(key), self.opts, asyncio.get_running_loop()
         tasks: list[asyncio.Task] = []
         try:
-            async with self._op("get") as client:
-                resp = await client.get_object(Bucket=opts.bucket, Key=name,
-                                               Range=self._first_range())
-                total, first = _object_size(resp), int(resp["ContentLength"])
-                blob = bytearray(total)
+            async with self._op("get"):
+                reads = await self._conn.blocking()
+                body, total, first, blob = await self._in_thread(
+                    reads, _get_blob_start, opts.bucket, name, self._first_range())
+                if blob is None:
+                    try:
+                        blob = bytearray(total)
+                        view = memoryview(blob)
+                        tasks = [loop.create_task(self._read_range(reads, name, s, e, view[s:e]))
+                                 for s, e in _split(first, total, opts.range_size)]
+                    except BaseException:
+                        body.close()
+                        raise
+                    await self._in_thread(reads, _fill_rest, body, view[:first])
                 view = memoryview(blob)
-                tasks = [loop.create_task(self._get_range(name, s, e, view[s:e]))
-                         for s, e in (_split(first, total, opts.range_size) if first < total else [])]
-                async with resp["Body"] as body:
-                    await _BodyReader(body).read_into(view[:first])
             header = decode_header(view[:first], key)
             if total != header.total_len:
                 raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
@@ -259,21 +415,19 @@ class S3Store(Store):
         name, opts, loop = self._name(key), self.opts, asyncio.get_running_loop()
         tasks: list[asyncio.Task] = []
         try:
-            async with self._op("get") as client:
-                resp = await client.get_object(Bucket=opts.bucket, Key=name,
-                                               Range=self._first_range())
-                total, first = _object_size(resp), int(resp["ContentLength"])
-                async with resp["Body"] as body:
-                    reader = _BodyReader(body)
-                    head = bytearray(min(first, HEADER_SIZE))
-                    await reader.read_into(memoryview(head))
+            async with self._op("get"):
+                reads = await self._conn.blocking()
+                body, total, first, head = await self._in_thread(
+                    reads, _get_first, opts.bucket, name, self._first_range(), HEADER_SIZE)
+                try:
                     try:
                         header = decode_header(head, key)
                     except TruncatedHeader as short:
                         if short.header_len > first:
                             raise
                         more = bytearray(short.header_len - len(head))
-                        await reader.read_into(memoryview(more))
+                        await self._in_thread(reads, lambda _c, m, stop: _fill(body, m, stop),
+                                              memoryview(more))
                         head = head + more
                         header = decode_header(head, key)
                     if total != header.total_len:
@@ -281,9 +435,14 @@ class S3Store(Store):
                     if out.nbytes < header.payload_len:
                         raise _TooSmall()
                     hlen, payload = header.header_len, out[: header.payload_len]
-                    tasks = [loop.create_task(self._get_range(name, s, e, payload[s - hlen : e - hlen]))
-                             for s, e in (_split(first, total, opts.range_size) if first < total else [])]
-                    await reader.read_into(payload[len(head) - hlen : first - hlen])
+                    tasks = [loop.create_task(self._read_range(reads, name, s, e,
+                                                               payload[s - hlen : e - hlen]))
+                             for s, e in (_split(first, total, opts.range_size)
+                                          if first < total else [])]
+                except BaseException:
+                    body.close()
+                    raise
+                await self._in_thread(reads, _fill_rest, body, payload[len(head) - hlen : first - hlen])
             await asyncio.gather(*tasks)  # outside the first request's slot (see _read_blob)
         finally:
             await _cancel(tasks)
@@ -395,7 +554,8 @@ class S3Store(Store):
         return await self._guarded(key, ranged()) is True
 
     async def get(self, key: str) -> bytes | None:
-        """The verified blob as a bytearray (filled in place: no copy after the network)."""
+        """The verified blob, with no copy after the network: bytes for a chunk of one
+        request (up to 1.25 x `range_size`), else a bytearray filled in place."""
         check_key(key)
         got = await self._guarded_read(key, None)
         blob = None if got is None else got[1]
