@@ -167,11 +167,41 @@ def _body_readinto(body: Any) -> Callable[[memoryview], int]:
     return fp.readinto if hasattr(fp, "readinto") else raw.readinto
 
 
-def _fill(body: Any, dest: memoryview, stop: threading.Event) -> None:
+class _Stop(threading.Event):
+    """Tells a reader thread that its caller is gone; setting it also shuts the read side
+    of the sockets it is reading, so a read blocked on a stalled server ends now rather
+    than at `read_timeout` (a thread cannot be cancelled; its socket can)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bodies: list[Any] = []
+        self._lock = threading.Lock()
+
+    def watch(self, body: Any) -> None:
+        with self._lock:
+            self._bodies.append(body)
+        if self.is_set():
+            _shut(body)
+
+    def set(self) -> None:
+        super().set()
+        with self._lock:
+            bodies = list(self._bodies)
+        for body in bodies:
+            _shut(body)
+
+
+def _shut(body: Any) -> None:
+    with contextlib.suppress(Exception):  # released, closed or never connected: nothing to end
+        body._raw_stream.shutdown()
+
+
+def _fill(body: Any, dest: memoryview, stop: _Stop) -> None:
     """Read exactly `dest.nbytes` body bytes into `dest` (a reader thread), ending at the
     first slice boundary after `stop` is set. A body that ends early is a transport
     failure (a cut connection), never a corrupt object."""
     readinto = _body_readinto(body)
+    stop.watch(body)
     pos, n = 0, dest.nbytes
     while pos < n:
         if stop.is_set():
@@ -194,11 +224,12 @@ def _release(body: Any) -> None:
 
 
 def _get_first(client: Any, bucket: str, name: str, rng: str, head: int,
-               stop: threading.Event) -> tuple[Any, int, int, bytearray]:
+               stop: _Stop) -> tuple[Any, int, int, bytearray]:
     """The first GET of a chunk (a reader thread): (its body, the object size, the bytes
     this response carries, its first `head` bytes, read)."""
     resp = client.get_object(Bucket=bucket, Key=name, Range=rng)
     body = resp["Body"]
+    stop.watch(body)
     try:
         if stop.is_set():  # the caller is gone: nobody would close this body
             raise asyncio.CancelledError()
@@ -212,12 +243,13 @@ def _get_first(client: Any, bucket: str, name: str, rng: str, head: int,
 
 
 def _get_blob_start(client: Any, bucket: str, name: str, rng: str,
-                    stop: threading.Event) -> tuple[Any, int, int, bytes | None]:
+                    stop: _Stop) -> tuple[Any, int, int, bytes | None]:
     """The first GET of a whole blob (a reader thread): (its body, the object size, the bytes
     this response carries, and the whole object when this response is all of it: then read
     into a buffer of its own with no zero-fill, and the body is done with)."""
     resp = client.get_object(Bucket=bucket, Key=name, Range=rng)
     body = resp["Body"]
+    stop.watch(body)
     try:
         if stop.is_set():
             raise asyncio.CancelledError()
@@ -237,10 +269,11 @@ def _get_blob_start(client: Any, bucket: str, name: str, rng: str,
 
 
 def _get_range(client: Any, bucket: str, name: str, start: int, end: int, dest: memoryview,
-               stop: threading.Event) -> None:
+               stop: _Stop) -> None:
     """Bytes [start, end) of an object into `dest` by one ranged GET (a reader thread)."""
     resp = client.get_object(Bucket=bucket, Key=name, Range=f"bytes={start}-{end - 1}")
     body = resp["Body"]
+    stop.watch(body)
     try:
         if not (resp.get("ContentRange") or "").startswith(f"bytes {start}-{end - 1}/"):
             raise ChunkError(f"asked for bytes {start}-{end - 1}, got {resp.get('ContentRange')}")
@@ -251,7 +284,7 @@ def _get_range(client: Any, bucket: str, name: str, start: int, end: int, dest: 
     _release(body)
 
 
-def _fill_rest(_client: Any, body: Any, dest: memoryview, stop: threading.Event) -> None:
+def _fill_rest(_client: Any, body: Any, dest: memoryview, stop: _Stop) -> None:
     """The rest of a body into `dest`, then its connection back to the pool."""
     try:
         _fill(body, dest, stop)
@@ -264,7 +297,8 @@ def _fill_rest(_client: Any, body: Any, dest: memoryview, stop: threading.Event)
 async def _outlive(job: asyncio.Future) -> None:
     """Wait for a reader thread's job to end, whatever cancels the caller meanwhile: until
     it does, it may write into the caller's memory. Bounded: a told-to-stop job ends at its
-    next slice, or when its socket's `read_timeout` expires."""
+    next slice, and a read blocked in its socket ends when `_Stop` shuts that socket (or at
+    its `read_timeout`)."""
     while not job.done():
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.wait([job])
@@ -355,7 +389,7 @@ class S3Store(Store):
     async def _in_thread(reads: BlockingReads, job: Callable[..., Any], *args: Any) -> Any:
         """`job(reads.client, *args, stop)` on a reader thread. Cancelled (the operation's
         deadline), it tells the job to stop and waits for it to end (see `_outlive`)."""
-        stop = threading.Event()
+        stop = _Stop()
         fut: Future = reads.threads.submit(job, reads.client, *args, stop)
         done = asyncio.wrap_future(fut)
         try:
