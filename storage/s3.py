@@ -348,7 +348,9 @@ class S3Store(Store):
             status = _status(exc)
             if status in _MISS_STATUS:
                 raise _Missing() from exc
-            if status >= 500 or status == 429:
+            # 501 Not Implemented: a header or feature this server lacks, not a failing
+            # endpoint (the caller names the option to change)
+            if (status >= 500 and status != 501) or status == 429:
                 verdict, failure = False, f"{what}: {status} {_code(exc)}"
                 raise StoreUnavailable(f"{self}: {failure}") from exc
             raise
@@ -498,6 +500,9 @@ class S3Store(Store):
         except (_Missing, _TooSmall):
             return None
         except (StoreError, ClientError) as exc:
+            if (isinstance(exc, ClientError) and _status(exc) in (400, 501)
+                    and self.opts.checksum == "when_supported"):
+                self._refuse("get", _status(exc))
             if isinstance(exc, ClientError) and _status(exc) == 416:
                 # "bytes=0-..." is unsatisfiable only for a 0-byte object: no chunk is empty,
                 # and left in place it would make create-only puts skip the key forever.
@@ -664,35 +669,79 @@ class S3Store(Store):
     # -- writes --------------------------------------------------------------------------
 
     async def _conditional_mode(self) -> str:
-        """'header' if the server enforces If-None-Match, else 'head' (found by a probe)."""
+        """'header' if the server enforces If-None-Match, else 'head' (found by a probe on
+        the first put, which also finds a server that refuses what this client's settings
+        send: then every put raises StoreUnavailable with one line naming the option)."""
         conn = self._conn
+        if conn.refused:
+            raise StoreUnavailable(conn.refused)
         if conn.conditional is None:
             name = f"{self.opts.prefix}{PROBE_DIR}/probe-{secrets.token_hex(8)}"
-            mode = "header"
-            for attempt in (0, 1):
-                try:
-                    async with self._op("probe conditional put") as client:
-                        await client.put_object(Bucket=self.opts.bucket, Key=name,
-                                                Body=b"probe", IfNoneMatch="*")
-                except ClientError as exc:
-                    if _status(exc) == 412 and attempt == 1:
-                        break
-                    if _status(exc) in (400, 501):
-                        mode = "head"
-                        break
-                    raise StoreUnavailable(
-                        f"{self}: probe put: {_status(exc)} {_code(exc)}") from exc
-                except _Missing as exc:
-                    raise StoreUnavailable(f"{self}: probe put denied (403/404): "
-                                           "check the bucket and credentials") from exc
-                else:
-                    if attempt == 1:
-                        mode = "head"
+            try:
+                mode = await self._probe(name)
+            finally:
+                await self._delete_quietly([name])
             if mode == "head":
-                log.warning("%s: the server ignores If-None-Match; puts HEAD first instead", self)
+                log.warning("%s: the server ignores or refuses If-None-Match; puts HEAD first "
+                            "instead (set conditional=head to skip the probe)", self)
             conn.conditional = mode
-            await self._delete_quietly([name])
         return conn.conditional
+
+    async def _probe_put(self, name: str, conditional: bool) -> int:
+        """One probe PUT: 200, or the status it was refused with (400/412/501)."""
+        extra = {"IfNoneMatch": "*"} if conditional else {}
+        try:
+            async with self._op("probe put") as client:
+                await client.put_object(Bucket=self.opts.bucket, Key=name, Body=b"probe", **extra)
+        except ClientError as exc:
+            if _status(exc) in (400, 412, 501):
+                return _status(exc)
+            raise StoreUnavailable(f"{self}: probe put: {_status(exc)} {_code(exc)}") from exc
+        except _Missing as exc:
+            raise StoreUnavailable(f"{self}: probe put denied (403/404): "
+                                   "check the bucket and credentials") from exc
+        return 200
+
+    async def _probe(self, name: str) -> str:
+        """Put a probe object twice with If-None-Match: the second must be refused (412).
+        400/501 to it: the same put without the header tells a server that refuses the
+        header ('head') from one that refuses the request; then a GET of the probe checks
+        that reads go through with these settings."""
+        first = await self._probe_put(name, True)
+        if first in (400, 501):
+            if await self._probe_put(name, False) in (400, 501):
+                raise StoreUnavailable(self._refuse("put", first))
+            mode = "head"
+        else:
+            mode = "header" if await self._probe_put(name, True) == 412 else "head"
+        try:
+            async with self._op("probe get") as client:
+                resp = await client.get_object(Bucket=self.opts.bucket, Key=name)
+                async with resp["Body"] as body:
+                    await body.read()
+        except ClientError as exc:
+            if _status(exc) in (400, 501):
+                raise StoreUnavailable(self._refuse("get", _status(exc))) from exc
+            raise StoreUnavailable(f"{self}: probe get: {_status(exc)} {_code(exc)}") from exc
+        except _Missing as exc:
+            raise StoreUnavailable(f"{self}: probe get denied (403/404): "
+                                   "check the credentials") from exc
+        return mode
+
+    def _refuse(self, what: str, status: int) -> str:
+        """The one line for a server that refuses requests as this client sends them, with
+        the URL option to change; remembered, logged once, reported by `health()`."""
+        if self.opts.checksum == "when_supported":
+            fix = ("with checksum=when_supported botocore sends CRC32 checksum headers "
+                   "(x-amz-checksum-*, x-amz-sdk-checksum-algorithm), which it refuses: "
+                   "set checksum=when_required")
+        else:
+            fix = "check addressing=path|virtual and sign_payload=true|false for this server"
+        line = f"{self}: the server answers {status} to a plain {what}: {fix}"
+        if self._conn.refused is None:
+            self._conn.refused = line
+            log.error("%s", line)
+        return self._conn.refused
 
     async def _put_single(self, name: str, data: bytes, conditional: bool) -> bool:
         extra = {"IfNoneMatch": "*"} if conditional else {}
@@ -706,6 +755,11 @@ class S3Store(Store):
                 status = _status(exc)
                 if status == 412:
                     return _retried(exc)
+                if status in (400, 501) and conditional:
+                    raise StoreUnavailable(
+                        f"{self}: put: {status} {_code(exc)} to If-None-Match: this server "
+                        "refuses conditional writes; set conditional=auto or conditional=head"
+                    ) from exc
                 if status != 409 or delay is None:
                     raise StoreUnavailable(f"{self}: put: {status} {_code(exc)}") from exc
             except _Missing as exc:
@@ -904,6 +958,11 @@ class S3Store(Store):
             "conditional_put": self._conn.conditional or "unknown",
             **self._conn.breaker.snapshot(),
         }
+
+    async def health(self) -> str | None:
+        """A server found to refuse requests as this store sends them: the line naming the
+        URL option to change (see `_refuse`). Never a network call."""
+        return self._conn.refused
 
     async def flush(self) -> None:
         while self._background:

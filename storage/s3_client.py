@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
@@ -113,6 +115,11 @@ class S3Options:
             raise ConfigError(f"{u.redacted()}: range_size must be >= 1MiB, part_size >= 5MiB")
         if endpoint and not endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"{u.redacted()}: endpoint must be an http:// or https:// URL")
+        host = urlsplit(endpoint).hostname if endpoint else None
+        if opts.addressing == "virtual" and host and (host == "localhost" or _is_ip(host)):
+            raise ConfigError(f"{u.redacted()}: addressing=virtual puts the bucket in the host "
+                              f"name ({opts.bucket}.{host}), which cannot reach an IP-address or "
+                              "localhost endpoint: set addressing=path")
         return opts
 
     def client_config(self) -> AioConfig:
@@ -184,6 +191,8 @@ class S3Connection:
         self._clients: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
         self.conditional: str | None = None if opts.conditional == "auto" else opts.conditional
         self.touched: OrderedDict[str, float] = OrderedDict()
+        # one line naming the URL option to change, once the server refused our requests
+        self.refused: str | None = None
         self._blocking: Future[BlockingReads] | None = None
         self._blocking_lock = threading.Lock()
 
@@ -259,6 +268,14 @@ class S3Connection:
             reads = made.result()
             reads.client.close()
             reads.threads.shutdown(wait=False)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _in_flight(u: Any, default: int) -> int:
