@@ -173,7 +173,7 @@ async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:
 
     store = open_store(url)
     opts = S3Options.from_url(StoreURL(url))
-    client = _client(opts, "when_required")
+    client = _client(opts, "when_required", pool=LOOKUPS_AT_ONCE)
     heads = 0
     head = store._head
 

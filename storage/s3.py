@@ -223,10 +223,13 @@ def _release(body: Any) -> None:
         body.close()
 
 
-def _get_first(client: Any, bucket: str, name: str, rng: str, head: int,
-               stop: _Stop) -> tuple[Any, int, int, bytearray]:
-    """The first GET of a chunk (a reader thread): (its body, the object size, the bytes
-    this response carries, its first `head` bytes, read)."""
+def _get_into_start(client: Any, bucket: str, name: str, rng: str, key: str, out: memoryview,
+                    verify: bool, stop: _Stop) -> tuple[Any, ChunkHeader, int, int]:
+    """The first GET of a `get_into` (a reader thread): the header is read and checked
+    first, so that every later byte lands in place in `out`. A chunk of one request is
+    read, and verified, here whole: (None, header, total, first). A larger one returns
+    its body, for the caller to start the other ranges before reading the rest of it:
+    (body, header, total, first). Raises `_TooSmall` when `out` cannot hold the payload."""
     resp = client.get_object(Bucket=bucket, Key=name, Range=rng)
     body = resp["Body"]
     stop.watch(body)
@@ -234,19 +237,40 @@ def _get_first(client: Any, bucket: str, name: str, rng: str, head: int,
         if stop.is_set():  # the caller is gone: nobody would close this body
             raise asyncio.CancelledError()
         total, first = _object_size(resp), int(resp["ContentLength"])
-        got = bytearray(min(head, first))
-        _fill(body, memoryview(got), stop)
+        head = bytearray(min(HEADER_SIZE, first))
+        _fill(body, memoryview(head), stop)
+        try:
+            header = decode_header(head, key)
+        except TruncatedHeader as short:
+            if short.header_len > first:
+                raise
+            more = bytearray(short.header_len - len(head))
+            _fill(body, memoryview(more), stop)
+            head += more
+            header = decode_header(head, key)
+        if total != header.total_len:
+            raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+        if out.nbytes < header.payload_len:
+            raise _TooSmall()
+        if first < total:
+            return body, header, total, first
+        hlen = header.header_len
+        _fill(body, out[len(head) - hlen : first - hlen], stop)
     except BaseException:
         body.close()
         raise
-    return body, total, first, got
+    _release(body)
+    if verify:  # here, off the event loop (xxhash lets go of the GIL)
+        header.verify_payload(out[: header.payload_len])
+    return None, header, total, first
 
 
-def _get_blob_start(client: Any, bucket: str, name: str, rng: str,
-                    stop: _Stop) -> tuple[Any, int, int, bytes | None]:
+def _get_blob_start(client: Any, bucket: str, name: str, rng: str, key: str, verify: bool,
+                    stop: _Stop) -> tuple[Any, int, int, tuple[ChunkHeader, bytes] | None]:
     """The first GET of a whole blob (a reader thread): (its body, the object size, the bytes
     this response carries, and the whole object when this response is all of it: then read
-    into a buffer of its own with no zero-fill, and the body is done with)."""
+    into a buffer of its own with no zero-fill, checked (and verified) here, and the body
+    is done with)."""
     resp = client.get_object(Bucket=bucket, Key=name, Range=rng)
     body = resp["Body"]
     stop.watch(body)
@@ -265,7 +289,12 @@ def _get_blob_start(client: Any, bucket: str, name: str, rng: str,
         body.close()
         raise
     _release(body)
-    return None, total, first, whole
+    header = decode_header(whole, key)
+    if total != header.total_len:
+        raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+    if verify:
+        header.verify_payload(memoryview(whole)[header.header_len :])
+    return None, total, first, (header, whole)
 
 
 def _get_range(client: Any, bucket: str, name: str, start: int, end: int, dest: memoryview,
@@ -419,19 +448,20 @@ class S3Store(Store):
         try:
             async with self._op("get"):
                 reads = await self._conn.blocking()
-                body, total, first, blob = await self._in_thread(
-                    reads, _get_blob_start, opts.bucket, name, self._first_range())
-                if blob is None:
-                    try:
-                        blob = bytearray(total)
-                        view = memoryview(blob)
-                        tasks = [loop.create_task(self._read_range(reads, name, s, e, view[s:e]))
-                                 for s, e in _split(first, total, opts.range_size)]
-                    except BaseException:
-                        body.close()
-                        raise
-                    await self._in_thread(reads, _fill_rest, body, view[:first])
-                view = memoryview(blob)
+                body, total, first, whole = await self._in_thread(
+                    reads, _get_blob_start, opts.bucket, name, self._first_range(), key,
+                    opts.verify)
+                if whole is not None:  # one request: read, checked and verified
+                    return whole
+                try:
+                    blob = bytearray(total)
+                    view = memoryview(blob)
+                    tasks = [loop.create_task(self._read_range(reads, name, s, e, view[s:e]))
+                             for s, e in _split(first, total, opts.range_size)]
+                except BaseException:
+                    body.close()
+                    raise
+                await self._in_thread(reads, _fill_rest, body, view[:first])
             header = decode_header(view[:first], key)
             if total != header.total_len:
                 raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
@@ -440,8 +470,8 @@ class S3Store(Store):
             await asyncio.gather(*tasks)
         finally:
             await _cancel(tasks)
-        if opts.verify:
-            header.verify_payload(view[header.header_len :])
+        if opts.verify:  # off the event loop (xxhash lets go of the GIL)
+            await asyncio.to_thread(header.verify_payload, view[header.header_len :])
         return header, blob
 
     async def _read_into(self, key: str, out: memoryview) -> ChunkHeader:
@@ -453,37 +483,25 @@ class S3Store(Store):
         try:
             async with self._op("get"):
                 reads = await self._conn.blocking()
-                body, total, first, head = await self._in_thread(
-                    reads, _get_first, opts.bucket, name, self._first_range(), HEADER_SIZE)
+                body, header, total, first = await self._in_thread(
+                    reads, _get_into_start, opts.bucket, name, self._first_range(), key, out,
+                    opts.verify)
+                if body is None:  # one request: read and verified
+                    return header
                 try:
-                    try:
-                        header = decode_header(head, key)
-                    except TruncatedHeader as short:
-                        if short.header_len > first:
-                            raise
-                        more = bytearray(short.header_len - len(head))
-                        await self._in_thread(reads, lambda _c, m, stop: _fill(body, m, stop),
-                                              memoryview(more))
-                        head = head + more
-                        header = decode_header(head, key)
-                    if total != header.total_len:
-                        raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
-                    if out.nbytes < header.payload_len:
-                        raise _TooSmall()
                     hlen, payload = header.header_len, out[: header.payload_len]
                     tasks = [loop.create_task(self._read_range(reads, name, s, e,
                                                                payload[s - hlen : e - hlen]))
-                             for s, e in (_split(first, total, opts.range_size)
-                                          if first < total else [])]
+                             for s, e in _split(first, total, opts.range_size)]
                 except BaseException:
                     body.close()
                     raise
-                await self._in_thread(reads, _fill_rest, body, payload[len(head) - hlen : first - hlen])
+                await self._in_thread(reads, _fill_rest, body, payload[: first - hlen])
             await asyncio.gather(*tasks)  # outside the first request's slot (see _read_blob)
         finally:
             await _cancel(tasks)
         if opts.verify:
-            header.verify_payload(payload)
+            await asyncio.to_thread(header.verify_payload, payload)
         return header
 
     async def _guarded_read(self, key: str, out: memoryview | None) -> tuple[ChunkHeader, Any] | None:
