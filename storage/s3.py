@@ -426,8 +426,9 @@ class S3Store(Store):
         try:
             return await asyncio.shield(done)
         except asyncio.CancelledError:
-            stop.set()
-            await _outlive(done)
+            if not fut.cancel():  # a job not started yet never will; a started one must end
+                stop.set()
+                await _outlive(done)
             raise
 
     async def _read_range(self, reads: BlockingReads, name: str, start: int, end: int,

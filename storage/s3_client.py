@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ipaddress
+import os
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -194,6 +195,7 @@ class S3Connection:
         # one line naming the URL option to change, once the server refused our requests
         self.refused: str | None = None
         self._blocking: Future[BlockingReads] | None = None
+        self._blocking_pid = 0
         self._blocking_lock = threading.Lock()
 
     async def client(self) -> _LoopClient:
@@ -227,7 +229,10 @@ class S3Connection:
         """The blocking client and its reader threads, made on first use (from any loop)."""
         with self._blocking_lock:
             made = self._blocking
+            if made is not None and self._blocking_pid != os.getpid():
+                made = None  # a forked child: its parent's reader threads are not here
             if made is None:
+                self._blocking_pid = os.getpid()
                 threads = ThreadPoolExecutor(self.opts.max_in_flight,
                                              thread_name_prefix="kvstash-s3-read")
                 made = self._blocking = threads.submit(self._create_blocking, threads)
