@@ -16,9 +16,9 @@ and xxh3 payload checksum) and a corrupt object is deleted and counted as a miss
 Chunk GETs (`get`, `get_into` and so `get_into_many`) run on the blocking botocore client
 in reader threads, each body read with `recv_into` straight into its destination: aiohttp
 hands a body over as fresh `bytes` per socket read, copies it again in its parser and
-pauses and resumes the socket every 128 KiB, which cost a GET about twice the CPU of a
-plain boto3 `get_object().read()`; with the server on the same cores, concurrency then
-made the store slower (docs/benchmarks/2026-11-29-s3-get.md). The event loop keeps the
+pauses and resumes the socket every 128 KiB, so a GET through it costs more CPU per byte
+than a plain boto3 `get_object().read()`, and where the server shares the cores, more
+requests in flight made the store slower (see docs/s3.md). The event loop keeps the
 gate, the breaker and the deadline; a read whose caller is cancelled (the deadline) is
 told to stop and is waited for, so no byte lands in a caller's buffer after the call has
 returned. Everything else (puts, HEADs, lists, ranged header reads) stays on aiobotocore.
