@@ -91,7 +91,7 @@ from storage.codec import (
 from storage.errors import ConfigError, StoreFull, StoreUnavailable
 from storage.ledger import LEDGER, QUARANTINE_SCOPE, RootLedger, quarantine_scope
 from storage.options import StoreURL, format_size, parse_bool, parse_mode, parse_seconds, parse_size
-from storage.pagecache import all_cached, is_local
+from storage.pagecache import PAGE_CACHE, Residency, is_local
 
 log = logging.getLogger("kvstash.storage.file")
 
@@ -102,8 +102,6 @@ TENANTS = "tenants"
 # Below this much free space the disk counts as full for readiness (storage.base.health).
 MIN_FREE_BYTES = 1 << 20
 _MISS_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
-# preadv(RWF_NOWAIT) found a byte not in the page cache, or the kernel takes no such flag.
-_NOWAIT_ERRNOS = (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _ATIME_REFRESH_S = 60.0
@@ -516,7 +514,11 @@ class FileStore(Store):
         scope: str = "",
         family: dict[str, FileStore] | None = None,
         ledger: RootLedger | None = None,
+        residency: Residency | None = None,
     ):
+        """`residency`: the page-cache oracle every read that plans by residency asks (see
+        storage.pagecache; None: the kernel's, PAGE_CACHE; tests declare chunks resident or
+        not through it)."""
         super().__init__()
         self.root = Path(root)
         # The root's own chunks are scope "", a tenant's `tenants/<scope>/`; `family` holds
@@ -542,6 +544,7 @@ class FileStore(Store):
                                else min(QUARANTINE_MAX_BYTES, capacity // 16))
         self._quarantine_bytes = 0  # what `.quarantine/` holds, trimmed to quarantine_max
         self._quarantined = 0  # files there
+        self.residency = PAGE_CACHE if residency is None else residency
         self.url = url or f"file://{self.root}"
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
@@ -988,7 +991,7 @@ class FileStore(Store):
         fd, path = opened
         try:
             st = os.fstat(fd)
-            if resident_only and all_cached(fd, 0, st.st_size) is not True:
+            if resident_only and self.residency.all_cached(fd, 0, st.st_size) is not True:
                 return NOT_RESIDENT
             room = -1 if parts is None else sum(p.nbytes for p in parts)
             # An unchanged, already verified file needs its header neither read nor parsed.
@@ -1060,7 +1063,7 @@ class FileStore(Store):
                 out.append(False)  # there, but not to be read here: its load will say
                 continue
             try:
-                out.append(all_cached(fd, 0, os.fstat(fd).st_size) is True)
+                out.append(self.residency.all_cached(fd, 0, os.fstat(fd).st_size) is True)
             except OSError:
                 out.append(False)
             finally:
@@ -1381,7 +1384,8 @@ class FileStore(Store):
         elif self._chunk_io is None:
             from gds import ChunkIO, IOConfig
 
-            self._chunk_io = ChunkIO(IOConfig(max_in_flight=max_in_flight), probe_dir=self.root)
+            self._chunk_io = ChunkIO(IOConfig(max_in_flight=max_in_flight), probe_dir=self.root,
+                                     residency=self.residency)
             self._owns_chunk_io = True
         return self._chunk_io
 
@@ -1557,7 +1561,7 @@ class FileStore(Store):
             tenants / tenant, self.capacity, fsync=self.fsync, verify=self.verify,
             tmp_grace_s=self.tmp_grace_s, mode=self.mode,
             url=f"{self.url.partition('#')[0]}#{tenant}", verified=self._verified,
-            scope=tenant, family=self._family, ledger=self._ledger,
+            scope=tenant, family=self._family, ledger=self._ledger, residency=self.residency,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -1610,9 +1614,9 @@ class SegmentFile:
     between its operations (on a 2-vCPU VM a reader on the other core with a stat, a
     cache probe and the bookkeeping of a whole read per chunk slowed a loop of small
     torch ops by 23 %, raw reads and checksums alone by 9 %, 2026-11-27), so it makes as
-    few as it can: no stat before the reads, and reads of page-cached bytes only
-    (preadv RWF_NOWAIT), which answer NOT_RESIDENT rather than wait on the disk while
-    `resident` holds. `head` reads the header (with segment 0 in the same read where it
+    few as it can: no stat before the reads, and reads of page-cached bytes only (the
+    store's `residency.read_nowait`: preadv RWF_NOWAIT), which answer NOT_RESIDENT rather
+    than wait on the disk while `resident` holds. `head` reads the header (with segment 0 in the same read where it
     can), `read` one segment; `close` does the accounting."""
 
     def __init__(self, store: FileStore, key: str, fd: int, path: str):
@@ -1622,17 +1626,14 @@ class SegmentFile:
         self.resident = True  # no read has had to wait on the disk
         self._done: set[int] = set()  # segments read and checked
         self._failed = False
+        self._read_nowait = store.residency.read_nowait
 
     def _pread(self, parts: list[memoryview], offset: int, length: int) -> bool:
         """Fill `parts` (`length` bytes) from `offset`; False where `resident` and not all
         of it was in the page cache (nothing waited for; `resident` turns False)."""
         if self.resident:
-            try:
-                if os.preadv(self._fd, parts, offset, os.RWF_NOWAIT) == length:
-                    return True
-            except OSError as exc:
-                if exc.errno not in _NOWAIT_ERRNOS:
-                    raise
+            if self._read_nowait(self._fd, parts, offset) == length:
+                return True
             self.resident = False
             return False
         if read_parts_at(self._fd, parts, offset) != length:
@@ -1683,10 +1684,8 @@ class SegmentFile:
             flat.extend(parts)
             lengths.append(sum(p.nbytes for p in parts))
         try:
-            n = os.preadv(self._fd, flat, 0, os.RWF_NOWAIT)
+            n = self._read_nowait(self._fd, flat, 0)
         except OSError as exc:
-            if exc.errno in _NOWAIT_ERRNOS:
-                return False
             self._fail(exc)
             return None
         if n != HEADER_SIZE + sum(lengths):
