@@ -16,8 +16,10 @@ filesystem re-triggers the check, while page-cached re-reads of an unchanged fil
 no hashing (on 2 cores the hash would otherwise cost a third of a warm read). The
 verified headers are kept in one cache per root (its tenants share it) bounded in bytes
 of memory (`VerifiedHeaders`, each header charged `ChunkHeader.cost`); a file whose
-header fell out is simply verified again. `always` hashes every read; `header` checks
-only the header (key, tokens, length).
+header fell out is simply verified again. A verification is remembered only once the
+file's ctime is `settle` old (1s): a change after that carries another ctime even where
+timestamps are coarse. `always` hashes every read; `header` checks only the header (key,
+tokens, length).
 
 The root: the store touches only names of its own layout. The scan at open (and `gc`)
 opens each directory O_NOFOLLOW relative to its parent and lists regular files only, so it
@@ -163,8 +165,8 @@ class VerifiedHeaders:
         return len(self._entries)
 
 
-# A verified identity is only trusted once its ctime is this old: any later change then
-# carries a different ctime even on filesystems with coarse (jiffy) timestamps.
+# A verified identity is only trusted once its ctime is this old (`settle_s`): any later
+# change then carries a different ctime even on filesystems with coarse (jiffy) timestamps.
 _SETTLED_S = 1.0
 
 
@@ -515,10 +517,14 @@ class FileStore(Store):
         family: dict[str, FileStore] | None = None,
         ledger: RootLedger | None = None,
         residency: Residency | None = None,
+        settle_s: float = _SETTLED_S,
     ):
         """`residency`: the page-cache oracle every read that plans by residency asks (see
         storage.pagecache; None: the kernel's, PAGE_CACHE; tests declare chunks resident or
-        not through it)."""
+        not through it). `settle_s` (`settle=` in the URL): how old a file's ctime must be
+        before its verification is remembered (see `note_verified`); 0 remembers it at
+        once, for a filesystem whose timestamps are fine-grained, or a test whose files
+        change only where their mtime shows it."""
         super().__init__()
         self.root = Path(root)
         # The root's own chunks are scope "", a tenant's `tenants/<scope>/`; `family` holds
@@ -545,6 +551,7 @@ class FileStore(Store):
         self._quarantine_bytes = 0  # what `.quarantine/` holds, trimmed to quarantine_max
         self._quarantined = 0  # files there
         self.residency = PAGE_CACHE if residency is None else residency
+        self.settle_s = settle_s
         self.url = url or f"file://{self.root}"
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
@@ -592,6 +599,7 @@ class FileStore(Store):
             verify=u.take("verify", str, "changed"),
             tmp_grace_s=u.take("tmp_grace", parse_seconds, 600.0),
             mode=u.take("mode", parse_mode, 0o600),
+            settle_s=u.take("settle", parse_seconds, _SETTLED_S),
             url=u.url,
         )
         u.finish()
@@ -911,8 +919,8 @@ class FileStore(Store):
 
     def note_verified(self, key: str, st: os.stat_result, header: ChunkHeader) -> None:
         """A reader checked this file's header and payload hash against `key` (trusted only
-        once the file's ctime has settled)."""
-        if time.time() - st.st_ctime > _SETTLED_S:
+        once the file's ctime is `settle_s` old)."""
+        if time.time() - st.st_ctime > self.settle_s:
             self._verified.put(self._root, key, _identity(st), header)
 
     def _touch(self, key: str, path: Path | str, st: os.stat_result) -> None:
@@ -1562,6 +1570,7 @@ class FileStore(Store):
             tmp_grace_s=self.tmp_grace_s, mode=self.mode,
             url=f"{self.url.partition('#')[0]}#{tenant}", verified=self._verified,
             scope=tenant, family=self._family, ledger=self._ledger, residency=self.residency,
+            settle_s=self.settle_s,
         )
 
     def stats(self) -> dict[str, Any]:
