@@ -43,7 +43,7 @@ from tests.connector_fixtures import (  # noqa: E402
     tiny_model,
 )
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 _ = store_dir_fixture
 
 
