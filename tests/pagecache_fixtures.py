@@ -11,7 +11,10 @@ after `POSIX_FADV_DONTNEED`.
 
 `drop_from_page_cache` asks the real kernel, for the few tests that check the kernel
 path end to end: each calls `skip_unless_dropped` right before the step under test, which
-skips (with the reason) where the kernel kept or brought back the pages.
+skips (with the reason) where the kernel kept the pages, and skips again where the step's
+outcome shows the kernel brought them back in between (a read with RWF_NOWAIT succeeds,
+or cachestat(2) says cached, only for pages in the cache): a test never asserts that the
+kernel keeps a page out.
 """
 
 from __future__ import annotations
@@ -64,12 +67,13 @@ class DeclaredResidency:
         return read_parts_at(fd, buffers, offset)
 
 
-def page_cached(path: str | os.PathLike) -> bool | None:
-    """The kernel's answer: whether the whole file is in the page cache; None: it cannot
-    tell (no cachestat(2): Linux < 6.5)."""
+def page_cached(path: str | os.PathLike, offset: int = 0, length: int | None = None,
+                ) -> bool | None:
+    """The kernel's answer: whether every byte of the range (the whole file by default)
+    is in the page cache; None: it cannot tell (no cachestat(2): Linux < 6.5)."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        return all_cached(fd, 0, os.fstat(fd).st_size)
+        return all_cached(fd, offset, os.fstat(fd).st_size - offset if length is None else length)
     finally:
         os.close(fd)
 
@@ -94,11 +98,17 @@ def drop_from_page_cache(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def skip_unless_dropped(path: str | os.PathLike) -> None:
-    """Skip unless the kernel says none of the file is wholly in the page cache now: it
-    may keep a file's pages after DONTNEED, or bring them back before the step under test."""
-    cached = page_cached(path)
+def skip_unless_dropped(path: str | os.PathLike, offset: int = 0, length: int | None = None,
+                        ) -> None:
+    """Skip unless the kernel says the range (the whole file by default) is not all in
+    the page cache now: it may keep a file's pages after DONTNEED, or bring them back."""
+    cached = page_cached(path, offset, length)
     if cached is None:
         pytest.skip("the kernel cannot say what is in the page cache (cachestat(2))")
     if cached:
         pytest.skip("the kernel kept or brought back the file's pages after DONTNEED")
+
+
+def skip_brought_back() -> None:
+    """Skip: the step found in the page cache what the kernel had just said was not."""
+    pytest.skip("the kernel brought the file's pages back between the check and the step")
