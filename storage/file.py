@@ -1625,8 +1625,8 @@ class SegmentFile:
     torch ops by 23 %, raw reads and checksums alone by 9 %, 2026-11-27), so it makes as
     few as it can: no stat before the reads, and reads of page-cached bytes only (the
     store's `residency.read_nowait`: preadv RWF_NOWAIT), which answer NOT_RESIDENT rather
-    than wait on the disk while `resident` holds. `head` reads the header (with segment 0 in the same read where it
-    can), `read` one segment; `close` does the accounting."""
+    than wait on the disk while `resident` holds. `head` reads the header (with segment 0
+    in the same read where it can), `read` one segment; `close` does the accounting."""
 
     def __init__(self, store: FileStore, key: str, fd: int, path: str):
         self.store, self.key = store, key
