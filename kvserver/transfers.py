@@ -59,7 +59,8 @@ class Transfers:
 
         def pooled(size: int) -> memoryview:
             # A pooled huge-page buffer (kvserver.bodies), taken once the first byte is in:
-            # fresh memory per body costs more than the copy.
+            # fresh memory per body costs more than the copy into a reused buffer
+            # (docs/benchmarks/2026-11-22-kvserver.md, PUT before and after pooling).
             nonlocal release
             buf, release = self.puts.borrow(size)
             return buf[:size]
