@@ -63,9 +63,9 @@ def on_exit_signals(action: Callable[[], None]) -> Iterator[None]:
     try:
         yield
     finally:
-        for sig, (handler, previous) in installed.items():
-            if signal.getsignal(sig) is handler:  # uvicorn restores its own predecessors
-                signal.signal(sig, previous)
+        for signum, (handler, previous) in installed.items():
+            if signal.getsignal(signum) is handler:  # uvicorn restores its own predecessors
+                signal.signal(signum, previous)
 
 
 @asynccontextmanager
@@ -79,7 +79,10 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # uvicorn stops on SIGINT/SIGTERM once every open response has ended, and an
         # event stream never ends by itself: without this a subscriber kept the server
         # up until it was killed.
-        with on_exit_signals(lambda: loop.call_soon_threadsafe(svc.events.end_streams)):
+        def end_streams() -> None:
+            loop.call_soon_threadsafe(svc.events.end_streams)
+
+        with on_exit_signals(end_streams):
             yield
     finally:
         trimmer.cancel()

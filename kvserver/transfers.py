@@ -47,7 +47,8 @@ class Transfers:
         self.metrics = metrics
         self.gets = BufferPool(max_bytes=max_chunk_bytes)  # GET bodies, see kvserver.bodies
         self.puts = BufferPool(max_bytes=max_chunk_bytes)  # and PUT bodies
-        self._deadlines = {"stall_s": stall_s, "total_s": total_s}
+        self.stall_s = stall_s
+        self.total_s = total_s
 
     @asynccontextmanager
     async def chunk_body(self, request: Request, tenant: str) -> AsyncIterator[memoryview]:
@@ -67,7 +68,7 @@ class Transfers:
 
         try:
             yield await read_body(request, self.max_chunk_bytes, charge, what="chunk",
-                                  buffer=pooled, **self._deadlines)
+                                  buffer=pooled, stall_s=self.stall_s, total_s=self.total_s)
         except asyncio.CancelledError:
             reuse = False  # a store thread may still be reading the body: never lend it again
             raise
@@ -80,7 +81,8 @@ class Transfers:
         in size and time, after the gate's token check."""
         charge = BodyCharge(self.budget, tenant)
         try:
-            return await read_body(request, limit, charge, what=what, **self._deadlines)
+            return await read_body(request, limit, charge, what=what, stall_s=self.stall_s,
+                                   total_s=self.total_s)
         finally:
             charge.release()
 
