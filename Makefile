@@ -1,12 +1,13 @@
 # Two commands do all set-up on a fresh clone:
 #   make demo   -- install, then run the end-to-end demo on the embedded default store
 #   make test   -- install, then run ruff and the whole test suite
+#   make compose-check -- start the Docker compose stack for real and check it (Docker needed)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench-store clean
+.PHONY: install demo test lint bench-store compose-check clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile scripts/install-engines.sh
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -30,6 +31,11 @@ lint: $(STAMP)
 
 bench-store: $(STAMP)
 	$(VENV)/bin/kvstash bench store --store file://$(CURDIR)/.kvstash-bench
+
+# Builds the images from Debian packages, starts the compose stack (needs a running Docker
+# engine), restarts a replica under load and checks nothing is lost; minutes, not in `test`.
+compose-check: $(STAMP)
+	VENV=$(abspath $(VENV)) scripts/compose-check.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .kvstash-bench

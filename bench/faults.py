@@ -5,7 +5,9 @@ bytes can be recomputed from (seed, index) so any read can be checked for *wrong
 not only for a valid checksum; corruption of stored chunks (bit flips in header or
 payload, truncation, replacement by another valid chunk); a writer process to SIGKILL
 mid-put; kvserver and SeaweedFS processes to SIGKILL and restart on the same port; a
-small-filesystem mount; process RSS; latency percentiles.
+small-filesystem mount; a tenants' tokens file; slow clients (a PUT whose body drips, a GET
+whose reply is never read) that report when the server cut them off; process RSS and CPU
+time; latency percentiles.
 
 `python -m bench.faults writer --store URL ...` (driven by `Writer`) is the process the
 crash scenarios kill: it prints one `ok <index> <key>` line per acknowledged put, so the
@@ -132,6 +134,14 @@ def rss_bytes(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system) a live process has used, from /proc: unlike a rate, it does
+    not move with what else the machine runs."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 @contextlib.contextmanager
@@ -379,6 +389,76 @@ def free_port(also_plus: int = 0) -> int:
                 s.bind(("127.0.0.1", port + also_plus))
                 return port
     raise RuntimeError("no free port found")
+
+
+def tokens_file(path: Path, tenants: Sequence[str]) -> dict[str, str]:
+    """Write a kvserver `--auth-tokens` file (mode 0600) for `tenants` -> {tenant: token}."""
+    tokens = {t: f"{t}-{os.urandom(16).hex()}" for t in tenants}
+    path.write_text("".join(f"{t} {tok}\n" for t, tok in tokens.items()))
+    path.chmod(0o600)  # kvserver refuses a tokens file others can read
+    return tokens
+
+
+def server_let_go(server_port: int, client_port: int) -> bool:
+    """Whether the server's end of the loopback connection from `client_port` is no longer
+    established (it closed or aborted it), from /proc/net/tcp. Seen from the client, a
+    server that closes a connection it still has unsent bytes for is silent: its FIN waits
+    behind them in its send queue while the client does not read."""
+    local, remote = f"0100007F:{server_port:04X}", f"0100007F:{client_port:04X}"
+    with open("/proc/net/tcp") as f:
+        for line in f:
+            fields = line.split()
+            if fields[1] == local and fields[2] == remote:
+                return fields[3] != "01"  # 01: ESTABLISHED
+    return True
+
+
+def slow_drip_put(url: str, head: bytes, body: bytes,
+                  give_up_s: float) -> tuple[int | None, float] | None:
+    """Send a PUT's `head`, then its `body` 16 bytes every 100 ms until the server answers
+    or hangs up -> (its status, None if it only hung up; seconds it took), or None when it
+    was still reading after `give_up_s` (a server that never cuts a slow client off)."""
+    host, port = url.removeprefix("http://").split(":")
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        try:
+            sock.sendall(head)
+            for pos in range(0, len(body), 16):
+                if time.monotonic() - started > give_up_s:
+                    return None
+                if select.select([sock], [], [], 0.1)[0]:
+                    break
+                sock.sendall(body[pos : pos + 16])
+        except OSError:
+            return None, time.monotonic() - started
+        cut = time.monotonic() - started
+        sock.settimeout(5)
+        try:
+            reply = sock.recv(4096)
+        except OSError:
+            return None, cut
+    status = int(reply.split(b" ")[1]) if reply.startswith(b"HTTP/1.") else None
+    return status, cut
+
+
+def non_reading_get(url: str, path: str, give_up_s: float,
+                    token: str | None = None) -> float | None:
+    """GET `path` and never read the reply (a 16 KiB receive buffer, so the server's sends
+    stall at once) -> seconds until the server let go of the connection, or None if it had
+    not after `give_up_s`."""
+    host, port = url.removeprefix("http://").split(":")
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    started = time.monotonic()
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+        sock.settimeout(10)
+        sock.connect((host, int(port)))
+        sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode())
+        while time.monotonic() - started < give_up_s:
+            if server_let_go(int(port), sock.getsockname()[1]):
+                return time.monotonic() - started
+            time.sleep(0.05)
+    return None
 
 
 async def _writer_main(args: argparse.Namespace) -> int:

@@ -7,7 +7,9 @@ nothing acknowledged is lost unless it was deliberately damaged or evicted; no e
 other than a typed StoreError reaches a store caller and none reaches the engine.
 
 The summary: faults injected and survived, hostile inputs tried, requests under load with
-p50/p99, and data lost (must be 0). The exit code is 1 if any invariant broke.
+p50/p99, and data lost (must be 0). The exit code is 1 if any invariant broke. Findings
+(a slowdown one tenant's event streams cause another, a slow shutdown) are printed and
+kept in the JSON, but break no invariant.
 `--duration` is the time spent in the timed loops; starting servers comes on top.
 """
 
@@ -23,6 +25,7 @@ import platform
 import random
 import select
 import socket
+import subprocess
 import tempfile
 import threading
 import time
@@ -42,12 +45,16 @@ from bench.faults import (
     chunk_for,
     corrupt,
     corrupt_file,
+    cpu_seconds,
     crash_writer,
     fill_disk,
     free_port,
+    non_reading_get,
     percentiles,
     rss_bytes,
+    slow_drip_put,
     small_filesystem,
+    tokens_file,
     verify_blob,
     weed_binary,
 )
@@ -74,6 +81,9 @@ class Outcome:
     lost: int = 0
     wrong: int = 0
     violations: list[str] = field(default_factory=list)
+    # What a scenario measured that is worth a reader's eye but breaks no invariant (a
+    # slowdown, not a lost or wrong read): printed, never counted as a failure.
+    findings: list[str] = field(default_factory=list)
     notes: dict[str, Any] = field(default_factory=dict)
     skipped: str = ""
     seconds: float = 0.0
@@ -611,7 +621,6 @@ def _mutations(rng: random.Random, valid: list[bytes]) -> tuple[bytes, bytes | N
 
 
 def scenario_fuzz(budget: float, seed: int) -> Outcome:
-    import subprocess
     import sys
 
     out = Outcome("hostile input: chunk decoder fuzzing (random, mutated, forged headers)")
@@ -811,11 +820,422 @@ def scenario_isolation(budget: float, work: Path, seed: int) -> Outcome:
     return out
 
 
+# -- tenants, event subscribers, slow clients ---------------------------------------------
+
+
+class TenantLedger:
+    """What each tenant was acknowledged for, to check reads against: (key -> blob)."""
+
+    def __init__(self, seed: int, tenants: list[str], size: int):
+        self.seed, self.size = seed, size
+        self.acked: dict[str, dict[str, bytes]] = {t: {} for t in tenants}
+
+    def chunk(self, tenant: int, i: int) -> tuple[str, bytes]:
+        return chunk_for(self.seed + 7919 * (tenant + 1), i, self.size)
+
+    def owner_of(self, key: str) -> str | None:
+        return next((t for t, keys in self.acked.items() if key in keys), None)
+
+
+async def scenario_tenants(budget: float, work: Path, seed: int) -> Outcome:
+    """Tenants writing and reading through one kvserver; each probes the others' keys."""
+    from storage.http import HttpStore
+
+    names = ["amber", "basil", "cedar"]
+    out = Outcome(f"tenants: {len(names)} tenants writing, reading, probing each other "
+                  "(kvserver --auth-tokens)")
+    tokens = tokens_file(work / "tenants.tokens", names)
+    server = KvServerProcess(["--store", f"file://{work / 'tenants'}", "--auth-tokens",
+                              str(work / "tenants.tokens")], free_port(), work / "tenants.log")
+    server.start()
+    ledger = TenantLedger(seed, names, 32 * 1024)
+    shared = [chunk_for(seed, 500_000 + i, 32 * 1024) for i in range(4)]  # every tenant's
+    stores = {t: HttpStore(server.url, token=tokens[t], pool=2) for t in names}
+    latencies: list[float] = []
+    deadline = time.monotonic() + budget
+
+    async def tenant(n: int, name: str) -> None:
+        store, mine, r = stores[name], ledger.acked[name], random.Random(seed + n)
+        for key, blob in shared:
+            await store.put(key, blob)
+        for op in range(20_000):
+            if time.monotonic() >= deadline:
+                break
+            started = time.perf_counter()
+            try:
+                if op % 3 == 0:
+                    key, blob = ledger.chunk(n, op)
+                    await store.put(key, blob)
+                    mine[key] = blob
+                elif op % 3 == 1 and mine:
+                    key = r.choice(list(mine))
+                    got = await store.get(key)
+                    if got != mine[key]:
+                        out.wrong += got is not None
+                        out.lost += got is None
+                        out.violate(f"{name} get {key}: {'miss' if got is None else 'wrong'}")
+                else:
+                    other = names[(n + 1 + op % (len(names) - 1)) % len(names)]
+                    theirs = [k for k in list(ledger.acked[other]) if k not in mine]
+                    if theirs:
+                        key = r.choice(theirs)
+                        got, seen = await store.get(key), await store.exists([key])
+                        out.inputs += 2
+                        if got is not None or seen != [False]:
+                            out.wrong += got is not None
+                            out.violate(f"{name} read {other}'s {key}")
+                    # one tenant deleting its copy of a shared key leaves the others' alone
+                    key, blob = shared[op % len(shared)]
+                    if n == 0:
+                        await store.delete(key)
+                        await store.put(key, blob)
+                    elif await store.get(key) != blob:
+                        out.lost += 1
+                        out.violate(f"{name} lost shared {key} when another tenant deleted it")
+            except StoreError as exc:
+                out.violate(f"{name}: {exc}")
+            latencies.append(time.perf_counter() - started)
+
+    try:
+        await asyncio.gather(*(tenant(n, t) for n, t in enumerate(names)))
+        for name in names:
+            listed = {k async for k in stores[name].list_keys()}
+            expected = set(ledger.acked[name]) | {k for k, _ in shared}
+            foreign = {k for k in listed - expected if ledger.owner_of(k) not in (None, name)}
+            if foreign:
+                out.wrong += len(foreign)
+                out.violate(f"{name}'s listing holds {len(foreign)} keys of other tenants")
+            for key, blob in ledger.acked[name].items():
+                got = await stores[name].get(key)
+                out.requests += 1
+                if got != blob:
+                    out.lost += got is None
+                    out.wrong += got is not None
+                    out.violate(f"{name}: acknowledged {key} {'lost' if got is None else 'wrong'}")
+            if expected - listed:
+                out.violate(f"{name}'s listing lacks {len(expected - listed)} of its keys")
+    finally:
+        for store in stores.values():
+            await store.close()
+        server.stop()
+    out.requests += len(latencies)
+    out.latency = percentiles(latencies)
+    out.notes["acknowledged_puts"] = {t: len(k) for t, k in ledger.acked.items()}
+    return out
+
+
+async def _follow_events(client: Any, url: str, token: str, seen: list[str],
+                         ready: asyncio.Event, refused: list[int]) -> None:
+    """Read `/v1/events` as `token`'s tenant, appending every event's key to `seen`."""
+    auth = {"Authorization": f"Bearer {token}"}
+    async with client.stream("GET", f"{url}/v1/events", headers=auth) as resp:
+        if resp.status_code != 200:
+            refused.append(resp.status_code)
+            ready.set()
+            return
+        async for line in resp.aiter_lines():
+            msg = json.loads(line)
+            if "since" in msg:
+                ready.set()
+            elif "event" in msg:
+                seen.append(msg["key"])
+
+
+async def _put_rate(store: Any, chunks: Callable[[int], tuple[str, bytes]], first: int,
+                    seconds: float, out: Outcome, latencies: list[float],
+                    created: dict[str, bytes], server_pid: int) -> tuple[float, int, float]:
+    """PUTs of chunks(first), chunks(first + 1), ..., 4 at a time, for `seconds` (at most
+    100,000 of them) -> (PUTs per second, PUTs, the server's CPU seconds meanwhile); what
+    they wrote goes to `created`."""
+    todo = iter(range(first, first + 100_000))
+    end = time.monotonic() + seconds
+    done = 0
+
+    async def putter() -> None:
+        nonlocal done
+        for i in todo:
+            if time.monotonic() >= end:
+                return
+            key, blob = chunks(i)
+            started = time.perf_counter()
+            try:
+                if await store.put(key, blob):
+                    created[key] = blob
+            except StoreError as exc:
+                out.violate(f"put {key}: {exc}")
+            latencies.append(time.perf_counter() - started)
+            done += 1
+
+    started, cpu = time.monotonic(), cpu_seconds(server_pid)
+    await asyncio.gather(*(putter() for _ in range(4)))
+    return (done / max(time.monotonic() - started, 1e-9), done,
+            cpu_seconds(server_pid) - cpu)
+
+
+async def scenario_events(budget: float, work: Path, seed: int, idle_per_tenant: int = 64
+                          ) -> Outcome:
+    """One tenant's PUT rate beside idle `/v1/events` streams of three other tenants and
+    active streams of its own and of a second writer, against its rate alone (measured
+    before and after, half the time each, so that a drift in the machine's load weighs on
+    both); every stream must see its own tenant's chunks only, every own chunk, and the
+    writer lose nothing."""
+    import httpx
+
+    from storage.http import HttpStore
+
+    idle = ["idle-a", "idle-b", "idle-c"]
+    names = ["writer", "neighbour", *idle]
+    out = Outcome(f"events: {len(idle) * idle_per_tenant} idle + 3 active /v1/events streams of "
+                  f"{len(names)} tenants during PUTs (kvserver)")
+    tokens = tokens_file(work / "events.tokens", names)
+    server = KvServerProcess(["--store", f"file://{work / 'events'}", "--auth-tokens",
+                              str(work / "events.tokens"), "--events-max-streams",
+                              str(max(idle_per_tenant, 2))], free_port(), work / "events.log")
+    server.start()
+    ledger = TenantLedger(seed, names, 4 * 1024)
+    writer = HttpStore(server.url, token=tokens["writer"], pool=4)
+    neighbour = HttpStore(server.url, token=tokens["neighbour"], pool=1)
+    latencies: list[float] = []
+    phase = max(budget / 2, 1.0)
+    rate_before = rate_after = rate_alone = rate_beside = 0.0
+    cpu_before = cpu_after = cpu_alone = cpu_beside = 0.0
+    streams: list[asyncio.Task] = []
+    limits = httpx.Limits(max_connections=len(idle) * idle_per_tenant + 8)
+    try:
+        async with httpx.AsyncClient(timeout=httpx.Timeout(30, read=None), limits=limits,
+                                     trust_env=False) as client:
+            alone: dict[str, bytes] = {}
+            rate_before, done, cpu = await _put_rate(
+                writer, lambda i: ledger.chunk(0, i), 0, phase / 2, out, latencies, alone,
+                server.pid)
+            cpu_before = 1000 * cpu / max(done, 1)
+            followers: dict[str, list[list[str]]] = {t: [] for t in names}
+            readies, refused = [], []
+            for tenant, count in [("writer", 2), ("neighbour", 1),
+                                  *((t, idle_per_tenant) for t in idle)]:
+                for _ in range(count):
+                    seen: list[str] = []
+                    followers[tenant].append(seen)
+                    readies.append(asyncio.Event())
+                    streams.append(asyncio.create_task(_follow_events(
+                        client, server.url, tokens[tenant], seen, readies[-1], refused)))
+            await asyncio.wait_for(asyncio.gather(*(r.wait() for r in readies)), 60)
+            out.notes["streams_refused"] = len(refused)
+            if refused:
+                out.violate(f"{len(refused)} event streams refused: {sorted(set(refused))}")
+            neighbours: list[str] = []
+
+            async def neighbour_writes() -> None:
+                for i in range(10_000):
+                    if len(neighbours) >= 200 or time.monotonic() > end:
+                        return
+                    key, blob = ledger.chunk(1, i)
+                    if await neighbour.put(key, blob):
+                        neighbours.append(key)
+                    await asyncio.sleep(0.02)
+
+            end = time.monotonic() + phase
+            beside: dict[str, bytes] = {}
+            (rate_beside, done, cpu), _ = await asyncio.gather(
+                _put_rate(writer, lambda i: ledger.chunk(0, i), 100_000, phase, out,
+                          latencies, beside, server.pid),
+                neighbour_writes())
+            cpu_beside = 1000 * cpu / max(done + len(neighbours), 1)  # both tenants' PUTs
+            expect = {"writer": set(beside), "neighbour": set(neighbours)}
+            settle = time.monotonic() + 15
+            while time.monotonic() < settle and not all(
+                    expect[t] <= set(seen) for t in expect for seen in followers[t]):
+                await asyncio.sleep(0.1)
+            for tenant, lists in followers.items():
+                own = expect.get(tenant, set()) | set(alone if tenant == "writer" else ())
+                for seen in lists:
+                    out.inputs += len(seen)
+                    foreign = [k for k in seen if k not in own]
+                    if foreign:
+                        out.wrong += len(foreign)
+                        out.violate(f"a {tenant} stream saw {len(foreign)} events of another "
+                                    f"tenant (e.g. {foreign[0]})")
+                    missed = expect.get(tenant, set()) - set(seen)
+                    if missed:
+                        out.violate(f"a {tenant} stream missed {len(missed)} of its events")
+            for task in streams:
+                task.cancel()
+            await asyncio.gather(*streams, return_exceptions=True)
+            rate_after, done, cpu = await _put_rate(
+                writer, lambda i: ledger.chunk(0, i), 200_000, phase / 2, out, latencies,
+                alone, server.pid)
+            cpu_after = 1000 * cpu / max(done, 1)
+            rate_alone, cpu_alone = (rate_before + rate_after) / 2, (cpu_before + cpu_after) / 2
+            for key, blob in (alone | beside).items():
+                got = await writer.get(key)
+                out.requests += 1
+                if got != blob:
+                    out.lost += got is None
+                    out.wrong += got is not None
+                    out.violate(f"writer's {key}: {'lost' if got is None else 'wrong'}")
+    finally:
+        for task in streams:
+            task.cancel()
+        await asyncio.gather(*streams, return_exceptions=True)
+        await writer.close()
+        await neighbour.close()
+        server.stop()
+    out.requests += len(latencies)
+    out.latency = percentiles(latencies)
+    ratio = rate_beside / rate_alone if rate_alone else 0.0
+    cost = cpu_beside / cpu_alone if cpu_alone else 0.0
+    out.notes["puts_per_s_alone"] = [round(rate_before, 1), round(rate_after, 1)]
+    out.notes["puts_per_s_beside_streams"] = round(rate_beside, 1)
+    out.notes["put_rate_ratio"] = round(ratio, 3)
+    out.notes["server_cpu_ms_per_put_alone"] = [round(cpu_before, 2), round(cpu_after, 2)]
+    out.notes["server_cpu_ms_per_put_beside_streams"] = round(cpu_beside, 2)
+    out.notes["server_cpu_per_put_ratio"] = round(cost, 2)
+    out.notes["events_delivered"] = out.inputs
+    # The server's CPU per PUT is the steadier figure on a shared machine; the rate moves
+    # with whatever else runs there.
+    if cost > 1.5:
+        out.findings.append(f"each PUT cost the server {cost:.1f}x the CPU beside other "
+                            f"tenants' idle event streams (PUT rate {ratio:.2f}x)")
+    return out
+
+
+def _slow_client_loop(kind: str, url: str, head_or_path: Any, body: bytes, give_up_s: float,
+                      deadline: float, out: Outcome, cut_s: list[float],
+                      lock: threading.Lock) -> None:
+    """Slow clients of one `kind`, one after another until `deadline`: each must be cut
+    off by the server within `give_up_s`."""
+    while time.monotonic() < deadline:
+        if kind == "drip":
+            got = slow_drip_put(url, head_or_path, body, give_up_s)
+            cut = None if got is None or got[0] not in (408, None) else got[1]
+        else:
+            cut = non_reading_get(url, head_or_path, give_up_s)
+        with lock:
+            out.faults += 1
+            if cut is None:
+                out.violate(f"a {kind} slow client was not cut off within {give_up_s:.0f} s "
+                            f"({got if kind == 'drip' else 'never hung up'})")
+            else:
+                out.survived += 1
+                cut_s.append(cut)
+
+
+async def scenario_slow_clients(budget: float, work: Path, seed: int) -> Outcome:
+    """Slow-drip PUTs and GETs that never read beside normal clients of one kvserver."""
+    from storage.http import HttpStore
+
+    drips, readers, normal = 4, 4, 4
+    timeout_s = 2.0
+    out = Outcome(f"slow clients: {drips} slow-drip PUTs, {readers} non-reading GETs beside "
+                  f"{normal} normal clients (kvserver)")
+    root = work / "slow-clients"
+    server = KvServerProcess(["--store", f"file://{root}", "--body-timeout", f"{timeout_s}s",
+                              "--body-stall-timeout", f"{timeout_s}s", "--send-timeout",
+                              f"{timeout_s}s"], free_port(), work / "slow-clients.log")
+    server.start()
+    big = [chunk_for(seed, 700_000 + i, 8 * MiB) for i in range(2)]
+    small = [chunk_for(seed, 710_000 + i, 64 * 1024) for i in range(32)]
+    dripped = [chunk_for(seed, 720_000 + i, 64 * 1024) for i in range(drips)]
+    latencies: list[float] = []
+    cut_s: dict[str, list[float]] = {"drip": [], "non_reading_get": []}
+    lock = threading.Lock()
+    give_up = 3 * timeout_s + 5
+    try:
+        seeder = HttpStore(server.url)
+        for key, blob in big + small:
+            await seeder.put(key, blob)
+        await seeder.close()
+        rss = [rss_bytes(server.pid)]
+        deadline = time.monotonic() + max(budget, timeout_s + 1)
+        threads = []
+        for i in range(drips):
+            key, blob = dripped[i]
+            head = (f"PUT /v1/chunks/{key} HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                    f"application/octet-stream\r\nContent-Length: {len(blob)}\r\n\r\n").encode()
+            threads.append(threading.Thread(target=_slow_client_loop, args=(
+                "drip", server.url, head, blob, give_up, deadline, out, cut_s["drip"], lock)))
+        for i in range(readers):
+            threads.append(threading.Thread(target=_slow_client_loop, args=(
+                "non_reading_get", server.url, f"/v1/chunks/{big[i % len(big)][0]}", b"",
+                give_up, deadline, out, cut_s["non_reading_get"], lock)))
+        for t in threads:
+            t.start()
+
+        async def client(n: int) -> None:
+            store = HttpStore(server.url, pool=1, timeout=10.0)
+            r = random.Random(seed * 1000 + n)
+            op = 0
+            while time.monotonic() < deadline:
+                started = time.perf_counter()
+                try:
+                    if op % 4 == 3:
+                        await store.put(*chunk_for(seed + 1, n * 100_000 + op, 64 * 1024))
+                    elif op % 4 == 2:
+                        if await store.prefix_len([k for k, _ in small]) != len(small):
+                            out.violate("a lookup missed stored keys")
+                    else:
+                        key, blob = r.choice(small if op % 8 else big)
+                        got = await store.get(key)
+                        if got != blob:
+                            out.wrong += got is not None
+                            out.lost += got is None
+                            out.violate(f"get {key}: {'miss' if got is None else 'wrong bytes'}")
+                except StoreError as exc:
+                    out.violate(f"client error: {exc!r}")
+                latencies.append(time.perf_counter() - started)
+                op += 1
+            await store.close()
+
+        async def sample_rss() -> None:
+            while time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+                rss.append(rss_bytes(server.pid))
+
+        await asyncio.gather(sample_rss(), *(client(n) for n in range(normal)))
+        for t in threads:
+            await asyncio.to_thread(t.join, give_up + 10)
+        stored = {p.stem for p in chunk_files(root) if p.suffix == ".kv"}
+        for key, _ in dripped:
+            if key.split("/")[1] in stored:
+                out.violate(f"a slow-drip PUT of {key} was stored")
+        out.notes["server_rss_mib"] = {"start": rss[0] / MiB, "peak": max(rss) / MiB,
+                                       "end": rss[-1] / MiB}
+        if max(rss) - rss[0] > 256 * MiB:
+            out.violate(f"server RSS grew by {(max(rss) - rss[0]) / MiB:.0f} MiB")
+        # Shutdown with slow clients connected: how long SIGTERM takes to end the server.
+        holders = [threading.Thread(target=slow_drip_put, args=(
+                       server.url, head, dripped[-1][1], give_up), daemon=True),
+                   threading.Thread(target=non_reading_get, args=(
+                       server.url, f"/v1/chunks/{big[0][0]}", give_up), daemon=True)]
+        for t in holders:
+            t.start()
+        await asyncio.sleep(0.5)
+        assert server.proc is not None
+        started = time.monotonic()
+        server.proc.terminate()
+        try:
+            await asyncio.to_thread(server.proc.wait, 30)
+            exit_s = time.monotonic() - started
+            out.notes["sigterm_exit_s_with_slow_clients"] = round(exit_s, 2)
+            if exit_s > 2 * timeout_s + 1:
+                out.findings.append(f"SIGTERM with slow clients connected took {exit_s:.1f} s "
+                                    f"to end the server (its body/send timeouts: {timeout_s} s)")
+        except subprocess.TimeoutExpired:
+            out.findings.append("SIGTERM with slow clients connected did not end the server "
+                                "within 30 s (killed)")
+    finally:
+        server.stop()
+    out.requests = len(latencies)
+    out.latency = percentiles(latencies)
+    out.notes["cut_off_s"] = {k: percentiles(v) for k, v in cut_s.items() if v}
+    return out
+
+
 # -- the command --------------------------------------------------------------------------
 
 SCENARIOS = ("crash-file", "crash-http", "crash-s3", "corrupt-file", "corrupt-s3", "full-disk",
              "loss-http", "loss-s3", "load-http", "load-file", "fuzz", "hostile-http",
-             "isolation")
+             "isolation", "tenants", "events", "slow-clients")
 WEIGHTS = {"load-http": 3.0, "load-file": 2.0, "fuzz": 2.0, "crash-http": 1.5,
            "corrupt-s3": 0.5, "full-disk": 0.5, "isolation": 0.5}
 
@@ -854,6 +1274,9 @@ def _run_one(name: str, budget: float, work: Path, seed: int, clients: int,
         "fuzz": lambda: scenario_fuzz(budget, seed),
         "hostile-http": lambda: scenario_hostile_http(budget, work, seed),
         "isolation": lambda: scenario_isolation(budget, work, seed),
+        "tenants": lambda: asyncio.run(scenario_tenants(budget, work, seed)),
+        "events": lambda: asyncio.run(scenario_events(budget, work, seed)),
+        "slow-clients": lambda: asyncio.run(scenario_slow_clients(budget, work, seed)),
     }
     return runs[name]()
 
@@ -873,6 +1296,7 @@ def summarize(outcomes: list[Outcome]) -> dict[str, Any]:
         "wrong_reads": sum(o.wrong for o in ran),
         "violations": sum(len(o.violations) for o in ran),
         "skipped": [f"{o.name}: {o.skipped}" for o in outcomes if o.skipped],
+        "findings": [f"{o.name}: {f}" for o in ran for f in o.findings],
     }
 
 
@@ -889,6 +1313,8 @@ def _print(outcomes: list[Outcome], summary: dict[str, Any], elapsed: float) -> 
               f"{o.lost:>4} {o.wrong:>5}")
         for v in o.violations[:5]:
             print(f"    VIOLATION: {v}")
+        for f in o.findings:
+            print(f"    finding: {f}")
     print()
     print(f"faults injected {summary['faults_injected']}, survived "
           f"{summary['faults_survived']}; hostile inputs tried {summary['inputs_tried']}; "

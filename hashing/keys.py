@@ -21,6 +21,8 @@ import numpy as np
 import xxhash
 
 SCHEME_VERSION = 1
+# Anchored for other regex engines (pydantic's, where `$` is the end of the text); Python
+# checks it with `fullmatch`, since its `$` also matches before a final newline.
 KEY_PATTERN = re.compile(r"^[0-9a-f]{16}/[0-9a-f]{32}$")
 _MAX_TOKEN_ID = 2**32 - 1
 
@@ -144,7 +146,7 @@ def keys_from_block_hashes(block_hashes: Iterable[bytes | int | str], ns: Namesp
 
 
 def is_valid_key(key: object) -> bool:
-    return isinstance(key, str) and KEY_PATTERN.match(key) is not None
+    return isinstance(key, str) and KEY_PATTERN.fullmatch(key) is not None
 
 
 def split_key(key: str) -> tuple[str, str]:

@@ -27,6 +27,7 @@ from kvserver.metrics import MetricsMiddleware
 from kvserver.protocol import configure as configure_protocol
 from kvserver.routes import admin, chunks, events, health, lookups
 from kvserver.services import Services
+from kvserver.status import mount_status
 from storage.base import Store
 
 # Documents the token in the OpenAPI document; the gate has checked it before any route.
@@ -116,6 +117,7 @@ def create_app(config: ServerConfig, store: Store | None = None) -> FastAPI:
     for router, refusals in TENANT_ROUTERS:
         _include(app, router, refusals, svc.tokens is not None)
     app.include_router(health.router)
+    mount_status(app, svc.metrics)
     app.add_middleware(RequestGate, tokens=svc.tokens)
     app.add_middleware(MetricsMiddleware, metrics=svc.metrics)
     return app

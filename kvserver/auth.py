@@ -3,8 +3,10 @@
 Tokens file: one `TENANT TOKEN` pair per line; blank lines and lines starting with `#` are
 ignored, and so is a trailing comment that is a separate word (`alice TOKEN  # rotated`); a
 `#` inside a token is part of the token. Several tokens may share a tenant (rotation). A
-token must be at least 16 characters. The file must be private to the server's user (no
-group or other permission bits), as it holds every tenant's credentials.
+token must be at least 16 characters. The tenant `*` marks an admin token: it reads the
+status page (kvserver.status) for every tenant and has no key space of its own. The file
+must be private to the server's user (no group or other permission bits), as it holds
+every tenant's credentials.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from storage.base import check_tenant
 from storage.errors import ConfigError
 
 MIN_TOKEN_CHARS = 16
+# The tenant name of admin tokens in the tokens file (not a valid tenant name).
+ADMIN = "*"
 
 
 def _digest(token: str) -> bytes:
@@ -36,7 +40,8 @@ class TokenTable:
         self._entries: list[tuple[bytes, str]] = []
         for tenant, token in pairs:
             try:
-                check_tenant(tenant)
+                if tenant != ADMIN:
+                    check_tenant(tenant)
             except ValueError as exc:
                 raise ConfigError(str(exc)) from exc
             if len(token) < MIN_TOKEN_CHARS:
@@ -78,10 +83,11 @@ class TokenTable:
 
     @property
     def tenants(self) -> list[str]:
-        return sorted({t for _, t in self._entries})
+        """The tenants with a key space (admin tokens have none)."""
+        return sorted({t for _, t in self._entries if t != ADMIN})
 
     def tenant_for(self, token: str) -> str | None:
-        """The token's tenant, or None. Every entry is compared, so time does not depend on
+        """The token's tenant (ADMIN for an admin token), or None. Every entry is compared, so time does not depend on
         which entry (if any) matches."""
         presented = _digest(token)
         found = None

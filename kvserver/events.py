@@ -147,6 +147,10 @@ class EventLog:
         """Open streams, all tenants."""
         return self.slots.open
 
+    def streams_by_tenant(self) -> dict[str, int]:
+        """Open streams by tenant ("" without tokens)."""
+        return self.slots.held()
+
     @property
     def wakeups(self) -> int:
         """Subscriber wake-ups for events so far, all tenants (one per subscriber of the

@@ -19,7 +19,7 @@ import json
 import re
 from typing import Any
 
-from kvserver.auth import TokenTable
+from kvserver.auth import ADMIN, TokenTable
 
 # Routes that need a token when tokens are configured (health, readiness, metrics and the
 # OpenAPI document stay open for load balancers and scrapers).
@@ -106,6 +106,10 @@ class RequestGate:
             found = self.tokens.tenant_for(token)
             if found is None:
                 await _refuse(send_closing_if_unread, 403, "token not recognised")
+                return
+            if found == ADMIN:
+                await _refuse(send_closing_if_unread, 403, "an admin token reads /status "
+                              "only; chunks need a tenant's token")
                 return
             tenant = found
         scope[TENANT_SCOPE_KEY] = tenant

@@ -92,6 +92,10 @@ class BoundedHeadProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._end_head()
         super().connection_lost(exc)
+        # uvicorn cancels the keep-alive timer only on a clean close: a connection the
+        # client reset would stay referenced by it (protocol, transport, request cycle)
+        # for the whole keep-alive time.
+        self._unset_keepalive_if_required()
 
     def data_received(self, data: bytes) -> None:
         self._feeding = len(data)

@@ -47,6 +47,11 @@ class Slots:
         """Places held now, all tenants."""
         return self._open
 
+    def held(self) -> dict[str, int]:
+        """Places held now, by tenant."""
+        with self._lock:
+            return dict(self._held)
+
     def take(self, tenant: str) -> Slot:
         """A place for `tenant`, or SlotsFull."""
         with self._lock:

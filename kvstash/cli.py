@@ -36,6 +36,7 @@ COMMANDS = [
     (("bench", "vllm-gpu-worker"), "bench.vllm_gpu_worker", "the vLLM connector's worker on a GPU: loads beside a step's compute"),
     (("bench", "events"), "bench.events", "kvserver PUTs/s with /v1/events subscribers against none"),
     (("bench", "soak"), "bench.soak", "faults, load and hostile input against stores and server"),
+    (("doctor",), "kvstash.doctor", "what makes a deployment slow or unsafe: store, mounts, tokens, server"),
     (("plan",), "bench.plan", "capacity -> hit rate -> TTFT saved, and break-even bandwidth"),
 ]
 

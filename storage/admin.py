@@ -8,13 +8,14 @@ line before anything is opened.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from storage.base import Store
-from storage.capabilities import SupportsGC
+from storage.capabilities import SupportsGC, SupportsRootUsage
 from storage.codec import decode_header
 from storage.errors import ConfigError
 from storage.options import StoreURL, format_size, parse_size
@@ -90,6 +91,13 @@ def summary_lines(stats: dict[str, Any], listed: int | None = None, indent: str 
     for name in ("root", "bucket", "prefix", "endpoint"):
         if stats.get(name):
             lines.append(f"{indent}{name + ':':<10} {stats[name]}")
+    whole = stats.get("whole_root")
+    if whole:
+        tenants = whole.get("tenants") or {}
+        lines.append(f"{indent}whole root: {whole['chunks']} chunks, {_size(whole['used_bytes'])} "
+                     f"({whole['used_bytes']} bytes), tenants: {len(tenants)}")
+        for tenant, held in sorted(tenants.items()):
+            lines.append(f"{indent}  {tenant}: {held['chunks']} chunks, {_size(held['used_bytes'])}")
     for i, tier in enumerate(stats.get("tiers") or []):
         lines.append(f"{indent}tier {i}:")
         lines.extend(summary_lines(tier, None, indent + "  "))
@@ -124,6 +132,8 @@ async def run_stat(args: argparse.Namespace) -> int:
         async for _ in store.list_keys():
             n += 1
         stats = store.stats()
+        if isinstance(store, SupportsRootUsage):
+            stats["whole_root"] = await asyncio.to_thread(store.root_usage)
         if args.json:
             used = format_size(stats.get("used_bytes", 0))
             print(json.dumps({**stats, "listed_chunks": n, "used": used}, indent=2, default=str))

@@ -23,7 +23,7 @@ from storage.errors import InvalidChunk, InvalidKey
 
 log = logging.getLogger("kvstash.storage")
 
-TENANT_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # checked whole (fullmatch)
 
 # A key that is never stored: `probe` asks the backend about it.
 PROBE_KEY = "0" * 16 + "/" + "0" * 32
@@ -42,13 +42,14 @@ def check_key(key: str) -> str:
 
 def check_tenant(tenant: str) -> str:
     """Tenant names become path components and key prefixes: keep them boring."""
-    if not isinstance(tenant, str) or not TENANT_PATTERN.match(tenant):
+    if not isinstance(tenant, str) or not TENANT_PATTERN.fullmatch(tenant):
         raise ValueError(f"bad tenant name {tenant!r}: use 1-64 of [A-Za-z0-9_-]")
     return tenant
 
 
 def check_blob(key: str, blob: Any) -> ChunkHeader:
-    """Reject a blob that is not a complete, valid chunk for `key` (used by every `put`)."""
+    """Reject a blob that is not a complete, valid chunk for `key` (used by every `put`):
+    its header, length and every checksum it carries."""
     header = check_blob_header(key, blob)
     check_blob_payload(header, blob)
     return header
@@ -69,9 +70,10 @@ def check_blob_header(key: str, blob: Any) -> ChunkHeader:
 
 
 def check_blob_payload(header: ChunkHeader, blob: Any) -> None:
-    """The rest of `check_blob`: the payload's xxh3 against the (checked) header."""
+    """The rest of `check_blob`: the payload against every checksum of the (checked)
+    header, the whole payload's and each segment's."""
     try:
-        header.verify_payload(memoryview(blob).cast("B")[header.header_len :])
+        header.verify_contents(memoryview(blob).cast("B")[header.header_len :])
     except ChunkError as exc:
         raise InvalidChunk(f"rejected chunk for {header.key}: {exc}") from exc
 

@@ -9,6 +9,8 @@ protocol (or, in the store contract tests, skipped with the reason).
   `get_blob_into` fills a reusable buffer). file://, memory://, tiers whose first tier has it.
 - `SupportsGC`: `gc(capacity)` evicts down to a bound from a fresh scan (`kvstash gc`).
   file:// and s3://.
+- `SupportsRootUsage`: `root_usage()` scans the whole root, tenants included (`kvstash stat`).
+  file://.
 - `SupportsDirectReads`: chunk payloads are read straight into destination tensors on any
   device through the store's own `gds.ChunkIO` (GPUDirect Storage into GPU memory, pinned
   bounce buffers, O_DIRECT into host memory), each header checked against its key.
@@ -56,8 +58,15 @@ class SupportsBlobFiles(Protocol):
 
 @runtime_checkable
 class SupportsGC(Protocol):
-    async def gc(self, capacity: int) -> dict[str, int]:
+    async def gc(self, capacity: int) -> dict[str, Any]:
         """Evict least recently used chunks down to `capacity` bytes, from a fresh scan."""
+
+
+@runtime_checkable
+class SupportsRootUsage(Protocol):
+    def root_usage(self) -> dict[str, Any]:
+        """What a scan of the store's whole root holds now, every tenant's part included:
+        `used_bytes`, `chunks`, and `tenants` ({tenant: {used_bytes, chunks}}). Blocking."""
 
 
 @runtime_checkable

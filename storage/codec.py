@@ -18,6 +18,9 @@ Header layout (little-endian):
 
 Every byte of the header is covered by the header checksum, and the payload by its own,
 so any single corrupted byte is detected. Decoding never raises anything but ChunkError.
+The meta is a layout's few fields: at most MAX_META_BYTES of JSON with at most
+MAX_META_CONTAINERS objects and arrays, at encode and at decode, so that no header parses
+into more than about a MiB of memory.
 
 Segments (version 2). A payload that is layer-major (every layer's K/V one contiguous
 byte range) may be saved with one checksum per segment, consecutive ranges that cover the
@@ -53,6 +56,14 @@ _NO_CHECKSUM = bytes(8)
 _TOKEN_DTYPE = np.dtype("<u4")  # token ids as headers hold them
 _META_CACHED_BYTES = 2048  # metas parsed once (`_meta`) are at most this long
 MAX_HEADER_SIZE = 64 * ALIGN
+# A meta describes a layout in a few fields. Parsed JSON costs up to ~24x its bytes (an
+# empty object is 3 bytes and a 64-byte dict): these bound what one header may parse into
+# (~1 MiB), whoever wrote it.
+MAX_META_BYTES = 64 << 10
+MAX_META_CONTAINERS = 1024
+# What a parsed header may hold per byte of its meta, at most (the measured worst is ~24:
+# empty objects), for caches that charge a header its cost (`ChunkHeader.cost`).
+META_PARSED_PER_BYTE = 32
 
 
 class ChunkError(ValueError):
@@ -92,15 +103,42 @@ class ChunkHeader:
     payload_len: int
     payload_checksum: int
     segments: tuple[tuple[int, int, int], ...] = ()  # (offset, length, xxh3-64) per segment
+    meta_len: int = 0  # bytes of the meta's JSON in the header
 
     @property
     def total_len(self) -> int:
         return self.header_len + self.payload_len
 
+    @property
+    def cost(self) -> int:
+        """An upper bound of the memory this parsed header holds, in bytes."""
+        return (512 + self.token_ids.nbytes + 96 * len(self.segments)
+                + META_PARSED_PER_BYTE * self.meta_len)
+
     def verify_payload(self, payload: Any) -> None:
         """Raise ChunkError unless `payload` (a buffer, or a list of buffers that hold it
         in order) has this header's length and checksum."""
         if _checksum(payload, self.payload_len, "payload") != self.payload_checksum:
+            raise ChunkError(f"payload checksum mismatch for {self.key}")
+
+    def verify_contents(self, payload: Any) -> None:
+        """Raise ChunkError unless `payload` (one buffer) matches every checksum this header
+        carries: the whole payload's and each segment's, in one pass over the bytes. A
+        writer's chunk is checked so before it is stored, so that whole readers and
+        segment readers never disagree about one chunk."""
+        view = memoryview(payload).cast("B")
+        if not self.segments:
+            self.verify_payload(view)
+            return
+        if view.nbytes != self.payload_len:
+            raise ChunkError(f"payload is {view.nbytes} bytes, header says {self.payload_len}")
+        whole = xxhash.xxh3_64(seed=0)
+        for i, (offset, length, checksum) in enumerate(self.segments):
+            part = view[offset : offset + length]
+            whole.update(part)
+            if xxhash.xxh3_64_intdigest(part, seed=0) != checksum:
+                raise ChunkError(f"segment {i} checksum mismatch for {self.key}")
+        if whole.intdigest() != self.payload_checksum:
             raise ChunkError(f"payload checksum mismatch for {self.key}")
 
     def verify_segment(self, i: int, data: Any) -> None:
@@ -184,6 +222,7 @@ def encode_header(key: str, token_ids: Any, payload: Any, meta: dict | None = No
         meta_bytes = json.dumps(meta or {}, sort_keys=True, separators=(",", ":")).encode()
     except RecursionError as exc:
         raise ChunkError("meta is nested too deeply") from exc
+    _check_meta_size(meta_bytes)
     kb = key.encode("ascii")
     if segments is None:
         version, checksum, table = VERSION, xxhash.xxh3_64_intdigest(view, seed=0), []
@@ -262,7 +301,17 @@ def decode_header(data: Any, key: str | None = None) -> ChunkHeader:
         raise ChunkError("unsupported header flags or meta")
     if key is not None and got_key != key:
         raise ChunkError(f"chunk holds key {got_key!r}, expected {key!r}")
-    return ChunkHeader(got_key, tokens, meta, hlen, plen, pcheck, segments)
+    return ChunkHeader(got_key, tokens, meta, hlen, plen, pcheck, segments, mlen)
+
+
+def _check_meta_size(raw: bytes) -> None:
+    """Refuse a meta whose parse could cost more than a layout's description needs: past
+    MAX_META_BYTES, or with more than MAX_META_CONTAINERS objects and arrays (every `{`
+    and `[` counted, inside strings too: an upper bound for the price of one scan)."""
+    if len(raw) > MAX_META_BYTES:
+        raise ChunkError(f"meta of {len(raw)} bytes exceeds {MAX_META_BYTES}")
+    if raw.count(b"{") + raw.count(b"[") > MAX_META_CONTAINERS:
+        raise ChunkError(f"meta holds more than {MAX_META_CONTAINERS} objects and arrays")
 
 
 @functools.lru_cache(maxsize=64)
@@ -274,6 +323,7 @@ def _meta(raw: bytes) -> Any:
     """A header's meta, parsed once per distinct bytes (the chunks of one layout share
     theirs): a shallow copy of the cached parse, so a caller that sets a key sets its own
     (readers only compare metas; none changes what is nested inside)."""
+    _check_meta_size(raw)
     if len(raw) > _META_CACHED_BYTES:
         return json.loads(raw)
     meta = _parsed_meta(raw)

@@ -5,15 +5,19 @@ Publish: write `.<digest>.tmp.<host>.<pid>.<rand>` in the destination directory,
 then `link()` it to the final name (atomic and create-only on local filesystems and NFS:
 EEXIST means another writer won, which is success) and unlink the tmp. Readers therefore
 never see a partial chunk. `ENOENT`/`ESTALE` while reading (a peer evicted the file) is
-a miss. A large put checks the payload's hash while the fsync waits on the disk; a chunk
-that fails the check is never linked and evicts nothing.
+a miss. A put checks every checksum of the chunk (payload and segments); a large one does
+so while the fsync waits on the disk (with `capacity=`, before it writes, as its bytes are
+reserved first); a chunk that fails the check is never linked and evicts nothing.
 
 Verification (`verify=`): `changed` (default) checks the payload's xxh3 the first time
 this process reads a file and again whenever its identity (inode, size, mtime, ctime)
 changes; chunks are immutable, so any rewrite, truncation or byte flip through the
 filesystem re-triggers the check, while page-cached re-reads of an unchanged file cost
-no hashing (on 2 cores the hash would otherwise cost a third of a warm read). `always`
-hashes every read; `header` checks only the header (key, tokens, length).
+no hashing (on 2 cores the hash would otherwise cost a third of a warm read). The
+verified headers are kept in one cache per root (its tenants share it) bounded in bytes
+of memory (`VerifiedHeaders`, each header charged `ChunkHeader.cost`); a file whose
+header fell out is simply verified again. `always` hashes every read; `header` checks
+only the header (key, tokens, length).
 
 The root: the store touches only names of its own layout. The scan at open (and `gc`)
 opens each directory O_NOFOLLOW relative to its parent and lists regular files only, so it
@@ -21,7 +25,9 @@ never follows a symlink; a name that is not a chunk or tmp file of the layout is
 listed, counted nor deleted. Reads, writes, deletes and evictions first check that the
 chunk's directories are real ones (remembered once found so), chunk files are opened
 O_NOFOLLOW (a symlink planted as a chunk is quarantined unread), and `.quarantine/` is
-used only while it is a real directory. Files are created with `mode=` (default 0600), directories with the same bits
+used only while it is a real directory. It keeps the most recent rejected files up to
+`QUARANTINE_MAX_BYTES` or a sixteenth of `capacity=` (the oldest go first; a larger file
+is deleted at once), and its bytes count in `used_bytes` and against the capacity. Files are created with `mode=` (default 0600), directories with the same bits
 plus search where it grants read (0700; 0640 -> 0750); the umask may narrow both.
 Tmp files of other writers count in `used_bytes` while they exist; at open a tmp file is
 reclaimed when it is older than `tmp_grace`, or at once when its name says it was written
@@ -29,8 +35,16 @@ on this host by a pid that is no longer alive.
 
 Capacity: an in-process LRU index (key -> size) rebuilt from the directory at open,
 ordered by each file's atime (hits refresh it at most once a minute), so eviction order
-survives a restart and the hot path never scans. Several processes sharing one directory
-each keep their own index; `kvstash gc` enforces a capacity exactly from a fresh scan.
+survives a restart and the hot path never scans. With `capacity=`, the bytes of the whole
+root (its tenants' directories, tmp files and quarantine included) are counted once for
+every process and tenant writing there (storage.ledger, `<root>/.usage` under flock): a
+put is checked, then reserves its bytes, evicting first where the root would pass the
+capacity, then writes; so the root never holds more than the capacity, whoever writes.
+Eviction, for the capacity or for a full disk, takes from the scope (the root's own
+chunks, or one tenant's) holding the most bytes first, its least recently used chunks;
+a scope's chunks written by other processes are found by a scan of its directory once
+those this process knows are gone. `kvstash gc` rescans the whole root, evicts down to a
+capacity the same way and sets the count right.
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ import concurrent.futures
 import contextlib
 import errno
 import functools
+import itertools
 import logging
 import os
 import secrets
@@ -48,13 +63,14 @@ import stat
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
 from typing import Any
 
 from storage.base import (
+    TENANT_PATTERN,
     BlobFile,
     Store,
     check_batch,
@@ -73,6 +89,7 @@ from storage.codec import (
     decode_header,
 )
 from storage.errors import ConfigError, StoreFull, StoreUnavailable
+from storage.ledger import LEDGER, QUARANTINE_SCOPE, RootLedger, quarantine_scope
 from storage.options import StoreURL, format_size, parse_bool, parse_mode, parse_seconds, parse_size
 from storage.pagecache import all_cached, is_local
 
@@ -90,7 +107,62 @@ _NOWAIT_ERRNOS = (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _ATIME_REFRESH_S = 60.0
+# `.quarantine/` keeps the most recent rejected files, for a look by hand, up to this many
+# bytes (or a sixteenth of `capacity=`, where less): a reader that quarantines on every
+# read of a rewritten chunk must not fill the disk with copies.
+QUARANTINE_MAX_BYTES = 256 << 20
 VERIFY_MODES = ("changed", "always", "header")
+
+
+# Headers of verified files kept per root (its tenants' scopes share it), in bytes of
+# memory as `ChunkHeader.cost` counts them; the least recently used go first.
+VERIFIED_CACHE_BYTES = 32 << 20
+
+
+class VerifiedHeaders:
+    """Headers of chunk files whose payload checked out, by (scope root, key) with the file's
+    identity, bounded in bytes: what a tenant makes this process hold is bounded whatever its
+    chunks' headers parse into. Thread-safe."""
+
+    def __init__(self, max_bytes: int = VERIFIED_CACHE_BYTES):
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[tuple[str, str], tuple[tuple[int, int, int, int], ChunkHeader]] = (
+            OrderedDict())
+
+    def get(self, scope: str, key: str, identity: tuple[int, int, int, int]) -> ChunkHeader | None:
+        with self._lock:
+            known = self._entries.get((scope, key))
+            if known is None or known[0] != identity:
+                return None
+            self._entries.move_to_end((scope, key))
+            return known[1]
+
+    def put(self, scope: str, key: str, identity: tuple[int, int, int, int],
+            header: ChunkHeader) -> None:
+        cost = header.cost
+        with self._lock:
+            self._drop((scope, key))
+            if cost > self.max_bytes // 16:
+                return  # one header may take at most a sixteenth of the cache
+            self._entries[(scope, key)] = (identity, header)
+            self.bytes += cost
+            while self.bytes > self.max_bytes:
+                _, (_, old) = self._entries.popitem(last=False)
+                self.bytes -= old.cost
+
+    def pop(self, scope: str, key: str) -> None:
+        with self._lock:
+            self._drop((scope, key))
+
+    def _drop(self, entry: tuple[str, str]) -> None:
+        known = self._entries.pop(entry, None)
+        if known is not None:
+            self.bytes -= known[1].cost
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 # A verified identity is only trusted once its ctime is this old: any later change then
@@ -159,6 +231,14 @@ def _leaves_root(leaf: str) -> bool | None:
         except OSError:
             return None
     return False
+
+
+# Keys a listing hands over per trip to a worker thread.
+_LIST_BATCH = 1024
+
+
+def _next_batch(items: Iterator[str], n: int) -> list[str]:
+    return list(itertools.islice(items, n))
 
 
 # Fan-out directories remembered as checked (~150 bytes each): a full namespace has 65,536.
@@ -289,13 +369,12 @@ def _make_fanout(leaf: Path, dir_mode: int) -> None:
 
 def _atomic_publish(final: Path, data: memoryview, fsync: bool,
                     check: Callable[[], None] | None = None,
-                    make_room: Callable[[], None] | None = None,
                     mode: int = 0o600, dir_mode: int = 0o700) -> bool:
     """Create `final` with `data` unless it exists; True if this call created it.
 
-    Once the bytes are written, `check()` then `make_room()` run while the file syncs; if
-    either raises, nothing is published. When `final` exists, only `check()` runs. The
-    file gets `mode`, missing fan-out directories `dir_mode` (the umask may narrow both).
+    Once the bytes are written, `check()` runs while the file syncs; if it raises, nothing
+    is published. When `final` exists, only `check()` runs. The file gets `mode`, missing
+    fan-out directories `dir_mode` (the umask may narrow both).
     """
     if final.exists():
         if check is not None:
@@ -305,8 +384,6 @@ def _atomic_publish(final: Path, data: memoryview, fsync: bool,
     def before_link() -> None:
         if check is not None:
             check()
-        if make_room is not None:
-            make_room()
 
     tmp = final.parent / f".{final.name}{TMP_MARK}{socket.gethostname()}.{os.getpid()}.{secrets.token_hex(4)}"
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
@@ -334,6 +411,96 @@ def _atomic_publish(final: Path, data: memoryview, fsync: bool,
             pass
 
 
+def _scan_dir(root: Path | str, reclaim: bool, tmp_grace_s: float,
+          ) -> tuple[list[tuple[float, str, int]], int]:
+    """(last use, key, size) of every chunk file of this store's layout, and the bytes
+    of the other writers' tmp files there. Symlinks are never followed (directories
+    are opened O_NOFOLLOW, relative to their parent's descriptor) and any name that is
+    not a chunk or a tmp file of the layout is neither listed, counted nor touched.
+    With `reclaim`, tmp files whose writer is gone are deleted: past `tmp_grace`, or at
+    once when the writer ran on this host and its pid is no longer alive."""
+    found: list[tuple[float, str, int]] = []
+    tmp_bytes = 0
+    now = time.time()
+    mine = (socket.gethostname(), os.getpid())
+    try:
+        root_fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return found, 0
+    try:
+        for leaf_fd, (ns_id, d1, d2) in _layout_dirs(root_fd, (16, 2, 2)):
+            fanout = d1 + d2
+            try:
+                with os.scandir(leaf_fd) as it:
+                    entries = list(it)
+            except OSError:
+                continue
+            for e in entries:
+                name = e.name
+                try:
+                    if not e.is_file(follow_symlinks=False):
+                        continue
+                    if name.endswith(SUFFIX) and _is_hex(name[:-3], 32) and name.startswith(fanout):
+                        st = e.stat(follow_symlinks=False)
+                        found.append((max(st.st_atime, st.st_mtime), f"{ns_id}/{name[:-3]}", st.st_size))
+                        continue
+                    writer = _tmp_writer(name, fanout)
+                    if writer is None or writer == mine:
+                        continue  # not ours to judge, or in flight in this process
+                    st = e.stat(follow_symlinks=False)
+                    if reclaim and (now - st.st_mtime > tmp_grace_s or _writer_is_gone(*writer)):
+                        os.unlink(name, dir_fd=leaf_fd)
+                    else:
+                        tmp_bytes += st.st_size
+                except OSError:
+                    continue
+    finally:
+        os.close(root_fd)
+    return found, tmp_bytes
+
+
+def _scope_dirs(top: Path) -> Iterator[tuple[str, Path]]:
+    """(scope, directory) of the root itself ("") and of every tenant directory under it
+    (real directories with a tenant's name only)."""
+    yield "", top
+    try:
+        if not stat.S_ISDIR(os.lstat(top / TENANTS).st_mode):
+            return  # a symlink: the store follows none
+        with os.scandir(top / TENANTS) as it:
+            names = [e.name for e in it if TENANT_PATTERN.fullmatch(e.name)
+                     and e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return
+    for name in sorted(names):
+        yield name, top / TENANTS / name
+
+
+def _quarantine_bytes(scope_root: Path) -> int:
+    try:
+        fd = os.open(scope_root / QUARANTINE, _DIR_FLAGS)
+    except OSError:
+        return 0
+    try:
+        with os.scandir(fd) as it:
+            return sum(e.stat(follow_symlinks=False).st_size for e in it
+                       if e.is_file(follow_symlinks=False))
+    except OSError:
+        return 0
+    finally:
+        os.close(fd)
+
+
+def scan_root(top: Path, tmp_grace_s: float = 600.0) -> dict[str, dict[str, int]]:
+    """Per scope of the root `top` ("" and each tenant): its chunk files (`chunks`, and
+    their bytes with the other writers' tmp files, `bytes`) and `.quarantine/`'s bytes."""
+    out = {}
+    for scope, path in _scope_dirs(top):
+        found, tmp_bytes = _scan_dir(path, False, tmp_grace_s)
+        out[scope] = {"chunks": len(found), "bytes": sum(size for _, _, size in found) + tmp_bytes,
+                      "quarantine_bytes": _quarantine_bytes(path)}
+    return out
+
+
 class FileStore(Store):
     def __init__(
         self,
@@ -345,9 +512,20 @@ class FileStore(Store):
         tmp_grace_s: float = 600.0,
         mode: int = 0o600,
         url: str | None = None,
+        verified: VerifiedHeaders | None = None,
+        scope: str = "",
+        family: dict[str, FileStore] | None = None,
+        ledger: RootLedger | None = None,
     ):
         super().__init__()
         self.root = Path(root)
+        # The root's own chunks are scope "", a tenant's `tenants/<scope>/`; `family` holds
+        # the stores this process opened over one root, by scope (eviction on a full disk
+        # or past the capacity picks among them).
+        self.scope = scope
+        self._top = self.root.parent.parent if scope else self.root
+        self._family = family if family is not None else {}
+        self._family[scope] = self
         self._root = str(self.root)
         self.mode = mode
         # Directories: the file mode plus search (x) wherever it grants read (0640 -> 0750).
@@ -357,9 +535,13 @@ class FileStore(Store):
         if verify not in VERIFY_MODES:
             raise ConfigError(f"verify={verify!r}: expected one of {', '.join(VERIFY_MODES)}")
         self.verify = verify
-        # key -> (file identity, its verified header) for files whose payload checked out
-        self._verified: dict[str, tuple[tuple[int, int, int, int], ChunkHeader]] = {}
+        # (file identity, its verified header) by key for files whose payload checked out
+        self._verified = verified if verified is not None else VerifiedHeaders()
         self.tmp_grace_s = tmp_grace_s
+        self.quarantine_max = (QUARANTINE_MAX_BYTES if capacity is None
+                               else min(QUARANTINE_MAX_BYTES, capacity // 16))
+        self._quarantine_bytes = 0  # what `.quarantine/` holds, trimmed to quarantine_max
+        self._quarantined = 0  # files there
         self.url = url or f"file://{self.root}"
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
@@ -372,7 +554,27 @@ class FileStore(Store):
         # Whether reads of cached chunks may run on an engine's thread (read_resident_into):
         # on a network filesystem even `open` may wait on a server.
         self._local = is_local(os.stat(self.root).st_dev)
+        # With a capacity, every process and tenant writing under the root shares one count
+        # of its bytes (storage.ledger), counted anew from the whole root by its opener.
+        self._ledger = ledger
+        self._reserved = 0  # bytes this store reserved in the ledger for puts not yet landed
+        self._owns_ledger = capacity is not None and ledger is None
+        if self._owns_ledger:
+            try:
+                self._ledger = RootLedger(self.root, mode)
+            except OSError as exc:
+                raise ConfigError(f"store root {self.root}: cannot open its usage file: "
+                                  f"{exc.strerror}") from exc
         self._rebuild_index()
+        self._trim_quarantine()
+        if self._ledger is not None and ledger is None:
+            self._recount()
+
+    @property
+    def capacity_shared(self) -> bool:
+        """Whether this store enforces its capacity over the whole root itself, across
+        every process and tenant scope (storage.tenancy then leaves it to the store)."""
+        return self._ledger is not None and self.capacity is not None
 
     @classmethod
     def from_url(cls, u: StoreURL) -> FileStore:
@@ -406,50 +608,7 @@ class FileStore(Store):
             raise ConfigError(f"store root {self.root} is not a writable directory: {exc.strerror}") from exc
 
     def _scan(self, reclaim: bool) -> tuple[list[tuple[float, str, int]], int]:
-        """(last use, key, size) of every chunk file of this store's layout, and the bytes
-        of the other writers' tmp files there. Symlinks are never followed (directories
-        are opened O_NOFOLLOW, relative to their parent's descriptor) and any name that is
-        not a chunk or a tmp file of the layout is neither listed, counted nor touched.
-        With `reclaim`, tmp files whose writer is gone are deleted: past `tmp_grace`, or at
-        once when the writer ran on this host and its pid is no longer alive."""
-        found: list[tuple[float, str, int]] = []
-        tmp_bytes = 0
-        now = time.time()
-        mine = (socket.gethostname(), os.getpid())
-        try:
-            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-        except OSError:
-            return found, 0
-        try:
-            for leaf_fd, (ns_id, d1, d2) in _layout_dirs(root_fd, (16, 2, 2)):
-                fanout = d1 + d2
-                try:
-                    with os.scandir(leaf_fd) as it:
-                        entries = list(it)
-                except OSError:
-                    continue
-                for e in entries:
-                    name = e.name
-                    try:
-                        if not e.is_file(follow_symlinks=False):
-                            continue
-                        if name.endswith(SUFFIX) and _is_hex(name[:-3], 32) and name.startswith(fanout):
-                            st = e.stat(follow_symlinks=False)
-                            found.append((max(st.st_atime, st.st_mtime), f"{ns_id}/{name[:-3]}", st.st_size))
-                            continue
-                        writer = _tmp_writer(name, fanout)
-                        if writer is None or writer == mine:
-                            continue  # not ours to judge, or in flight in this process
-                        st = e.stat(follow_symlinks=False)
-                        if reclaim and (now - st.st_mtime > self.tmp_grace_s or _writer_is_gone(*writer)):
-                            os.unlink(name, dir_fd=leaf_fd)
-                        else:
-                            tmp_bytes += st.st_size
-                    except OSError:
-                        continue
-        finally:
-            os.close(root_fd)
-        return found, tmp_bytes
+        return _scan_dir(self.root, reclaim, self.tmp_grace_s)
 
     def _rebuild_index(self) -> None:
         found, tmp_bytes = self._scan(reclaim=True)
@@ -471,7 +630,7 @@ class FileStore(Store):
 
     def _forget(self, key: str) -> bool:
         """Drop `key` from the index; whether it was there (then "removed" is reported)."""
-        self._verified.pop(key, None)
+        self._verified.pop(self._root, key)
         with self._lock:
             old = self._index.pop(key, None)
             if old is not None:
@@ -480,9 +639,106 @@ class FileStore(Store):
             self._changed("removed", key)
         return old is not None
 
-    def _evict_for(self, incoming: int) -> None:
-        if self.capacity is not None:
-            self._evict_to(self.capacity - incoming)
+    # -- the root's shared count (storage.ledger) ------------------------------------------
+
+    def _recount(self) -> None:
+        """Set the ledger to what a scan of the whole root finds, plus what this process's
+        stores reserved for puts still under way (theirs are not files yet)."""
+        assert self._ledger is not None
+        with self._ledger.locked() as usage:
+            usage.clear()
+            for scope, found in scan_root(self._top, self.tmp_grace_s).items():
+                usage[scope] = found["bytes"]
+                usage[quarantine_scope(scope)] = found["quarantine_bytes"]
+            for scope, member in list(self._family.items()):
+                usage[scope] = usage.get(scope, 0) + member._reserved
+
+    def _ledger_add(self, scope: str, nbytes: int) -> None:
+        if self._ledger is not None and nbytes:
+            with self._ledger.locked() as usage:
+                usage[scope] = usage.get(scope, 0) + nbytes
+
+    def _reserve(self, size: int) -> None:
+        """Count `size` more bytes for this scope in the root's ledger, first evicting from
+        the largest scopes of the root what the capacity needs, all under its lock."""
+        assert self._ledger is not None and self.capacity is not None
+        with self._ledger.locked() as usage:
+            if self._ledger.fresh:  # empty or torn: count the root anew
+                self._recount()
+            over = sum(usage.values()) + size - self.capacity
+            if over > 0:
+                self._free_across(over)
+            usage[self.scope] = usage.get(self.scope, 0) + size
+            self._reserved += size
+
+    def _settle(self, size: int, landed: bool) -> None:
+        """A reserved put is over: its bytes stay counted if its file landed."""
+        assert self._ledger is not None
+        if landed:  # counted already: nothing to write
+            with self._lock:
+                self._reserved -= size
+            return
+        with self._ledger.locked() as usage, self._lock:
+            self._reserved -= size
+            usage[self.scope] = usage.get(self.scope, 0) - size
+
+    def _scope_sizes(self) -> dict[str, int]:
+        """Bytes per scope of the root: the ledger's count where there is one, else what
+        this process's stores over the root know of theirs."""
+        if self._ledger is not None:
+            with self._ledger.locked() as usage:
+                return {k: v for k, v in usage.items() if not k.endswith(QUARANTINE_SCOPE)}
+        out = {}
+        for scope, member in list(self._family.items()):
+            with member._lock:
+                out[scope] = member._used
+        return out
+
+    def _member(self, scope: str) -> FileStore | None:
+        """This process's store of `scope` under the root, opened now if it was not."""
+        member = self._family.get(scope)
+        if member is None and scope:
+            try:
+                member = self._family[""].scoped(scope) if "" in self._family else None
+            except (ConfigError, ValueError):
+                return None
+        return member
+
+    def _free_across(self, nbytes: int) -> int:
+        """Evict at least `nbytes` from the root, from the scope holding the most bytes
+        first (its least recently used chunks), then the next; the bytes freed."""
+        freed, spent = 0, set()
+        while freed < nbytes:
+            sizes = [(held, scope) for scope, held in self._scope_sizes().items()
+                     if held > 0 and scope not in spent]
+            if not sizes:
+                break
+            _, scope = max(sizes)
+            member = self._member(scope)
+            got = 0 if member is None else member._evict_bytes(nbytes - freed)
+            if got < nbytes - freed:
+                spent.add(scope)
+            freed += got
+        return freed
+
+    def _evict_bytes(self, nbytes: int) -> int:
+        """Evict this scope's least recently used chunks until `nbytes` are freed or none is
+        left: first those this process knows, then, after a scan of its directory, those
+        other processes wrote. The bytes freed (only unlinks made here count). Where the
+        scope is then empty, its ledger count is set to what is left on disk."""
+        freed = 0
+        for rescan in (False, True):
+            if rescan:
+                self._rebuild_index()
+            with self._lock:
+                target = max(self._used - (nbytes - freed), 0)
+            freed += self._evict_to(target, count_extra=False)
+            if freed >= nbytes:
+                return freed
+        if self._ledger is not None:
+            with self._ledger.locked() as usage, self._lock:
+                usage[self.scope] = self._used + self._tmp_bytes + self._reserved
+        return freed
 
     def _quarantine(self, key: str, path: Path | str, why: str, recheck: bool = True) -> None:
         """Move a chunk file that failed a check out of the store. With `recheck`, the file is
@@ -506,12 +762,58 @@ class FileStore(Store):
             except FileExistsError as exc:
                 if not stat.S_ISDIR(os.lstat(qdir).st_mode):  # never moved through a symlink
                     raise NotADirectoryError(errno.ENOTDIR, "not a directory", str(qdir)) from exc
+            size = os.lstat(path).st_size
+            if size > self.quarantine_max:
+                raise OSError(errno.EFBIG, "larger than the quarantine")
             os.rename(path, qdir / f"{path.name}.{int(time.time())}.{secrets.token_hex(2)}")
+            self._ledger_add(self.scope, -size)
+            self._ledger_add(quarantine_scope(self.scope), size)
         except OSError:
             try:
+                size = os.lstat(path).st_size
                 path.unlink()
+                self._ledger_add(self.scope, -size)
             except OSError:
                 pass
+        self._trim_quarantine()
+
+    def _trim_quarantine(self) -> None:
+        """Remove the oldest files of `.quarantine/` (a real directory only) until it holds
+        at most `quarantine_max` bytes; count what stays."""
+        try:
+            fd = os.open(self.root / QUARANTINE, _DIR_FLAGS)
+        except OSError:
+            with self._lock:
+                self._quarantine_bytes = self._quarantined = 0
+            return
+        try:
+            files = []
+            with os.scandir(fd) as it:
+                for e in it:
+                    try:
+                        if e.is_file(follow_symlinks=False):
+                            st = e.stat(follow_symlinks=False)
+                            files.append((st.st_ctime_ns, e.name, st.st_size))
+                    except OSError:
+                        continue
+            files.sort()
+            held = sum(size for _, _, size in files)
+            while files and held > self.quarantine_max:
+                _, name, size = files.pop(0)
+                try:
+                    os.unlink(name, dir_fd=fd)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    continue
+                held -= size
+        finally:
+            os.close(fd)
+        with self._lock:
+            self._quarantine_bytes, self._quarantined = held, len(files)
+        if self._ledger is not None:
+            with self._ledger.locked() as usage:
+                usage[quarantine_scope(self.scope)] = held
 
     # -- blocking halves, run in threads -------------------------------------------------
 
@@ -525,26 +827,46 @@ class FileStore(Store):
         if self.capacity is not None and blob.nbytes > self.capacity:
             raise StoreFull(f"{self}: chunk of {blob.nbytes} bytes exceeds capacity {self.capacity}")
 
-        def make_room() -> None:
-            self._evict_for(blob.nbytes)
+        reserved = [False]
+        if self.capacity_shared:
+            # The root's bytes never pass the capacity, tmp files included: the chunk is
+            # checked, then its bytes reserved (evicting what they need), then written.
+            if final.exists():
+                if check is not None:
+                    check()
+                return False
+            if check is not None:
+                check()
+                check = None
+
+        def settle(landed: bool) -> None:
+            if reserved[0]:
+                reserved[0] = False
+                self._settle(blob.nbytes, landed)
 
         for attempt in (0, 1):
             try:
-                wrote = _atomic_publish(final, blob, self.fsync, check, make_room,
-                                        self.mode, self.dir_mode)
+                if self.capacity_shared:
+                    self._reserve(blob.nbytes)
+                    reserved[0] = True
+                wrote = _atomic_publish(final, blob, self.fsync, check, self.mode, self.dir_mode)
+                settle(wrote)
                 break
             except OSError as exc:
+                settle(False)
                 if exc.errno in _FULL_ERRNOS:
-                    if attempt == 0 and self._index:
-                        # The disk is fuller than our index knows (other writers, other
-                        # files): free an extra chunk's worth and try once more.
-                        with self._lock:
-                            target = max(self._used - 2 * blob.nbytes, 0)
-                        self._evict_to(target)
+                    if attempt == 0 and self._free_across(2 * blob.nbytes):
+                        # The disk is fuller than the counts know (other writers, other
+                        # files): the largest scope of the root frees two chunks' worth
+                        # (this one's only where it holds the most), and the put is tried
+                        # once more.
                         continue
                     log.warning("%s: disk full, put of %s dropped: %s", self, key, exc.strerror)
                     raise StoreFull(f"{self}: no space for {key}: {exc.strerror}") from exc
                 raise StoreUnavailable(f"{self}: put {key} failed: {exc.strerror}") from exc
+            except BaseException:
+                settle(False)
+                raise
         if wrote:
             self._note(key, blob.nbytes)
         return wrote
@@ -582,14 +904,13 @@ class FileStore(Store):
         payload hash; else None."""
         if self.verify != "changed":
             return None
-        known = self._verified.get(key)
-        return known[1] if known is not None and known[0] == _identity(st) else None
+        return self._verified.get(self._root, key, _identity(st))
 
     def note_verified(self, key: str, st: os.stat_result, header: ChunkHeader) -> None:
         """A reader checked this file's header and payload hash against `key` (trusted only
         once the file's ctime has settled)."""
         if time.time() - st.st_ctime > _SETTLED_S:
-            self._verified[key] = (_identity(st), header)
+            self._verified.put(self._root, key, _identity(st), header)
 
     def _touch(self, key: str, path: Path | str, st: os.stat_result) -> None:
         self._note(key, st.st_size)
@@ -795,17 +1116,24 @@ class FileStore(Store):
                 break
         return out
 
-    def _evict_to(self, target: int) -> None:
+    def _evict_to(self, target: int, count_extra: bool = True) -> int:
+        """Evict least recently used chunks until this store holds at most `target` bytes
+        (with `count_extra`, other writers' tmp files and the quarantine count too); the
+        bytes of the files unlinked here."""
+        freed = 0
         while True:
             with self._lock:
-                if self._used + self._tmp_bytes <= target or not self._index:
-                    return
+                extra = self._tmp_bytes + self._quarantine_bytes if count_extra else 0
+                if self._used + extra <= target or not self._index:
+                    return freed
                 victim, size = self._index.popitem(last=False)
                 self._used -= size
-            self._verified.pop(victim, None)
+            self._verified.pop(self._root, victim)
             try:
                 self._unlink_inside(_chunk_path(self.root, victim))
                 self.counters["evictions"] += 1
+                freed += size
+                self._ledger_add(self.scope, -size)
             except OSError:
                 pass
             self._changed("removed", victim)
@@ -934,7 +1262,7 @@ class FileStore(Store):
         check_key(key)
         reported = self._forget(key)
         try:
-            await asyncio.to_thread(self._unlink_inside, _chunk_path(self.root, key))
+            await asyncio.to_thread(self._delete_sync, key)
         except FileNotFoundError:
             return False
         except OSError as exc:
@@ -944,19 +1272,101 @@ class FileStore(Store):
             self._changed("removed", key)
         return True
 
-    async def list_keys(self) -> AsyncIterator[str]:
-        found, _ = await asyncio.to_thread(self._scan, False)
-        for _, key, _ in found:
-            yield key
+    def _delete_sync(self, key: str) -> None:
+        path = _chunk_path(self.root, key)
+        size = os.lstat(path).st_size
+        self._unlink_inside(path)
+        self._ledger_add(self.scope, -size)
 
-    async def gc(self, capacity: int) -> dict[str, int]:
-        """Rescan the directory and evict least-recently-used chunks down to `capacity`."""
-        await asyncio.to_thread(self._rebuild_index)
-        before = self.counters["evictions"]
-        await asyncio.to_thread(self._evict_to, capacity)
-        with self._lock:
-            used, n = self._used + self._tmp_bytes, len(self._index)
-        return {"evicted": self.counters["evictions"] - before, "used_bytes": used, "chunks": n}
+    async def list_keys(self) -> AsyncIterator[str]:
+        """Every chunk key of this store's layout, streamed from the directory walk a batch
+        at a time (each batch read on a worker thread): a listing holds one batch and the
+        walk's open directories, never the whole listing."""
+        walk = self._walk_keys()
+        try:
+            while True:
+                batch = await asyncio.to_thread(_next_batch, walk, _LIST_BATCH)
+                for key in batch:
+                    yield key
+                if len(batch) < _LIST_BATCH:
+                    return
+        finally:
+            # Closes the directories still open; a listing cancelled while a thread walks
+            # leaves that to the walk's own finalizer once the thread is done.
+            with contextlib.suppress(ValueError):
+                walk.close()
+
+    def _walk_keys(self) -> Generator[str, None, None]:
+        """The keys of the chunk files under the root, as `_scan` finds them, one at a time."""
+        try:
+            root_fd = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError:
+            return
+        try:
+            for leaf_fd, (ns_id, d1, d2) in _layout_dirs(root_fd, (16, 2, 2)):
+                fanout = d1 + d2
+                try:
+                    with os.scandir(leaf_fd) as it:
+                        for e in it:
+                            name = e.name
+                            if (name.endswith(SUFFIX) and _is_hex(name[:-3], 32)
+                                    and name.startswith(fanout) and e.is_file(follow_symlinks=False)):
+                                yield f"{ns_id}/{name[:-3]}"
+                except OSError:
+                    continue
+        finally:
+            os.close(root_fd)
+
+    async def gc(self, capacity: int) -> dict[str, Any]:
+        """Rescan the whole root, its tenants' directories included, and evict least
+        recently used chunks, from the scope holding the most bytes first, until the root
+        holds at most `capacity` bytes (chunk files, other writers' tmp files, quarantine).
+        Done under the root's usage lock, whose count it then sets right."""
+        return await asyncio.to_thread(self._gc_sync, capacity)
+
+    def _gc_sync(self, capacity: int) -> dict[str, Any]:
+        if self._ledger is None and os.path.lexists(self._top / LEDGER):
+            # Servers with capacity= count this root: take their lock and set their count.
+            ledger = RootLedger(self._top, self.mode)
+            for member in self._family.values():
+                member._ledger = ledger
+            self._owns_ledger = True
+        with self._ledger.locked() if self._ledger is not None else contextlib.nullcontext():
+            members = [m for scope, _ in _scope_dirs(self._top) if (m := self._member(scope))]
+            before = sum(m.counters["evictions"] for m in members)
+            for member in members:
+                member._rebuild_index()
+            if self._ledger is not None:
+                self._recount()
+            over = self._root_bytes(members) - capacity
+            if over > 0:
+                self._free_across(over)
+            used = self._root_bytes(members)
+        return {"evicted": sum(m.counters["evictions"] for m in members) - before,
+                "used_bytes": used, "chunks": sum(len(m._index) for m in members),
+                "tenants": len(members) - 1}
+
+    def _root_bytes(self, members: list[FileStore]) -> int:
+        if self._ledger is not None:
+            with self._ledger.locked() as usage:
+                return sum(usage.values())
+        total = 0
+        for m in members:
+            with m._lock:
+                total += m._used + m._tmp_bytes + m._quarantine_bytes
+        return total
+
+    def root_usage(self) -> dict[str, Any]:
+        """What a scan of the whole root finds now, its tenants' directories included:
+        `used_bytes` (chunk files, other writers' tmp files and quarantine, as `du
+        --apparent-size` counts them), `chunks`, and the same per tenant."""
+        scopes = scan_root(self._top, self.tmp_grace_s)
+        per = {scope: {"chunks": found["chunks"],
+                       "used_bytes": found["bytes"] + found["quarantine_bytes"]}
+               for scope, found in scopes.items()}
+        return {"used_bytes": sum(p["used_bytes"] for p in per.values()),
+                "chunks": sum(p["chunks"] for p in per.values()),
+                "tenants": {scope: p for scope, p in per.items() if scope}}
 
     # -- direct reads: gds.ChunkIO straight into destination tensors (SupportsDirectReads)
 
@@ -1076,6 +1486,8 @@ class FileStore(Store):
         if self._chunk_io is not None and self._owns_chunk_io:
             self._chunk_io.close()
         self._chunk_io = None
+        if self._ledger is not None and self._owns_ledger:
+            self._ledger.close()
 
     # -- reads done by a reader outside the store (gds.ChunkIO's `trust=`) ---------------
 
@@ -1128,8 +1540,10 @@ class FileStore(Store):
         return None
 
     def scoped(self, tenant: str) -> FileStore:
+        """The store of `tenant`'s chunks, `<root>/tenants/<tenant>/`, sharing this root's
+        capacity count and verified-header cache."""
         check_tenant(tenant)
-        tenants = self.root / TENANTS
+        tenants = self._top / TENANTS
         try:
             os.mkdir(tenants, self.dir_mode)
         except FileExistsError:
@@ -1141,17 +1555,28 @@ class FileStore(Store):
                 raise ConfigError(f"{self}: {d} is a symlink; a tenant's chunks stay inside the root")
         return FileStore(
             tenants / tenant, self.capacity, fsync=self.fsync, verify=self.verify,
-            tmp_grace_s=self.tmp_grace_s, mode=self.mode, url=f"{self.url}#{tenant}",
+            tmp_grace_s=self.tmp_grace_s, mode=self.mode,
+            url=f"{self.url.partition('#')[0]}#{tenant}", verified=self._verified,
+            scope=tenant, family=self._family, ledger=self._ledger,
         )
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
-            used, n, tmp = self._used + self._tmp_bytes, len(self._index), self._tmp_bytes
-        return {
+            tmp, quarantine = self._tmp_bytes, self._quarantine_bytes
+            used, n = self._used + tmp + quarantine, len(self._index)
+            quarantined = self._quarantined
+        out = {
             **super().stats(), "backend": "file", "root": str(self.root), "used_bytes": used,
             "capacity_bytes": self.capacity, "chunks": n, "used": format_size(used),
-            "tmp_bytes": tmp,
+            "tmp_bytes": tmp, "quarantine_bytes": quarantine, "quarantined_files": quarantined,
+            "quarantine_max_bytes": self.quarantine_max,
         }
+        if self._ledger is not None and not self.scope:
+            # The root's bytes as the processes sharing its capacity count them (as of this
+            # process's last use of the count); never in a tenant's stats, which show that
+            # tenant alone.
+            out["root_used_bytes"] = self._ledger.total()
+        return out
 
 
 def _checks_whole(path: Path, key: str) -> bool:

@@ -16,11 +16,13 @@ same one every store and the connector use) opens and the hot path misses at onc
 without I/O, for `breaker_cooldown`; then one probe request goes out: its success closes
 the breaker, its failure reopens it for twice as long, up to `breaker_max_cooldown`.
 
-Options: `token` (else $KVSTASH_TOKEN), `timeout` (per request, default 10s),
+Options: `token` (else $KVSTASH_TOKEN), `timeout` (the deadline of one operation, every
+request and byte of it included, default 10s),
 `connect_timeout` (1s), `pool` (connections, default 16), `verify` (re-check payload
 checksums here, default true), `breaker_failures` (3), `breaker_cooldown` (2s),
 `breaker_max_cooldown` (60s),
 `max_chunk` (the largest chunk a `get` accepts, default 1GiB as the server's limit),
+`max_listing` (the most keys one listing may carry, default 10M),
 `unix_socket` (connect to a kvserver's `--unix-socket` path instead of HOST:PORT; HOST
 still names the server in the Host header), `fd` (over a plain Unix socket, ask for chunk
 files as descriptors: default true), and for https:// `ca` (a PEM file of trusted CAs;
@@ -34,6 +36,12 @@ for the chunk's open file (`Kvstash-Fd: 1`): a file-backed server that has verif
 answers with a 1-byte body carrying the descriptor (SCM_RIGHTS), and the payload is read
 from the page cache straight into the caller's buffer on a worker thread, header and
 checksum checked here as for any body. No chunk byte crosses the socket.
+
+Deadlines: the event loop's `sock_recv_into` returns at once, without letting any other
+task or timer run, while bytes are waiting; a peer that keeps them coming would hold the
+loop, and a timeout would fire only once the socket drains. So every read checks the
+operation's deadline itself and gives the loop a turn at least every `_TURN_S`: a call
+ends by its deadline however fast or slow the bytes come, and other tasks keep running.
 """
 
 from __future__ import annotations
@@ -44,6 +52,7 @@ import base64
 import contextlib
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -83,7 +92,14 @@ _MAX_ERROR = 64 << 10
 # A key listing is read in pieces of this size, so memory grows with the bytes that
 # arrive, never with a Content-Length or chunk size the server announces.
 _PIECE = 1 << 20
-_MAX_LISTING = 1 << 31
+# `get` allocates a body up to this size at once, a larger one in steps of it.
+_GROW = 64 << 20
+# A listing line is a 49-character key and its newline; the bytes a listing may take are
+# bounded at this many a key, so lines that are not keys cannot make it endless either.
+_LISTED_BYTES_PER_KEY = 64
+_MAX_LISTING = 10_000_000
+# The longest a read goes on without letting the event loop run other tasks and timers.
+_TURN_S = 0.005
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,15}")
 # Pooled connections idle longer than this are closed rather than reused; kvserver keeps
 # idle connections for 75 s, so the client normally closes first.
@@ -119,6 +135,8 @@ class _Connection:
     abandoned mid-body (error, timeout, cancellation) is closed instead of pooled. `fds`:
     descriptors that arrived with responses (only a Unix socket receives any), for
     `take_fd`; those no response claims are closed after each exchange and on close.
+    `deadline` (event-loop time) ends every read of the operation in progress; `held`: the
+    operation keeps the connection past its exchange (a listing reading its body).
     """
 
     def __init__(self, sock: socket.socket | None, loop: asyncio.AbstractEventLoop):
@@ -131,6 +149,9 @@ class _Connection:
         self.reused = False
         self.reusable = False
         self.answered = False  # a response head arrived on this connection
+        self.held = False
+        self.deadline = math.inf
+        self.turn_at = 0.0
         self.fds: list[int] = []
 
     async def sendall(self, data: Any) -> None:
@@ -138,6 +159,17 @@ class _Connection:
 
     async def recv_into(self, view: memoryview) -> int:
         return await self.loop.sock_recv_into(self.sock, view)
+
+    async def _recv(self, view: memoryview) -> int:
+        """`recv_into` under the deadline, with a turn for the loop at least every _TURN_S
+        (the module docstring says why)."""
+        now = self.loop.time()
+        if now >= self.deadline:
+            raise TimeoutError("the deadline passed while the reply was still coming")
+        if now >= self.turn_at:
+            self.turn_at = now + _TURN_S
+            await asyncio.sleep(0)
+        return await self.recv_into(view)
 
     def discard_fds(self) -> None:
         while self.fds:
@@ -162,7 +194,7 @@ class _Connection:
             self.start, self.end = 0, n
         if self.end == len(self.buf):
             raise _HttpError(0, "response head too large")
-        n = await self.recv_into(self.view[self.end :])
+        n = await self._recv(self.view[self.end :])
         if n == 0:
             raise ConnectionResetError("server closed the connection")
         self.end += n
@@ -200,7 +232,7 @@ class _Connection:
             if hasher is not None:
                 hasher.update(view[:have])
         while have < view.nbytes:
-            n = await self.recv_into(view[have:])
+            n = await self._recv(view[have:])
             if n == 0:
                 raise ConnectionResetError("server closed the connection mid-body")
             if hasher is not None:
@@ -490,6 +522,7 @@ class HttpStore(Store):
         unix_socket: str | None = None,
         fd: bool = True,
         max_chunk: int = 1 << 30,
+        max_listing: int = _MAX_LISTING,
         url: str | None = None,
     ):
         super().__init__()
@@ -511,6 +544,7 @@ class HttpStore(Store):
         self.pool_size = pool
         self.verify = verify
         self.max_chunk = max_chunk
+        self.max_listing = max_listing
         self._breaker = CircuitBreaker(breaker_failures, breaker_cooldown, breaker_max_cooldown)
         token = token if token is not None else os.environ.get("KVSTASH_TOKEN")
         if token and not (token.isascii() and token.isprintable() and " " not in token):
@@ -539,11 +573,14 @@ class HttpStore(Store):
             "unix_socket": u.take("unix_socket"),
             "fd": u.take("fd", parse_bool, True),
             "max_chunk": u.take("max_chunk", parse_size, 1 << 30),
+            "max_listing": u.take("max_listing", int, _MAX_LISTING),
         }
         breaker = BreakerOptions.from_url(u, failures=3, cooldown_s=2.0)
         u.finish()
         if opts["pool"] < 1:
             raise ConfigError(f"{u.redacted()}: pool must be >= 1")
+        if opts["max_listing"] < 1:
+            raise ConfigError(f"{u.redacted()}: max_listing must be >= 1")
         if opts["max_chunk"] < HEADER_SIZE:
             raise ConfigError(f"{u.redacted()}: max_chunk must be at least {HEADER_SIZE} bytes")
         base = f"{u.scheme}://{u.netloc}{u.path}"
@@ -607,9 +644,10 @@ class HttpStore(Store):
             c.close()
         return None
 
-    async def _exchange(self, op: Any) -> Any:
-        """Run `op(conn)` on a pooled connection; retry once on a fresh one when a reused
-        connection turns out to have been closed by the server while idle."""
+    async def _exchange(self, op: Any, deadline: float) -> Any:
+        """Run `op(conn)` on a pooled connection, its reads ending at `deadline`; retry once
+        on a fresh one when a reused connection turns out to have been closed by the server
+        while idle. A connection `op` marks `held` is its to close."""
         loop = self._bind_loop()
         assert self._slots is not None
         async with self._slots:
@@ -617,7 +655,9 @@ class HttpStore(Store):
                 conn = self._take_idle() if attempt == 0 else None
                 if conn is None:
                     conn = await self._connect(loop)
-                conn.reusable = conn.answered = False
+                conn.reusable = conn.answered = conn.held = False
+                conn.deadline = deadline
+                conn.turn_at = loop.time() + _TURN_S
                 try:
                     result = await op(conn)
                 except (ConnectionResetError, BrokenPipeError) as exc:
@@ -637,23 +677,36 @@ class HttpStore(Store):
                     conn.close()
                     raise
                 conn.discard_fds()  # unannounced ones: a server may not pile them up here
-                if conn.reusable:
-                    conn.idle_since = time.monotonic()
-                    self._idle.append(conn)
-                else:
-                    conn.close()
+                if not conn.held:
+                    self._release(conn)
                 return result
         raise AssertionError("unreachable")
 
-    async def _call(self, op: Any) -> Any:
-        """`_exchange` under the request timeout and the circuit breaker."""
+    def _release(self, conn: _Connection) -> None:
+        """Back to the pool if its last response was read to the end, else closed."""
+        if conn.reusable and len(self._idle) < self.pool_size:
+            conn.idle_since = time.monotonic()
+            conn.deadline = math.inf
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    def _deadline(self) -> float:
+        """The event-loop time by which an operation starting now must end."""
+        return asyncio.get_running_loop().time() + self.timeout
+
+    async def _call(self, op: Any, deadline: float | None = None) -> Any:
+        """`_exchange` under the circuit breaker, ending by `deadline` (default: `timeout`
+        from now; an operation of several requests passes the one it started with)."""
         breaker = self._breaker
         if not breaker.allow():
             raise _HttpError(0, "circuit open: recent requests to the server failed")
         verdict: bool | None = None  # None: cancelled, neither answer nor failure
+        if deadline is None:
+            deadline = self._deadline()
         try:
-            async with asyncio.timeout(self.timeout):  # no inner task (see _connect)
-                result = await self._exchange(op)
+            async with asyncio.timeout_at(deadline):  # no inner task (see _connect)
+                result = await self._exchange(op, deadline)
             verdict = True
         except (TimeoutError, OSError, _HttpError) as exc:
             # A 4xx is the server answering: it is up.
@@ -785,11 +838,19 @@ class HttpStore(Store):
             # The header first: nothing the size of the body is allocated before the
             # header names this key and this very length.
             header, head = await _read_chunk_header(conn, key, length)
-            blob = bytearray(length)
-            view = memoryview(blob)
-            view[: len(head)] = head
+            blob = bytearray(min(length, _GROW))
+            blob[: len(head)] = head
             hasher = xxhash.xxh3_64(seed=0) if self.verify else None
-            await conn.read_into(view[len(head) :], hasher)
+            have = len(head)
+            while True:
+                with memoryview(blob) as view:
+                    await conn.read_into(view[have:], hasher)
+                have = len(blob)
+                if have == length:
+                    break
+                # A larger body grows as it arrives: allocating (and zeroing) what a
+                # header announces could outlast the deadline before a byte is read.
+                blob += bytes(min(length - have, _GROW))
             conn.reusable = True
             if hasher is not None and hasher.intdigest() != header.payload_checksum:
                 raise ChunkError(f"payload checksum mismatch for {key}")
@@ -867,8 +928,10 @@ class HttpStore(Store):
         raise err
 
     async def read_header(self, key: str) -> ChunkHeader | None:
-        """The verified header: one `Range: bytes=0-4095` GET (a second for a longer one)."""
+        """The verified header: one `Range: bytes=0-4095` GET (a second for a longer one),
+        both within one `timeout`."""
         check_key(key)
+        deadline = self._deadline()
 
         async def head_of(stop: int) -> tuple[bytearray, int] | None:
             async def op(conn: _Connection) -> tuple[bytearray, int] | None:
@@ -879,7 +942,7 @@ class HttpStore(Store):
                 conn.reusable = True
                 return data, got[1]
 
-            return await self._call(op)
+            return await self._call(op, deadline)
 
         header = None
         try:
@@ -924,7 +987,8 @@ class HttpStore(Store):
             self._count_failure("read_range_into", key, exc)
             return False
 
-    async def _lookup(self, keys: Sequence[str], stop_at_gap: bool) -> tuple[int, list[bool]]:
+    async def _lookup(self, keys: Sequence[str], stop_at_gap: bool,
+                      deadline: float) -> tuple[int, list[bool]]:
         body = json.dumps({"keys": list(keys), "stop_at_gap": stop_at_gap},
                           separators=(",", ":")).encode()
 
@@ -937,15 +1001,16 @@ class HttpStore(Store):
             conn.reusable = True
             return _lookup_answer(answer, len(keys))
 
-        return await self._call(op)
+        return await self._call(op, deadline)
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         for k in keys:
             check_key(k)
         out: list[bool] = []
+        deadline = self._deadline()  # one for all the batches: a lookup is one operation
         try:
             for i in range(0, len(keys), LOOKUP_BATCH):
-                out += (await self._lookup(keys[i : i + LOOKUP_BATCH], False))[1]
+                out += (await self._lookup(keys[i : i + LOOKUP_BATCH], False, deadline))[1]
         except _HttpError as exc:
             self._count_failure("lookup", "", exc)
             return [False] * len(keys)
@@ -963,10 +1028,11 @@ class HttpStore(Store):
         for k in keys:
             check_key(k)
         n = 0
+        deadline = self._deadline()
         try:
             for i in range(0, len(keys), LOOKUP_BATCH):
                 batch = keys[i : i + LOOKUP_BATCH]
-                got = (await self._lookup(batch, True))[0]
+                got = (await self._lookup(batch, True, deadline))[0]
                 n += got
                 if got < len(batch):
                     break
@@ -998,35 +1064,76 @@ class HttpStore(Store):
         return deleted
 
     async def list_keys(self) -> AsyncIterator[str]:
-        # The listing is read whole under the request timeout, then yielded; it is parsed
-        # as it arrives, so it holds the keys, never the announced size of the body.
-        async def op(conn: _Connection) -> tuple[list[str], int]:
+        """Every key the server lists, handed on as its reply arrives.
+
+        Memory stays at one piece of the reply however long the listing is. The server has
+        `timeout` in all to deliver it (the time the caller spends between keys is not
+        counted: the reply waits in the socket meanwhile) and at most `max_listing` keys in
+        as many times 64 bytes; past either, or on any failure, the keys already handed on
+        are followed by StoreUnavailable. The connection is the listing's own while it
+        runs, so the caller may use the store's pool meanwhile.
+        """
+        async def op(conn: _Connection) -> tuple[_Connection, dict[str, str]]:
             await conn.sendall(self._head("GET", "/v1/keys"))
             status, headers = await conn.read_head()
             if status != 200:
                 raise await self._error_of(conn, status, headers)
-            keys: list[str] = []
-            bad = 0
-            rest = b""
-            async for piece in conn.iter_body(headers, _MAX_LISTING):
-                lines = (rest + piece).split(b"\n")
-                rest = lines.pop()
-                if len(rest) > 4096:  # no line of a key listing is this long
-                    raise _HttpError(0, "key listing has an over-long line")
-                bad += _take_keys(lines, keys)
-            bad += _take_keys([rest], keys)
-            conn.reusable = True
-            return keys, bad
+            conn.held = True
+            return conn, headers
 
         try:
-            keys, bad = await self._call(op)
+            deadline = self._deadline()
+            conn, headers = await self._call(op, deadline)
         except _HttpError as exc:
             raise StoreUnavailable(f"{self}: listing failed: {exc}") from exc
-        if bad:
-            self.counters["errors"] += 1
-            log.warning("%s: key listing had %d malformed line(s), skipped", self, bad)
-        for k in keys:
-            yield k
+        loop = asyncio.get_running_loop()
+        left = deadline - loop.time()
+        listed = bad = 0
+        rest = b""
+        try:
+            async with contextlib.aclosing(
+                    conn.iter_body(headers, self.max_listing * _LISTED_BYTES_PER_KEY)) as body:
+                while True:
+                    # The clock runs while this reads and parses, never while the caller
+                    # holds the keys handed on: the deadline moves on by that time.
+                    resumed = loop.time()
+                    conn.deadline = resumed + left
+                    async with asyncio.timeout_at(conn.deadline):
+                        piece = await anext(body, None)
+                        await asyncio.sleep(0)  # a turn for the loop for each piece
+                    if piece is None:
+                        lines, rest = [rest], b""
+                    else:
+                        lines = (rest + piece).split(b"\n")
+                        rest = lines.pop()
+                        if len(rest) > 4096:  # no line of a key listing is this long
+                            raise _HttpError(0, "key listing has an over-long line")
+                    keys: list[str] = []
+                    bad += _take_keys(lines, keys)
+                    left -= loop.time() - resumed
+                    if left <= 0:
+                        raise TimeoutError(f"the listing took longer than {self.timeout}s")
+                    for k in keys:
+                        if listed == self.max_listing:
+                            raise _HttpError(0, f"more than max_listing={listed} keys")
+                        listed += 1
+                        yield k
+                    if piece is None:
+                        break
+            conn.reusable = True
+        except (OSError, _HttpError, *_REPLY_ERRORS) as exc:  # TimeoutError is an OSError
+            conn.reusable = False
+            self._breaker.failure()
+            if not isinstance(exc, (OSError, _HttpError)):
+                log.warning("%s: unusable listing: %s: %.200s", self, type(exc).__name__, exc)
+            raise StoreUnavailable(f"{self}: listing failed after {listed} keys: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            conn.discard_fds()
+            self._release(conn)
+            if bad:
+                self.counters["errors"] += 1
+                log.warning("%s: key listing had %d malformed line(s), skipped", self, bad)
 
     def stats(self) -> dict[str, Any]:
         return {

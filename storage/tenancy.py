@@ -13,12 +13,14 @@ memory://, a separate map). Everything else lives here:
 - **Quotas.** With `quota`, a tenant holds at most that many bytes: past it, its own least
   recently used chunks go; a chunk larger than the quota is refused (`StoreFull`).
 - **A full disk.** When a put finds the disk full (`StoreFull` from the backend, which has
-  already freed what it could of the tenant's own chunks), the largest other holder frees
-  twice the chunk's size and the put is tried once more.
+  already freed what it could, file:// from the largest scope of its root first), the
+  largest other holder frees twice the chunk's size and the put is tried once more.
 
 Capacity is enforced from each scope's own count of its bytes (`Store.used_bytes`), so it
-holds for backends that keep one (memory://, file://); for others (s3://, tiers) each scope
-keeps the backend's own rules. Counts are per process, as for a single file store.
+holds for backends that keep one (memory://); for others (s3://, tiers) each scope keeps
+the backend's own rules, and these counts are per process. A backend that counts its
+whole root across processes (file:// with a capacity: `capacity_shared`) enforces the
+capacity itself, for every process and tenant sharing the root; quotas stay per process.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ class SharedCapacity:
     def __init__(self, root: Store, quota: int | None = None):
         self.root = root
         self.capacity: int | None = root.stats().get("capacity_bytes") or None
+        # A backend that counts the bytes of its whole root across processes (file://
+        # with a capacity) enforces the capacity itself, under its own lock.
+        self.enforced_below = bool(getattr(root, "capacity_shared", False))
         self.quota = quota
         self.members: dict[str, Store] = {"": root}
         self.pending = 0  # bytes of puts admitted and not yet landed
@@ -54,7 +59,7 @@ class SharedCapacity:
                                 f"of {self.quota} bytes")
             if scope.used_bytes() + size > self.quota:
                 await scope.evict_to(self.quota - size)
-        if self.capacity is None:
+        if self.capacity is None or self.enforced_below:
             return
         for _ in range(len(self.members) + 1):
             over = self.used() + size - self.capacity

@@ -18,6 +18,7 @@ from storage.errors import StoreError
 log = logging.getLogger("kvstash.storage.tiered")
 
 MAX_BACKGROUND = 64
+LIST_BATCH = 1024  # keys of a lower tier checked against the tiers above at a time
 
 
 class TieredStore(Store):
@@ -165,12 +166,27 @@ class TieredStore(Store):
         return any(results)
 
     async def list_keys(self) -> AsyncIterator[str]:
-        seen: set[str] = set()
-        for tier in self.tiers:
-            async for k in tier.list_keys():
-                if k not in seen:
-                    seen.add(k)
-                    yield k
+        """Every tier's keys, each once: a lower tier's key is left out where a tier above
+        has it (asked a batch at a time), so a listing holds one batch, never the set of
+        keys seen. A chunk moving between tiers meanwhile may be listed twice."""
+        for i, tier in enumerate(self.tiers):
+            batch: list[str] = []
+            async for key in tier.list_keys():
+                batch.append(key)
+                if len(batch) == LIST_BATCH:
+                    for k in await self._only_below(i, batch):
+                        yield k
+                    batch = []
+            for k in await self._only_below(i, batch):
+                yield k
+
+    async def _only_below(self, i: int, keys: list[str]) -> list[str]:
+        """The `keys` of tier i that no tier above it holds."""
+        for upper in self.tiers[:i]:
+            if not keys:
+                break
+            keys = [k for k, there in zip(keys, await upper.exists(keys), strict=True) if not there]
+        return keys
 
     def scoped(self, tenant: str) -> TieredStore:
         return TieredStore([t.scoped(tenant) for t in self.tiers])

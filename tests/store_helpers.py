@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import os
+import struct
+
+import xxhash
 
 from hashing import Namespace, chunk_keys
-from storage.codec import encode_chunk
+from storage.codec import encode_chunk, encode_header
 
 
 def make_chunks(ns: Namespace, n: int, payload_size: int = 1000, seed: int = 0):
@@ -18,3 +21,18 @@ def make_chunks(ns: Namespace, n: int, payload_size: int = 1000, seed: int = 0):
         part = tokens[i * t : (i + 1) * t]
         out.append((key, part, encode_chunk(key, part, os.urandom(payload_size), {"i": i})))
     return out
+
+
+def forged_segment_chunk(ns: Namespace, payload_size: int = 4096, seed: int = 1):
+    """(key, tokens, blob): a chunk whose whole-payload checksum and header checksum hold
+    but whose segment 1 checksum belongs to other bytes, as a forger would write it."""
+    (key, tokens, _), = make_chunks(ns, 1, seed=seed)
+    payload = bytearray(os.urandom(payload_size))
+    half = payload_size // 2
+    header = bytearray(encode_header(key, tokens, payload, segments=[half, payload_size - half]))
+    table = header.index(struct.pack("<QQ", payload_size - half,
+                                     xxhash.xxh3_64_intdigest(bytes(payload[half:]))))
+    struct.pack_into("<Q", header, table + 8, xxhash.xxh3_64_intdigest(b"other bytes"))
+    struct.pack_into("<Q", header, 32, 0)
+    struct.pack_into("<Q", header, 32, xxhash.xxh3_64_intdigest(bytes(header)))
+    return key, tokens, bytes(header) + bytes(payload)

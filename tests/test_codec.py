@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hashing import Namespace, chunk_keys
+from storage import codec
 from storage.codec import (
     ALIGN,
     HEADER_SIZE,
@@ -122,3 +125,34 @@ def test_round_trip_property(tokens, payload, meta):
     key = chunk_keys(tokens, ns)[0]
     chunk = decode_chunk(encode_chunk(key, tokens, payload, meta), key, tokens)
     assert bytes(chunk.payload) == payload and chunk.meta == meta
+
+
+@pytest.mark.parametrize("tail", ["\n", "\r", "\x00"])
+def test_encode_refuses_a_key_with_a_trailing_control_character(tail):
+    key = "0" * 16 + "/" + "1" * 32
+    with pytest.raises(ChunkError, match="malformed key"):
+        encode_chunk(key + tail, [1, 2, 3], b"x" * 10)
+
+
+@pytest.mark.parametrize("meta", [{"pad": [{}] * 80_000}, {"pad": "y" * (70 << 10)},
+                                  {"pad": [[1]] * 1100}])
+def test_a_meta_that_could_parse_into_much_memory_is_refused_at_encode_and_decode(
+        meta, monkeypatch):
+    with pytest.raises(ChunkError, match="meta"):
+        encode_chunk(KEY, TOKENS, b"0" * 10, meta)
+    with monkeypatch.context() as m:  # as a forger would write it
+        m.setattr(codec, "_check_meta_size", lambda raw: None)
+        forged = encode_chunk(KEY, TOKENS, b"0" * 10, meta)
+    with pytest.raises(ChunkError, match="meta"):
+        decode_chunk(forged, KEY)
+
+
+def test_a_parsed_header_is_charged_at_least_what_it_holds():
+    meta = {"pad": [{}] * 1000, "text": ["ab"] * 3000}
+    blob = encode_chunk(KEY, TOKENS, b"0" * 10, meta)
+    tracemalloc.start()
+    header = decode_header(blob, KEY)
+    held, _ = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert header.meta == meta
+    assert held <= header.cost

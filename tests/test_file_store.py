@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import errno
+import fcntl
+import multiprocessing
 import os
 import random
 import signal
@@ -10,13 +12,15 @@ import subprocess
 import sys
 import textwrap
 import time
+import tracemalloc
 
 import pytest
 
 from hashing import Namespace
 from storage import ConfigError, InvalidChunk, StoreFull, open_store
-from storage.codec import decode_chunk
-from storage.file import FileStore, _chunk_path
+from storage.codec import decode_chunk, decode_header, encode_chunk
+from storage.file import FileStore, VerifiedHeaders, _chunk_path
+from storage.ledger import LEDGER, RootLedger
 from tests.store_helpers import make_chunks
 
 
@@ -87,7 +91,7 @@ async def test_a_bad_payload_is_refused_after_the_write_and_neither_lands_nor_ev
         with pytest.raises(InvalidChunk, match="checksum"):
             await store.put(key, bytes(bad))
         assert await store.exists([c[0] for c in chunks]) == [True, True, True, False]
-        assert sorted(p.name for p in root.rglob("*") if p.is_file()) == sorted(
+        assert sorted(p.name for p in root.rglob("*") if p.is_file() and p.name != LEDGER) == sorted(
             _chunk_path(root, k).name for k, _, _ in chunks[:3])
         assert store.stats()["evictions"] == 0
         bad0 = bytearray(chunks[0][2])
@@ -254,8 +258,8 @@ async def test_a_chunk_changed_after_it_was_verified_is_checked_again(tmp_path, 
     await store.put(key, blob)
     time.sleep(1.1)  # let the file's ctime settle, so its verified identity is remembered
     assert bytes(await store.get(key)) == blob
-    assert key in store._verified
     path = _chunk_path(tmp_path, key)
+    assert store.known_header(key, os.stat(path)) is not None
     with open(path, "r+b") as f:  # flip one payload byte in place: same inode, same size
         f.seek(len(blob) - 10)
         f.write(bytes([blob[-10] ^ 0x40]))
@@ -268,7 +272,7 @@ async def test_verify_always_hashes_every_read(tmp_path, ns):
     (key, _, blob), = make_chunks(ns, 1)
     await store.put(key, blob)
     assert bytes(await store.get(key)) == blob
-    assert store._verified == {}
+    assert len(store._verified) == 0
     with pytest.raises(ConfigError, match="verify"):
         open_store(f"file://{tmp_path}?verify=sometimes")
 
@@ -342,3 +346,101 @@ async def test_open_blob_hands_over_a_file_only_when_it_needs_no_reading(tmp_pat
     assert bytes(await tiers.open_blob(low_key, buf)) == low_blob
     assert await tiers.open_blob(absent, buf) is None
     assert (tiers.counters["hits"], tiers.counters["misses"]) == (2, 1)
+
+
+def test_verified_headers_are_bounded_in_bytes_not_entries(ns):
+    """Each header is charged its cost (`ChunkHeader.cost`): many small ones or a few
+    expensive ones, the cache holds at most its bound; one too dear is not kept."""
+    cache = VerifiedHeaders(max_bytes=1 << 20)
+    heavy = {"text": ["ab"] * 300}  # ~50 KiB charged: a twentieth of the bound
+    for i, (key, _, _) in enumerate(make_chunks(ns, 200)):
+        header = decode_header(encode_chunk(key, list(range(16)), b"0", heavy if i % 2 else None))
+        cache.put("root", key, (i, 0, 0, 0), header)
+        assert cache.bytes <= cache.max_bytes
+        assert cache.get("root", key, (i, 0, 0, 0)) is (header if header.cost <= (1 << 16) else None)
+    assert 0 < len(cache) < 200
+
+
+def _plant_chunk_names(root, ns_id: str, n: int) -> set[str]:
+    """`n` empty files named as chunks of one fan-out directory (a listing reads names only)."""
+    leaf = root / ns_id / "00" / "00"
+    leaf.mkdir(parents=True)
+    keys = set()
+    for i in range(n):
+        digest = f"0000{i:028x}"
+        (leaf / f"{digest}.kv").touch()
+        keys.add(f"{ns_id}/{digest}")
+    return keys
+
+
+async def test_a_listing_streams_from_the_directory_walk_in_memory_independent_of_its_length(
+        tmp_path):
+    """`list_keys` of 40,000 keys holds one batch at a time, not the listing (~150 bytes a
+    key): the peak memory of consuming it is far below what the keys themselves take."""
+    store = FileStore(tmp_path / "store")
+    expected = _plant_chunk_names(store.root, "0123456789abcdef", 40_000)
+    tracemalloc.start()
+    try:
+        seen = 0
+        async for key in store.list_keys():
+            assert key in expected
+            seen += 1
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert seen == len(expected)
+    assert peak < 1 << 20, f"a listing of {seen} keys peaked at {peak} bytes"
+
+
+async def test_a_listing_abandoned_midway_closes_its_directories(tmp_path):
+    store = FileStore(tmp_path / "store")
+    _plant_chunk_names(store.root, "0123456789abcdef", 3000)
+    before = len(os.listdir("/proc/self/fd"))
+    listing = store.list_keys()
+    async for _ in listing:
+        break
+    await listing.aclose()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+async def test_a_torn_or_stale_usage_count_is_counted_anew_from_the_root(tmp_path, ns):
+    """The root's shared byte count (`.usage`) may be torn by a crash or left wrong by a
+    writer that died mid-put: a store opened there counts the root again, tenants too."""
+    chunks = make_chunks(ns, 4, payload_size=5000)
+    size = len(chunks[0][2])
+    store = FileStore(tmp_path, capacity=10 * size)
+    await store.put(*chunks[0][::2])
+    await store.scoped("alice").put(*chunks[1][::2])
+    for junk in (b'{"": 9999999', b'{"": 123456789}'):
+        (tmp_path / LEDGER).write_bytes(junk)
+        reopened = FileStore(tmp_path, capacity=10 * size)
+        assert reopened.stats()["root_used_bytes"] == 2 * size
+    alice = reopened.scoped("alice")
+    for key, _, blob in chunks[2:]:
+        assert await alice.put(key, blob)
+    assert reopened.root_usage()["used_bytes"] == 4 * size == reopened.stats()["root_used_bytes"]
+
+
+def _hold_the_usage_lock(ledger, held, release) -> None:
+    with ledger.locked():
+        held.set()
+        release.wait(30)
+
+
+def test_a_forked_child_takes_the_usage_lock_for_itself(tmp_path):
+    """flock belongs to an open file, which a forked child shares with its parent: the
+    child reopens the usage file, so its lock excludes the parent's too."""
+    ledger = RootLedger(tmp_path)
+    ctx = multiprocessing.get_context("fork")
+    held, release = ctx.Event(), ctx.Event()
+    child = ctx.Process(target=_hold_the_usage_lock, args=(ledger, held, release))
+    child.start()
+    try:
+        assert held.wait(30)
+        with pytest.raises(BlockingIOError):
+            fcntl.flock(ledger._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    finally:
+        release.set()
+        child.join(30)
+    fcntl.flock(ledger._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(ledger._fd, fcntl.LOCK_UN)

@@ -16,6 +16,7 @@ from hashing import (
     chunk_keys,
     is_valid_key,
     keys_from_block_hashes,
+    split_key,
     token_array,
 )
 
@@ -130,3 +131,12 @@ def test_a_list_of_ids_converts_as_numpy_would_and_refuses_the_same_ids():
     for bad in ([1, -1], [2**32], [1, 2.5], [True, False]):
         with pytest.raises(InvalidTokenIds):
             token_array(bad)
+
+
+@pytest.mark.parametrize("tail", ["\n", "\r\n", "\x00", " "])
+def test_a_key_with_anything_after_its_digest_is_not_valid(tail):
+    key = "0123456789abcdef/" + "0" * 32
+    assert is_valid_key(key)
+    assert not is_valid_key(key + tail)
+    with pytest.raises(ValueError):
+        split_key(key + tail)

@@ -52,6 +52,23 @@ async def test_buffer_too_small_is_a_miss_and_the_next_request_still_works(kvser
         await store.close()
 
 
+async def test_the_store_serves_its_caller_while_a_listing_is_read(kvserver_url, ns):
+    """A listing is read as the caller takes its keys, on a connection of its own: with a
+    pool of one, the caller can still fetch each key it is handed."""
+    chunks = {key: blob for key, _, blob in make_chunks(ns, 5)}
+    store = open_store(f"{kvserver_url}?pool=1&timeout=5s")
+    try:
+        for key, blob in chunks.items():
+            await store.put(key, blob)
+        fetched = {}
+        async for key in store.list_keys():
+            if key in chunks:
+                fetched[key] = await store.get(key)
+        assert fetched == chunks
+    finally:
+        await store.close()
+
+
 async def test_large_batches_of_keys_are_split_into_several_lookups(kvserver_url, ns, monkeypatch):
     monkeypatch.setattr("storage.http.LOOKUP_BATCH", 3)
     chunks = make_chunks(ns, 8)

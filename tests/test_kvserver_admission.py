@@ -162,12 +162,12 @@ def test_lookup_still_answers_after_the_refusals(tenant_server, ns):
 def test_deeply_nested_meta_is_a_400_not_a_500(tenant_server, ns):
     (key, _, _), = make_chunks(ns, 1)
     blob = forged_chunk(key, b"[" * 50_000 + b"]" * 50_000)
-    with pytest.raises(ChunkError, match="nested too deeply"):
+    with pytest.raises(ChunkError, match="meta"):  # refused before it is parsed
         decode_header(blob, key)
     for _ in range(3):
         r = httpx.put(f"{tenant_server.url}/v1/chunks/{key}", content=blob,
                       headers={**OCTETS, **auth(ALICE)})
-        assert r.status_code == 400 and "nested too deeply" in r.json()["error"]
+        assert r.status_code == 400 and "meta" in r.json()["error"]
     assert "Traceback" not in tenant_server.log()
 
 

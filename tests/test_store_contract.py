@@ -14,8 +14,8 @@ import secrets
 import pytest
 
 from storage import InvalidChunk, InvalidKey, open_store
-from storage.codec import decode_chunk
-from tests.store_helpers import make_chunks
+from storage.codec import ChunkError, decode_chunk
+from tests.store_helpers import forged_segment_chunk, make_chunks
 
 # Backends whose test fixtures could not be imported, with the reason (reported as skips).
 UNAVAILABLE: dict[str, str] = {}
@@ -131,6 +131,17 @@ async def test_put_rejects_a_blob_that_is_not_a_chunk_for_that_key(store, ns):
     assert await store.exists([k0, k1]) == [False, False]
 
 
+async def test_put_rejects_a_chunk_whose_segment_checksum_contradicts_its_payload(store, ns):
+    """The whole-payload checksum holds; one segment's does not. Stored, whole reads would
+    hit while segment readers reject it for good (an honest re-put is `created: false`)."""
+    key, _, forged = forged_segment_chunk(ns)
+    with pytest.raises(ChunkError):
+        decode_chunk(forged, key).header.verify_segment(1, forged[4096 + 2048 :])
+    with pytest.raises(InvalidChunk, match="segment 1"):
+        await store.put(key, forged)
+    assert await store.exists([key]) == [False]
+
+
 @pytest.mark.parametrize("bad_key", ["../../etc/passwd", "abc", "0" * 16 + "/" + "g" * 32,
                                      "0" * 16 + "/" + "0" * 31 + "\n", ""])
 async def test_malformed_keys_are_refused(store, bad_key):
@@ -138,6 +149,34 @@ async def test_malformed_keys_are_refused(store, bad_key):
         await store.get(bad_key)
     with pytest.raises(InvalidKey):
         await store.exists([bad_key])
+
+
+@pytest.mark.parametrize("tail", ["\n", "\r\n", "\x00", "\t", " "])
+async def test_a_key_with_a_trailing_control_character_is_refused_by_every_call(store, ns, tail):
+    """A valid key plus a final newline once passed the key pattern (`$` matches before a
+    final newline): a file store then wrote a chunk that no listing, gc or scan saw."""
+    (key, tokens, blob), = make_chunks(ns, 1)
+    bad = key + tail
+    with pytest.raises(InvalidKey):
+        await store.put(bad, blob)
+    with pytest.raises(InvalidKey):
+        await store.get(bad)
+    with pytest.raises(InvalidKey):
+        await store.exists([bad])
+    with pytest.raises(InvalidKey):
+        await store.delete(bad)
+    assert [k async for k in store.list_keys() if k.startswith(ns.id)] == []
+    assert await store.put(key, blob) is True
+
+
+@pytest.mark.parametrize("tenant", ["alice\n", "alice\x00", "", "a" * 65, "../alice"])
+async def test_a_tenant_name_with_anything_but_its_characters_is_refused(store, tenant):
+    try:
+        store.scoped("alice")
+    except NotImplementedError:
+        pytest.skip(f"{store} has no tenant scopes")
+    with pytest.raises(ValueError, match="tenant"):
+        store.scoped(tenant)
 
 
 async def test_prefix_len_stops_at_first_gap(store, ns):

@@ -68,3 +68,27 @@ async def test_the_caller_may_reuse_its_buffer_as_soon_as_put_returns(tmp_path, 
     await store.flush()
     assert await store.tiers[0].get(key) == blob
     assert await store.tiers[1].get(key) == blob
+
+
+async def test_a_tier_listing_names_each_key_once_and_holds_no_set_of_them(tmp_path, ns):
+    """Keys in both tiers are listed once; the listing asks the tier above about a lower
+    tier's keys a batch at a time instead of remembering every key it has listed."""
+    store = open_store(["memory://?capacity=64MiB", f"file://{tmp_path}/lower"])
+    chunks = make_chunks(ns, 3000, payload_size=16)
+    upper, lower = store.tiers
+    for key, _, blob in chunks[:1500]:
+        await upper.put(key, blob)
+    for key, _, blob in chunks[1000:]:
+        await lower.put(key, blob)
+    listed = [k async for k in store.list_keys()]
+    assert sorted(listed) == sorted(k for k, _, _ in chunks)
+    asked = []
+    real_exists = upper.exists
+
+    async def counting_exists(keys):
+        asked.append(len(keys))
+        return await real_exists(keys)
+
+    upper.exists = counting_exists
+    assert len([k async for k in store.list_keys()]) == 3000
+    assert asked and max(asked) <= 1024
