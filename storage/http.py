@@ -1018,7 +1018,7 @@ class HttpStore(Store):
 
     async def probe(self) -> str | None:
         try:
-            await self._lookup([PROBE_KEY], False)
+            await self._lookup([PROBE_KEY], False, self._deadline())
         except _HttpError as exc:
             self._count_failure("lookup", "", exc)
             return f"{self}: lookup failed: {exc}"
