@@ -128,11 +128,11 @@ class Tenant:
     store: Store
 
 
-async def caller(request: Request, svc: Svc) -> Tenant:
+async def caller(request: Request) -> Tenant:
     """The one place a request's tenant is resolved: the gate (kvserver.gate) checked the
     token before any route ran and left its tenant in the request scope."""
     name = request.scope[TENANT_SCOPE_KEY]
-    return Tenant(name, svc.tenancy.store_for(name))
+    return Tenant(name, request.app.state.services.tenancy.store_for(name))
 
 
 Caller = Annotated[Tenant, Depends(caller)]
