@@ -68,7 +68,7 @@ import urllib3.exceptions
 from botocore.exceptions import BotoCoreError, ClientError
 
 from hashing import is_valid_key
-from storage.base import Store, check_blob, check_key, check_tenant
+from storage.base import PROBE_KEY, Store, check_blob, check_key, check_tenant
 from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, TruncatedHeader, decode_header
 from storage.errors import StoreError, StoreUnavailable
 from storage.options import StoreURL
@@ -663,6 +663,14 @@ class S3Store(Store):
         except StoreError:
             self.counters["errors"] += 1
             return False
+
+    async def probe(self) -> str | None:
+        try:
+            await self._head(self._name(PROBE_KEY))
+        except StoreError as exc:
+            self.counters["errors"] += 1
+            return str(exc)
+        return None
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         for k in keys:

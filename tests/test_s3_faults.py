@@ -155,6 +155,18 @@ async def test_breaker_opens_on_a_dead_endpoint_and_recovers(fault_proxy, ns):
     await store.close()
 
 
+async def test_probe_says_a_failing_endpoint_failed_where_exists_answers_absent(stored, fault_proxy):
+    """An endpoint that resets every connection: `exists` answers "absent" (the hot path's
+    miss), `probe` says the check did not get through; once it passes again, nothing."""
+    store, key, _ = stored
+    assert await store.probe() is None
+    fault_proxy.set("reset")
+    assert await store.exists([key]) == [False]
+    assert await store.probe() is not None
+    fault_proxy.set("pass")
+    assert await store.exists([key]) == [True]
+
+
 async def test_a_failed_probe_reopens_the_breaker(fault_proxy, ns):
     store = open_store(through(fault_proxy, breaker_failures="1", breaker_cooldown="0.3s"))
     (key, _, blob), = make_chunks(ns, 1)
