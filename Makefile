@@ -1,13 +1,16 @@
 # Two commands do all set-up on a fresh clone:
 #   make demo   -- install, then run the end-to-end demo on the embedded default store
 #   make test   -- install, then run ruff, mypy (the engine side) and the whole test suite
+#   make test-repeat [N=5] -- the suite's fast part (not marked slow) N times in a row
 #   make compose-check -- start the Docker compose stack for real and check it (Docker needed)
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint bench-store compose-check clean
+N ?= 5
+
+.PHONY: install demo test test-repeat lint bench-store compose-check clean
 
 $(STAMP): pyproject.toml constraints.txt Makefile scripts/install-engines.sh
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +29,14 @@ test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q
+
+# Each run in a fresh interpreter; the first failing run stops the loop.
+test-repeat: $(STAMP)
+	$(VENV)/bin/ruff check .
+	@for i in $$(seq $(N)); do \
+		echo "== run $$i of $(N)"; \
+		$(VENV)/bin/pytest -q -p no:cacheprovider -m "not slow and not docker" || { echo "== run $$i of $(N) failed"; exit 1; }; \
+	done; echo "== $(N) runs in a row passed"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -3,7 +3,10 @@
 Baselines: plain boto3 `put_object` / `get_object(...)["Body"].read()` of the same
 number of same-sized objects on the same server and bucket, one at a time (what a
 straightforward client does), once with boto3's defaults (CRC32 on put, validated on
-get) and once with checksums off (`when_required`, as the store runs).
+get) and once with checksums off (`when_required`, as the store runs). And, at the
+store's own concurrency, in the same rounds as the store's reads (`raw_get_round`): a
+pool of N threads each doing `get_object(...)["Body"].read()` of the very objects the
+store reads, plus the xxh3-64 of the payload that the store verifies on every get.
 
 Extras: 16 lookups at once of one stored 8-chunk prefix (a burst of requests behind one
 system prompt), against plain boto3 `head_object` of every lookup's keys from 16 threads
@@ -20,6 +23,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -75,7 +79,7 @@ async def setup(args: argparse.Namespace, url: str) -> tuple[str, Callable[[], A
     return _with_endpoint(url, f"http://127.0.0.1:{port}"), stop
 
 
-def _client(opts: S3Options, checksums: str):
+def _client(opts: S3Options, checksums: str, pool: int = 10):
     import boto3
     from botocore.config import Config
 
@@ -83,10 +87,43 @@ def _client(opts: S3Options, checksums: str):
         "s3", endpoint_url=opts.endpoint, region_name=opts.region,
         aws_access_key_id=opts.access_key, aws_secret_access_key=opts.secret_key,
         aws_session_token=opts.session_token,
-        config=Config(s3={"addressing_style": opts.addressing},
+        config=Config(s3={"addressing_style": opts.addressing}, max_pool_connections=pool,
                       request_checksum_calculation=checksums,
                       response_checksum_validation=checksums),
     )
+
+
+RAW_GET_NAME = "boto3 get_object+read+xxh3, N threads"
+_RAW_CLIENTS: dict[str, Any] = {}
+_RAW_LOCK = threading.Lock()
+
+
+def raw_get_round(url: str, keys: list[str], buffers: list[memoryview], concurrency: int) -> float:
+    """Seconds for `concurrency` threads to read every object of `keys` with plain boto3
+    (`get_object(...)["Body"].read()`, checksums as the store runs them) and hash each
+    payload with xxh3-64, as the store verifies it. The buffers are unused: a plain client
+    reads into the bytes boto3 returns."""
+    import xxhash
+
+    opts = S3Options.from_url(StoreURL(url))
+    with _RAW_LOCK:  # made once, untimed: a client costs ~0.4 s to create
+        client = _RAW_CLIENTS.get(url)
+        fresh = client is None
+        if fresh:
+            client = _RAW_CLIENTS[url] = _client(opts, "when_required", pool=64)
+    names = [opts.prefix + k for k in keys]
+
+    def one(name: str) -> None:
+        blob = client.get_object(Bucket=opts.bucket, Key=name)["Body"].read()
+        xxhash.xxh3_64_intdigest(memoryview(blob)[HEADER:])
+
+    with ThreadPoolExecutor(concurrency) as pool:
+        # threads started and, for a new client, connections opened, untimed (as the
+        # store's first reads are)
+        list(pool.map(one if fresh else lambda _: None, names if fresh else range(concurrency)))
+        t0 = time.perf_counter()
+        list(pool.map(one, names))
+        return time.perf_counter() - t0
 
 
 def _measure(opts: S3Options, checksums: str, size: int, count: int, rounds: int) -> tuple[float, float]:
@@ -136,7 +173,7 @@ async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:
 
     store = open_store(url)
     opts = S3Options.from_url(StoreURL(url))
-    client = _client(opts, "when_required")
+    client = _client(opts, "when_required", pool=LOOKUPS_AT_ONCE)
     heads = 0
     head = store._head
 

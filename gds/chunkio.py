@@ -68,6 +68,7 @@ from storage.codec import (
     encode_header,
 )
 from storage.file import link_publish
+from storage.pagecache import PAGE_CACHE, Residency
 
 log = logging.getLogger("kvstash.gds")
 
@@ -125,9 +126,13 @@ class ChunkIO:
     """Reads file ranges and whole chunks into tensors; writes tensors as chunk files."""
 
     def __init__(self, config: IOConfig | None = None, *, caps: Capabilities | None = None,
-                 probe_dir: str | os.PathLike | None = None):
+                 probe_dir: str | os.PathLike | None = None,
+                 residency: Residency | None = None):
         """`caps` replaces the start-up probe (tests inject it to stand in for absent hardware);
-        `probe_dir` is where the probe reads a file: use the chunk store's directory."""
+        `probe_dir` is where the probe reads a file: use the chunk store's directory.
+        `residency`: the page-cache oracle that decides which reads take O_DIRECT
+        (`direct="auto"`): the chunk store's, so both plan by the same answers (None: the
+        kernel's)."""
         self.config = (config or IOConfig()).validate()
         self.caps = caps if caps is not None else probe(str(probe_dir) if probe_dir else None)
         self.cuda_backend = choose_cuda_backend(self.caps, self.config.cuda_backend)
@@ -137,7 +142,8 @@ class ChunkIO:
         self._requests = ThreadPoolExecutor(self.config.max_in_flight, "kvstash-gds-req",
                                             initializer=self._place)
         self._inflight = threading.Semaphore(self.config.max_in_flight)  # see gds.requests
-        self.support = DirectIOSupport(self.config.direct != "never")
+        self.support = DirectIOSupport(self.config.direct != "never",
+                                       PAGE_CACHE if residency is None else residency)
         self.host = HostBackend(self._pool, self.config.piece_bytes, self.config.direct, threads)
         self._device_lock = threading.Lock()
         self._device: dict[str, Any] = {}

@@ -15,7 +15,7 @@ import os
 import threading
 from dataclasses import dataclass
 
-from storage.pagecache import filesystem_of
+from storage.pagecache import PAGE_CACHE, Residency, filesystem_of
 
 _BUFFERED_ONLY = frozenset({"tmpfs", "ramfs", "overlay", "devtmpfs", "squashfs", "proc", "sysfs"})
 HAS_O_DIRECT = hasattr(os, "O_DIRECT")
@@ -31,10 +31,12 @@ class Filesystem:
 
 
 class DirectIOSupport:
-    """Per-filesystem O_DIRECT verdicts, shared by every reader and writer of one ChunkIO."""
+    """Per-filesystem O_DIRECT verdicts, shared by every reader and writer of one ChunkIO,
+    and the page-cache oracle (`residency`) whose answers decide where O_DIRECT is used."""
 
-    def __init__(self, enabled: bool = True):
+    def __init__(self, enabled: bool = True, residency: Residency = PAGE_CACHE):
         self.enabled = enabled and HAS_O_DIRECT
+        self.residency = residency
         self._lock = threading.Lock()
         self._fs: dict[int, Filesystem] = {}
 

@@ -24,7 +24,6 @@ import threading
 from gds.buffers import ALIGN, address
 from gds.errors import IO, MISSING, NO_SPACE, SHORT, ReadError, WriteError
 from gds.fsprobe import DirectIOSupport
-from storage.pagecache import all_cached
 
 DIRECT_MODES = ("auto", "always", "never")
 _MISSING_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
@@ -135,11 +134,12 @@ def _read_direct(f: OpenFile, view: memoryview, offset: int) -> tuple[int, int]:
 
 
 def _all_cached(f: OpenFile, offset: int, length: int) -> bool | None:
-    """Whether every page of the range is in the page cache (`cachestat(2)`); None: unknown."""
+    """Whether every page of the range is in the page cache (the support's residency
+    oracle: `cachestat(2)` by default); None: unknown."""
     fs = f.support.filesystem(f.dev)
     if fs.cachestat is False:
         return None
-    cached = all_cached(f.fd, offset, length)
+    cached = f.support.residency.all_cached(f.fd, offset, length)
     fs.cachestat = cached is not None  # None: an older kernel, or no page cache there
     return cached
 

@@ -204,8 +204,8 @@ FEW_OPEN_FILES = 4096
 def raise_open_file_limit() -> int:
     """Raise this process's soft limit on open files to its hard limit (at most
     WANTED_OPEN_FILES) and return it. Every connection holds a descriptor: under the
-    common default soft limit of 1024, 1100 idle connections from one client made every
-    other client's request fail until they timed out."""
+    common default soft limit of 1024, one client holding that many idle connections
+    would make every other client's request fail (docs/kvserver.md, open files)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

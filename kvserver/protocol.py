@@ -2,8 +2,8 @@
 
 httptools buffers a request head of any size and uvicorn never times out an unfinished
 head, so without these bounds one client could make the server hold megabytes of headers
-per connection (20 connections x 4 MiB of headers grew the server by ~90 MiB), or keep a
-connection forever by trickling a head byte by byte (tests/test_reliability_hostile_http).
+per connection, or keep a connection forever by trickling a head byte by byte
+(tests/test_reliability_hostile_http; what that cost, docs/benchmarks/2026-11-22-soak.md).
 Bodies are bounded by the app (`--max-chunk-bytes`, `--body-timeout`).
 
 It also offers the ASGI "Zero Copy Send" extension (`http.response.zerocopysend`) on

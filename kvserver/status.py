@@ -89,8 +89,7 @@ class StatusSources:
         """The tenant whose figures the request may see, ALL, or False (refused)."""
         if self.tokens is None:
             return ALL
-        token = (bearer_token(request.scope["headers"]) or request.cookies.get(COOKIE)
-                 or request.query_params.get("token"))
+        token = presented_token(request)
         found = self.tokens.tenant_for(token) if token else None
         if found is None:
             return False
@@ -275,6 +274,17 @@ _LOGIN = """<!doctype html><html lang="en"><head><meta charset="utf-8">
 autocomplete="off" size="40"></label> <button>show status</button></form></body></html>"""
 
 
+def presented_token(request: Request) -> str | None:
+    """The token a request carries: a bearer header, the page's cookie or `?token=`."""
+    return (bearer_token(request.scope["headers"]) or request.cookies.get(COOKIE)
+            or request.query_params.get("token"))
+
+
+def refused_status(request: Request) -> int:
+    """As the API answers: 401 without a token, 403 with one the server does not know."""
+    return 403 if presented_token(request) else 401
+
+
 def status_router(sources: StatusSources) -> APIRouter:
     router = APIRouter(tags=["service"])
 
@@ -284,9 +294,10 @@ def status_router(sources: StatusSources) -> APIRouter:
     async def status_page(request: Request) -> HTMLResponse:
         viewer = sources.viewer(request)
         if viewer is False:
-            why = ("token not recognised" if request.query_params.get("token")
+            code = refused_status(request)
+            why = ("token not recognised" if code == 403
                    else "This page needs a token from the server's tokens file.")
-            return HTMLResponse(_LOGIN.format(why=html.escape(why)), status_code=401)
+            return HTMLResponse(_LOGIN.format(why=html.escape(why)), status_code=code)
         response = HTMLResponse(render_page(sources.report(viewer)),
                                 headers={"cache-control": "no-store"})
         token = request.query_params.get("token")
@@ -299,8 +310,10 @@ def status_router(sources: StatusSources) -> APIRouter:
     async def status_json(request: Request) -> JSONResponse:
         viewer = sources.viewer(request)
         if viewer is False:
-            return JSONResponse({"error": "missing or unrecognised token"}, status_code=401,
-                                headers={"www-authenticate": "Bearer"})
+            code = refused_status(request)
+            return JSONResponse({"error": "token not recognised" if code == 403
+                                 else "missing bearer token (Authorization: Bearer <token>)"},
+                                status_code=code, headers={"www-authenticate": "Bearer"})
         return JSONResponse(sources.report(viewer), headers={"cache-control": "no-store"})
 
     return router

@@ -25,6 +25,9 @@ log = logging.getLogger("kvstash.storage")
 
 TENANT_PATTERN = re.compile(r"[A-Za-z0-9_-]{1,64}")  # checked whole (fullmatch)
 
+# A key that is never stored: `probe` asks the backend about it.
+PROBE_KEY = "0" * 16 + "/" + "0" * 32
+
 COUNTERS = (
     "gets", "hits", "misses", "errors", "corrupt", "rechecked", "puts", "put_skipped", "put_errors",
     "evictions", "bytes_read", "bytes_written", "deletes",
@@ -250,6 +253,17 @@ class Store(ABC):
     async def health(self) -> str | None:
         """Why this store cannot serve right now (its root gone or read-only, its disk
         full), or None. Checked by readiness probes, never on the hot path."""
+        return None
+
+    async def probe(self) -> str | None:
+        """Why one presence check (of PROBE_KEY) did not reach the backend, or None.
+
+        `exists` answers "absent" when its backend cannot be reached (a miss, never an
+        error, on the hot path); this answers for itself, so a readiness probe needs no
+        shared counters to tell. A failure still counts in `stats()` and feeds a breaker
+        like any other request. The default suits stores whose `exists` cannot fail
+        silently (memory, local files)."""
+        await self.exists([PROBE_KEY])
         return None
 
     def _count_get(self, size: int | None) -> None:

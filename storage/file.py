@@ -16,8 +16,10 @@ filesystem re-triggers the check, while page-cached re-reads of an unchanged fil
 no hashing (on 2 cores the hash would otherwise cost a third of a warm read). The
 verified headers are kept in one cache per root (its tenants share it) bounded in bytes
 of memory (`VerifiedHeaders`, each header charged `ChunkHeader.cost`); a file whose
-header fell out is simply verified again. `always` hashes every read; `header` checks
-only the header (key, tokens, length).
+header fell out is simply verified again. A verification is remembered only once the
+file's ctime is `settle` old (1s): a change after that carries another ctime even where
+timestamps are coarse. `always` hashes every read; `header` checks only the header (key,
+tokens, length).
 
 The root: the store touches only names of its own layout. The scan at open (and `gc`)
 opens each directory O_NOFOLLOW relative to its parent and lists regular files only, so it
@@ -91,7 +93,7 @@ from storage.codec import (
 from storage.errors import ConfigError, StoreFull, StoreUnavailable
 from storage.ledger import LEDGER, QUARANTINE_SCOPE, RootLedger, quarantine_scope
 from storage.options import StoreURL, format_size, parse_bool, parse_mode, parse_seconds, parse_size
-from storage.pagecache import all_cached, is_local
+from storage.pagecache import PAGE_CACHE, Residency, is_local
 
 log = logging.getLogger("kvstash.storage.file")
 
@@ -102,8 +104,6 @@ TENANTS = "tenants"
 # Below this much free space the disk counts as full for readiness (storage.base.health).
 MIN_FREE_BYTES = 1 << 20
 _MISS_ERRNOS = (errno.ENOENT, errno.ESTALE, errno.ENOTDIR)
-# preadv(RWF_NOWAIT) found a byte not in the page cache, or the kernel takes no such flag.
-_NOWAIT_ERRNOS = (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL)
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 _FULL_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 _ATIME_REFRESH_S = 60.0
@@ -165,8 +165,8 @@ class VerifiedHeaders:
         return len(self._entries)
 
 
-# A verified identity is only trusted once its ctime is this old: any later change then
-# carries a different ctime even on filesystems with coarse (jiffy) timestamps.
+# A verified identity is only trusted once its ctime is this old (`settle_s`): any later
+# change then carries a different ctime even on filesystems with coarse (jiffy) timestamps.
 _SETTLED_S = 1.0
 
 
@@ -516,7 +516,15 @@ class FileStore(Store):
         scope: str = "",
         family: dict[str, FileStore] | None = None,
         ledger: RootLedger | None = None,
+        residency: Residency | None = None,
+        settle_s: float = _SETTLED_S,
     ):
+        """`residency`: the page-cache oracle every read that plans by residency asks (see
+        storage.pagecache; None: the kernel's, PAGE_CACHE; tests declare chunks resident or
+        not through it). `settle_s` (`settle=` in the URL): how old a file's ctime must be
+        before its verification is remembered (see `note_verified`); 0 remembers it at
+        once, for a filesystem whose timestamps are fine-grained, or a test whose files
+        change only where their mtime shows it."""
         super().__init__()
         self.root = Path(root)
         # The root's own chunks are scope "", a tenant's `tenants/<scope>/`; `family` holds
@@ -542,6 +550,8 @@ class FileStore(Store):
                                else min(QUARANTINE_MAX_BYTES, capacity // 16))
         self._quarantine_bytes = 0  # what `.quarantine/` holds, trimmed to quarantine_max
         self._quarantined = 0  # files there
+        self.residency = PAGE_CACHE if residency is None else residency
+        self.settle_s = settle_s
         self.url = url or f"file://{self.root}"
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
@@ -589,6 +599,7 @@ class FileStore(Store):
             verify=u.take("verify", str, "changed"),
             tmp_grace_s=u.take("tmp_grace", parse_seconds, 600.0),
             mode=u.take("mode", parse_mode, 0o600),
+            settle_s=u.take("settle", parse_seconds, _SETTLED_S),
             url=u.url,
         )
         u.finish()
@@ -908,8 +919,8 @@ class FileStore(Store):
 
     def note_verified(self, key: str, st: os.stat_result, header: ChunkHeader) -> None:
         """A reader checked this file's header and payload hash against `key` (trusted only
-        once the file's ctime has settled)."""
-        if time.time() - st.st_ctime > _SETTLED_S:
+        once the file's ctime is `settle_s` old)."""
+        if time.time() - st.st_ctime > self.settle_s:
             self._verified.put(self._root, key, _identity(st), header)
 
     def _touch(self, key: str, path: Path | str, st: os.stat_result) -> None:
@@ -988,7 +999,7 @@ class FileStore(Store):
         fd, path = opened
         try:
             st = os.fstat(fd)
-            if resident_only and all_cached(fd, 0, st.st_size) is not True:
+            if resident_only and self.residency.all_cached(fd, 0, st.st_size) is not True:
                 return NOT_RESIDENT
             room = -1 if parts is None else sum(p.nbytes for p in parts)
             # An unchanged, already verified file needs its header neither read nor parsed.
@@ -1060,7 +1071,7 @@ class FileStore(Store):
                 out.append(False)  # there, but not to be read here: its load will say
                 continue
             try:
-                out.append(all_cached(fd, 0, os.fstat(fd).st_size) is True)
+                out.append(self.residency.all_cached(fd, 0, os.fstat(fd).st_size) is True)
             except OSError:
                 out.append(False)
             finally:
@@ -1381,7 +1392,8 @@ class FileStore(Store):
         elif self._chunk_io is None:
             from gds import ChunkIO, IOConfig
 
-            self._chunk_io = ChunkIO(IOConfig(max_in_flight=max_in_flight), probe_dir=self.root)
+            self._chunk_io = ChunkIO(IOConfig(max_in_flight=max_in_flight), probe_dir=self.root,
+                                     residency=self.residency)
             self._owns_chunk_io = True
         return self._chunk_io
 
@@ -1557,7 +1569,8 @@ class FileStore(Store):
             tenants / tenant, self.capacity, fsync=self.fsync, verify=self.verify,
             tmp_grace_s=self.tmp_grace_s, mode=self.mode,
             url=f"{self.url.partition('#')[0]}#{tenant}", verified=self._verified,
-            scope=tenant, family=self._family, ledger=self._ledger,
+            scope=tenant, family=self._family, ledger=self._ledger, residency=self.residency,
+            settle_s=self.settle_s,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -1610,10 +1623,10 @@ class SegmentFile:
     between its operations (on a 2-vCPU VM a reader on the other core with a stat, a
     cache probe and the bookkeeping of a whole read per chunk slowed a loop of small
     torch ops by 23 %, raw reads and checksums alone by 9 %, 2026-11-27), so it makes as
-    few as it can: no stat before the reads, and reads of page-cached bytes only
-    (preadv RWF_NOWAIT), which answer NOT_RESIDENT rather than wait on the disk while
-    `resident` holds. `head` reads the header (with segment 0 in the same read where it
-    can), `read` one segment; `close` does the accounting."""
+    few as it can: no stat before the reads, and reads of page-cached bytes only (the
+    store's `residency.read_nowait`: preadv RWF_NOWAIT), which answer NOT_RESIDENT rather
+    than wait on the disk while `resident` holds. `head` reads the header (with segment 0
+    in the same read where it can), `read` one segment; `close` does the accounting."""
 
     def __init__(self, store: FileStore, key: str, fd: int, path: str):
         self.store, self.key = store, key
@@ -1622,17 +1635,14 @@ class SegmentFile:
         self.resident = True  # no read has had to wait on the disk
         self._done: set[int] = set()  # segments read and checked
         self._failed = False
+        self._read_nowait = store.residency.read_nowait
 
     def _pread(self, parts: list[memoryview], offset: int, length: int) -> bool:
         """Fill `parts` (`length` bytes) from `offset`; False where `resident` and not all
         of it was in the page cache (nothing waited for; `resident` turns False)."""
         if self.resident:
-            try:
-                if os.preadv(self._fd, parts, offset, os.RWF_NOWAIT) == length:
-                    return True
-            except OSError as exc:
-                if exc.errno not in _NOWAIT_ERRNOS:
-                    raise
+            if self._read_nowait(self._fd, parts, offset) == length:
+                return True
             self.resident = False
             return False
         if read_parts_at(self._fd, parts, offset) != length:
@@ -1683,10 +1693,8 @@ class SegmentFile:
             flat.extend(parts)
             lengths.append(sum(p.nbytes for p in parts))
         try:
-            n = os.preadv(self._fd, flat, 0, os.RWF_NOWAIT)
+            n = self._read_nowait(self._fd, flat, 0)
         except OSError as exc:
-            if exc.errno in _NOWAIT_ERRNOS:
-                return False
             self._fail(exc)
             return None
         if n != HEADER_SIZE + sum(lengths):

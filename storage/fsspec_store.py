@@ -28,7 +28,7 @@ from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
 from hashing import is_valid_key
-from storage.base import Store, check_blob, check_key, check_tenant
+from storage.base import PROBE_KEY, Store, check_blob, check_key, check_tenant
 from storage.codec import ChunkError, decode_chunk
 from storage.errors import ConfigError, StoreUnavailable
 from storage.options import StoreURL, parse_bool
@@ -168,6 +168,14 @@ class FsspecStore(Store):
         except Exception:
             self.counters["errors"] += 1
             return False
+
+    async def probe(self) -> str | None:
+        try:
+            await self._call(self.fs.exists, self._path(PROBE_KEY))
+        except Exception as exc:
+            self.counters["errors"] += 1
+            return f"{self}: exists failed: {type(exc).__name__}: {exc}"
+        return None
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         for k in keys:

@@ -66,7 +66,7 @@ from urllib.parse import quote, urlsplit
 import xxhash
 
 from hashing import is_valid_key
-from storage.base import Store, check_key
+from storage.base import PROBE_KEY, Store, check_key
 from storage.breaker import BreakerOptions, CircuitBreaker
 from storage.codec import (
     HEADER_SIZE,
@@ -1015,6 +1015,14 @@ class HttpStore(Store):
             self._count_failure("lookup", "", exc)
             return [False] * len(keys)
         return out
+
+    async def probe(self) -> str | None:
+        try:
+            await self._lookup([PROBE_KEY], False, self._deadline())
+        except _HttpError as exc:
+            self._count_failure("lookup", "", exc)
+            return f"{self}: lookup failed: {exc}"
+        return None
 
     async def prefix_len(self, keys: Sequence[str]) -> int:
         for k in keys:

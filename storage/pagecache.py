@@ -5,6 +5,12 @@ microseconds for a whole chunk) and answers None where it cannot tell (an older 
 another OS, a filesystem without a page cache). `preadv(RWF_NOWAIT)` is no substitute: on a
 miss it still starts readahead.
 
+`Residency` is the one oracle every reader that plans by the page cache asks (a FileStore's
+reads on a caller's thread, its `SegmentFile`s, the O_DIRECT choice of its `gds.ChunkIO`):
+"is this byte range cached", and "read it only if it is". `PAGE_CACHE`, the kernel's
+answers, is the default; a test hands a store another to declare a chunk resident or not,
+so the read plan it checks does not depend on what the kernel keeps.
+
 `filesystem_of(dev)` names a device's filesystem from /proc/self/mountinfo; `is_local`
 says whether opening and reading a file there can never wait on a network (NFS, SMB,
 FUSE, cluster filesystems are not local: even `open` of a cached file may ask a server).
@@ -13,8 +19,10 @@ FUSE, cluster filesystems are not local: even `open` of a cached file may ask a 
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import sys
+from typing import Protocol
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 _SYS_CACHESTAT = 451  # Linux >= 6.5, one number on every architecture
@@ -47,6 +55,47 @@ def all_cached(fd: int, offset: int, length: int) -> bool | None:
         return None
     pages = (offset + length + _PAGE - 1) // _PAGE - offset // _PAGE
     return stat.nr_cache >= pages
+
+
+# preadv(RWF_NOWAIT) found a byte not in the page cache, or the kernel takes no such flag.
+_NOWAIT_ERRNOS = (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL)
+_RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux only
+
+
+class Residency(Protocol):
+    """Which bytes of an open file are in this host's page cache. Called from any thread."""
+
+    def all_cached(self, fd: int, offset: int, length: int) -> bool | None:
+        """Whether every byte of the range is cached; None: this oracle cannot tell."""
+
+    def read_nowait(self, fd: int, buffers: list[memoryview], offset: int) -> int | None:
+        """Fill `buffers` in order from `offset` with cached bytes only, never waiting on a
+        device: the bytes read (fewer where the file ends or a later byte is not cached),
+        or None where the first byte is not cached (or such a read cannot be done here).
+        Other I/O errors raise OSError."""
+
+
+class PageCache:
+    """The kernel's answers: `cachestat(2)` and `preadv(RWF_NOWAIT)`."""
+
+    def all_cached(self, fd: int, offset: int, length: int) -> bool | None:
+        return all_cached(fd, offset, length)
+
+    def read_nowait(self, fd: int, buffers: list[memoryview], offset: int) -> int | None:
+        if _RWF_NOWAIT is None:
+            return None
+        try:
+            return os.preadv(fd, buffers, offset, _RWF_NOWAIT)
+        except OSError as exc:
+            if exc.errno in _NOWAIT_ERRNOS:
+                return None
+            raise
+
+    def __repr__(self) -> str:
+        return "PAGE_CACHE"
+
+
+PAGE_CACHE: Residency = PageCache()
 
 
 def filesystem_of(dev: int) -> tuple[str, str]:

@@ -13,6 +13,16 @@ parallel ranged GETs while the first body streams, straight into the destination
 (`get_into` writes the payload into the caller's buffer). Every blob is verified (header
 and xxh3 payload checksum) and a corrupt object is deleted and counted as a miss.
 
+Chunk GETs (`get`, `get_into` and so `get_into_many`) run on the blocking botocore client
+in reader threads, each body read with `recv_into` straight into its destination: aiohttp
+hands a body over as fresh `bytes` per socket read, copies it again in its parser and
+pauses and resumes the socket every 128 KiB, so a GET through it costs more CPU per byte
+than a plain boto3 `get_object().read()`, and where the server shares the cores, more
+requests in flight made the store slower (see docs/s3.md). The event loop keeps the
+gate, the breaker and the deadline; a read whose caller is cancelled (the deadline) is
+told to stop and is waited for, so no byte lands in a caller's buffer after the call has
+returned. Everything else (puts, HEADs, lists, ranged header reads) stays on aiobotocore.
+
 Publishing is create-only: `PutObject` with `If-None-Match: *` (412 = already there =
 success, 409 = a concurrent writer: retried), multipart above `multipart_threshold` with
 the same condition on `CompleteMultipartUpload`. Some S3-compatible servers ignore the
@@ -43,22 +53,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import http.client
 import logging
 import re
 import secrets
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import aiohttp
+import urllib3.exceptions
 from botocore.exceptions import BotoCoreError, ClientError
 
 from hashing import is_valid_key
-from storage.base import Store, check_blob, check_key, check_tenant
+from storage.base import PROBE_KEY, Store, check_blob, check_key, check_tenant
 from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, TruncatedHeader, decode_header
 from storage.errors import StoreError, StoreUnavailable
 from storage.options import StoreURL
-from storage.s3_client import S3Connection, S3Options
+from storage.s3_client import BlockingReads, S3Connection, S3Options
 from storage.s3_gc import marker_name, plan_eviction
 
 log = logging.getLogger("kvstash.storage.s3")
@@ -69,7 +83,10 @@ _MISS_STATUS = (403, 404)
 _CONFLICT_RETRIES = (0.05, 0.1, 0.2, 0.4)
 _TOUCHED_MAX = 100_000
 _STALE_UPLOAD_S = 86_400.0
-_TRANSPORT_ERRORS = (BotoCoreError, aiohttp.ClientError, OSError, TimeoutError)
+_TRANSPORT_ERRORS = (BotoCoreError, aiohttp.ClientError, OSError, TimeoutError,
+                     urllib3.exceptions.HTTPError, http.client.HTTPException)
+# A reader thread checks between slices of this size whether its caller still waits.
+_SLICE = 1024 * 1024
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+)")
 _NS_DIR = re.compile(r"[0-9a-f]{16}/")
 
@@ -141,6 +158,183 @@ class _BodyReader:
             pos += take
 
 
+def _body_readinto(body: Any) -> Callable[[memoryview], int]:
+    """`readinto` of a blocking response body that fills caller memory with no copy in
+    between: http.client's (under urllib3), whose socket reads land in place; urllib3's
+    own `readinto` reads into a fresh buffer and copies."""
+    raw = body._raw_stream
+    fp = getattr(raw, "_fp", None)
+    return fp.readinto if hasattr(fp, "readinto") else raw.readinto
+
+
+class _Stop(threading.Event):
+    """Tells a reader thread that its caller is gone; setting it also shuts the read side
+    of the sockets it is reading, so a read blocked on a stalled server ends now rather
+    than at `read_timeout` (a thread cannot be cancelled; its socket can)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._bodies: list[Any] = []
+        self._lock = threading.Lock()
+
+    def watch(self, body: Any) -> None:
+        with self._lock:
+            self._bodies.append(body)
+        if self.is_set():
+            _shut(body)
+
+    def set(self) -> None:
+        super().set()
+        with self._lock:
+            bodies = list(self._bodies)
+        for body in bodies:
+            _shut(body)
+
+
+def _shut(body: Any) -> None:
+    with contextlib.suppress(Exception):  # released, closed or never connected: nothing to end
+        body._raw_stream.shutdown()
+
+
+def _fill(body: Any, dest: memoryview, stop: _Stop) -> None:
+    """Read exactly `dest.nbytes` body bytes into `dest` (a reader thread), ending at the
+    first slice boundary after `stop` is set. A body that ends early is a transport
+    failure (a cut connection), never a corrupt object."""
+    readinto = _body_readinto(body)
+    stop.watch(body)
+    pos, n = 0, dest.nbytes
+    while pos < n:
+        if stop.is_set():
+            raise asyncio.CancelledError()
+        got = readinto(dest[pos : min(n, pos + _SLICE)])
+        if not got:
+            raise ConnectionError(f"response ended after {pos} of {n} bytes")
+        pos += got
+
+
+def _release(body: Any) -> None:
+    """Hand a fully read body's connection back to the pool (keep-alive); close a body
+    read only in part (its connection cannot carry another request)."""
+    raw = body._raw_stream
+    fp = getattr(raw, "_fp", None)
+    if fp is not None and hasattr(fp, "isclosed") and fp.isclosed():
+        raw.release_conn()
+    else:
+        body.close()
+
+
+def _get_into_start(client: Any, bucket: str, name: str, rng: str, key: str, out: memoryview,
+                    verify: bool, stop: _Stop) -> tuple[Any, ChunkHeader, int, int]:
+    """The first GET of a `get_into` (a reader thread): the header is read and checked
+    first, so that every later byte lands in place in `out`. A chunk of one request is
+    read, and verified, here whole: (None, header, total, first). A larger one returns
+    its body, for the caller to start the other ranges before reading the rest of it:
+    (body, header, total, first). Raises `_TooSmall` when `out` cannot hold the payload."""
+    resp = client.get_object(Bucket=bucket, Key=name, Range=rng)
+    body = resp["Body"]
+    stop.watch(body)
+    try:
+        if stop.is_set():  # the caller is gone: nobody would close this body
+            raise asyncio.CancelledError()
+        total, first = _object_size(resp), int(resp["ContentLength"])
+        head = bytearray(min(HEADER_SIZE, first))
+        _fill(body, memoryview(head), stop)
+        try:
+            header = decode_header(head, key)
+        except TruncatedHeader as short:
+            if short.header_len > first:
+                raise
+            more = bytearray(short.header_len - len(head))
+            _fill(body, memoryview(more), stop)
+            head += more
+            header = decode_header(head, key)
+        if total != header.total_len:
+            raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+        if out.nbytes < header.payload_len:
+            raise _TooSmall()
+        if first < total:
+            return body, header, total, first
+        hlen = header.header_len
+        _fill(body, out[len(head) - hlen : first - hlen], stop)
+    except BaseException:
+        body.close()
+        raise
+    _release(body)
+    if verify:  # here, off the event loop (xxhash lets go of the GIL)
+        header.verify_payload(out[: header.payload_len])
+    return None, header, total, first
+
+
+def _get_blob_start(client: Any, bucket: str, name: str, rng: str, key: str, verify: bool,
+                    stop: _Stop) -> tuple[Any, int, int, tuple[ChunkHeader, bytes] | None]:
+    """The first GET of a whole blob (a reader thread): (its body, the object size, the bytes
+    this response carries, and the whole object when this response is all of it: then read
+    into a buffer of its own with no zero-fill, checked (and verified) here, and the body
+    is done with)."""
+    resp = client.get_object(Bucket=bucket, Key=name, Range=rng)
+    body = resp["Body"]
+    stop.watch(body)
+    try:
+        if stop.is_set():
+            raise asyncio.CancelledError()
+        total, first = _object_size(resp), int(resp["ContentLength"])
+        if first < total:
+            return body, total, first, None
+        fp = getattr(body._raw_stream, "_fp", None)
+        # http.client reads a known length into one new bytes object (read(n) would copy)
+        whole = fp.read() if hasattr(fp, "isclosed") else body.read()
+        if len(whole) != first:
+            raise ConnectionError(f"response ended after {len(whole)} of {first} bytes")
+    except BaseException:
+        body.close()
+        raise
+    _release(body)
+    header = decode_header(whole, key)
+    if total != header.total_len:
+        raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+    if verify:
+        header.verify_payload(memoryview(whole)[header.header_len :])
+    return None, total, first, (header, whole)
+
+
+def _get_range(client: Any, bucket: str, name: str, start: int, end: int, dest: memoryview,
+               stop: _Stop) -> None:
+    """Bytes [start, end) of an object into `dest` by one ranged GET (a reader thread)."""
+    resp = client.get_object(Bucket=bucket, Key=name, Range=f"bytes={start}-{end - 1}")
+    body = resp["Body"]
+    stop.watch(body)
+    try:
+        if not (resp.get("ContentRange") or "").startswith(f"bytes {start}-{end - 1}/"):
+            raise ChunkError(f"asked for bytes {start}-{end - 1}, got {resp.get('ContentRange')}")
+        _fill(body, dest, stop)
+    except BaseException:
+        body.close()
+        raise
+    _release(body)
+
+
+def _fill_rest(_client: Any, body: Any, dest: memoryview, stop: _Stop) -> None:
+    """The rest of a body into `dest`, then its connection back to the pool."""
+    try:
+        _fill(body, dest, stop)
+    except BaseException:
+        body.close()
+        raise
+    _release(body)
+
+
+async def _outlive(job: asyncio.Future) -> None:
+    """Wait for a reader thread's job to end, whatever cancels the caller meanwhile: until
+    it does, it may write into the caller's memory. Bounded: a told-to-stop job ends at its
+    next slice, and a read blocked in its socket ends when `_Stop` shuts that socket (or at
+    its `read_timeout`)."""
+    while not job.done():
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.wait([job])
+    if not job.cancelled():
+        job.exception()  # retrieved: the caller is already on its way out
+
+
 class S3Store(Store):
     def __init__(self, opts: S3Options, url: str, *, conn: S3Connection | None = None,
                  prefix: str | None = None):
@@ -183,7 +377,9 @@ class S3Store(Store):
             status = _status(exc)
             if status in _MISS_STATUS:
                 raise _Missing() from exc
-            if status >= 500 or status == 429:
+            # 501 Not Implemented: a header or feature this server lacks, not a failing
+            # endpoint (the caller names the option to change)
+            if (status >= 500 and status != 501) or status == 429:
                 verdict, failure = False, f"{what}: {status} {_code(exc)}"
                 raise StoreUnavailable(f"{self}: {failure}") from exc
             raise
@@ -220,26 +416,53 @@ class S3Store(Store):
         # is still one request.
         return f"bytes=0-{self.opts.range_size * 5 // 4 - 1}"
 
-    async def _read_blob(self, key: str) -> tuple[ChunkHeader, bytearray]:
-        """The whole verified blob, in one buffer allocated once the first GET's
-        Content-Range gives the size; the other ranges start at once and land in place
-        while the first body streams. (One fresh buffer per get: this VM's page faults
-        made a join of buffered pieces cost as much as the network read itself.)
+    @staticmethod
+    async def _in_thread(reads: BlockingReads, job: Callable[..., Any], *args: Any) -> Any:
+        """`job(reads.client, *args, stop)` on a reader thread. Cancelled (the operation's
+        deadline), it tells the job to stop and waits for it to end (see `_outlive`)."""
+        stop = _Stop()
+        fut: Future = reads.threads.submit(job, reads.client, *args, stop)
+        done = asyncio.wrap_future(fut)
+        try:
+            return await asyncio.shield(done)
+        except asyncio.CancelledError:
+            if not fut.cancel():  # a job not started yet never will; a started one must end
+                stop.set()
+                await _outlive(done)
+            raise
+
+    async def _read_range(self, reads: BlockingReads, name: str, start: int, end: int,
+                          dest: memoryview) -> None:
+        """Bytes [start, end) of an object into `dest`: one guarded ranged GET, threaded."""
+        async with self._op("get range"):
+            await self._in_thread(reads, _get_range, self.opts.bucket, name, start, end, dest)
+
+    async def _read_blob(self, key: str) -> tuple[ChunkHeader, bytes | bytearray]:
+        """The whole verified blob: the body of a one-request object as it was read (bytes);
+        a larger one in one buffer allocated once the first GET's Content-Range gives the
+        size, the other ranges started at once and landing in place while the first body
+        streams (a join of pieces would cost a copy of every byte).
         Raises `_Missing`, StoreUnavailable, ClientError or ChunkError (a corrupt object).
         """
         name, opts, loop = self._name(key), self.opts, asyncio.get_running_loop()
         tasks: list[asyncio.Task] = []
         try:
-            async with self._op("get") as client:
-                resp = await client.get_object(Bucket=opts.bucket, Key=name,
-                                               Range=self._first_range())
-                total, first = _object_size(resp), int(resp["ContentLength"])
-                blob = bytearray(total)
-                view = memoryview(blob)
-                tasks = [loop.create_task(self._get_range(name, s, e, view[s:e]))
-                         for s, e in (_split(first, total, opts.range_size) if first < total else [])]
-                async with resp["Body"] as body:
-                    await _BodyReader(body).read_into(view[:first])
+            async with self._op("get"):
+                reads = await self._conn.blocking()
+                body, total, first, whole = await self._in_thread(
+                    reads, _get_blob_start, opts.bucket, name, self._first_range(), key,
+                    opts.verify)
+                if whole is not None:  # one request: read, checked and verified
+                    return whole
+                try:
+                    blob = bytearray(total)
+                    view = memoryview(blob)
+                    tasks = [loop.create_task(self._read_range(reads, name, s, e, view[s:e]))
+                             for s, e in _split(first, total, opts.range_size)]
+                except BaseException:
+                    body.close()
+                    raise
+                await self._in_thread(reads, _fill_rest, body, view[:first])
             header = decode_header(view[:first], key)
             if total != header.total_len:
                 raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
@@ -248,8 +471,8 @@ class S3Store(Store):
             await asyncio.gather(*tasks)
         finally:
             await _cancel(tasks)
-        if opts.verify:
-            header.verify_payload(view[header.header_len :])
+        if opts.verify:  # off the event loop (xxhash lets go of the GIL)
+            await asyncio.to_thread(header.verify_payload, view[header.header_len :])
         return header, blob
 
     async def _read_into(self, key: str, out: memoryview) -> ChunkHeader:
@@ -259,36 +482,27 @@ class S3Store(Store):
         name, opts, loop = self._name(key), self.opts, asyncio.get_running_loop()
         tasks: list[asyncio.Task] = []
         try:
-            async with self._op("get") as client:
-                resp = await client.get_object(Bucket=opts.bucket, Key=name,
-                                               Range=self._first_range())
-                total, first = _object_size(resp), int(resp["ContentLength"])
-                async with resp["Body"] as body:
-                    reader = _BodyReader(body)
-                    head = bytearray(min(first, HEADER_SIZE))
-                    await reader.read_into(memoryview(head))
-                    try:
-                        header = decode_header(head, key)
-                    except TruncatedHeader as short:
-                        if short.header_len > first:
-                            raise
-                        more = bytearray(short.header_len - len(head))
-                        await reader.read_into(memoryview(more))
-                        head = head + more
-                        header = decode_header(head, key)
-                    if total != header.total_len:
-                        raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
-                    if out.nbytes < header.payload_len:
-                        raise _TooSmall()
+            async with self._op("get"):
+                reads = await self._conn.blocking()
+                body, header, total, first = await self._in_thread(
+                    reads, _get_into_start, opts.bucket, name, self._first_range(), key, out,
+                    opts.verify)
+                if body is None:  # one request: read and verified
+                    return header
+                try:
                     hlen, payload = header.header_len, out[: header.payload_len]
-                    tasks = [loop.create_task(self._get_range(name, s, e, payload[s - hlen : e - hlen]))
-                             for s, e in (_split(first, total, opts.range_size) if first < total else [])]
-                    await reader.read_into(payload[len(head) - hlen : first - hlen])
+                    tasks = [loop.create_task(self._read_range(reads, name, s, e,
+                                                               payload[s - hlen : e - hlen]))
+                             for s, e in _split(first, total, opts.range_size)]
+                except BaseException:
+                    body.close()
+                    raise
+                await self._in_thread(reads, _fill_rest, body, payload[: first - hlen])
             await asyncio.gather(*tasks)  # outside the first request's slot (see _read_blob)
         finally:
             await _cancel(tasks)
         if opts.verify:
-            header.verify_payload(payload)
+            await asyncio.to_thread(header.verify_payload, payload)
         return header
 
     async def _guarded_read(self, key: str, out: memoryview | None) -> tuple[ChunkHeader, Any] | None:
@@ -305,6 +519,9 @@ class S3Store(Store):
         except (_Missing, _TooSmall):
             return None
         except (StoreError, ClientError) as exc:
+            if (isinstance(exc, ClientError) and _status(exc) in (400, 501)
+                    and self.opts.checksum == "when_supported"):
+                self._refuse("get", _status(exc))
             if isinstance(exc, ClientError) and _status(exc) == 416:
                 # "bytes=0-..." is unsatisfiable only for a 0-byte object: no chunk is empty,
                 # and left in place it would make create-only puts skip the key forever.
@@ -395,7 +612,8 @@ class S3Store(Store):
         return await self._guarded(key, ranged()) is True
 
     async def get(self, key: str) -> bytes | None:
-        """The verified blob as a bytearray (filled in place: no copy after the network)."""
+        """The verified blob, with no copy after the network: bytes for a chunk of one
+        request (up to 1.25 x `range_size`), else a bytearray filled in place."""
         check_key(key)
         got = await self._guarded_read(key, None)
         blob = None if got is None else got[1]
@@ -446,6 +664,14 @@ class S3Store(Store):
             self.counters["errors"] += 1
             return False
 
+    async def probe(self) -> str | None:
+        try:
+            await self._head(self._name(PROBE_KEY))
+        except StoreError as exc:
+            self.counters["errors"] += 1
+            return str(exc)
+        return None
+
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         for k in keys:
             check_key(k)
@@ -470,35 +696,79 @@ class S3Store(Store):
     # -- writes --------------------------------------------------------------------------
 
     async def _conditional_mode(self) -> str:
-        """'header' if the server enforces If-None-Match, else 'head' (found by a probe)."""
+        """'header' if the server enforces If-None-Match, else 'head' (found by a probe on
+        the first put, which also finds a server that refuses what this client's settings
+        send: then every put raises StoreUnavailable with one line naming the option)."""
         conn = self._conn
+        if conn.refused:
+            raise StoreUnavailable(conn.refused)
         if conn.conditional is None:
             name = f"{self.opts.prefix}{PROBE_DIR}/probe-{secrets.token_hex(8)}"
-            mode = "header"
-            for attempt in (0, 1):
-                try:
-                    async with self._op("probe conditional put") as client:
-                        await client.put_object(Bucket=self.opts.bucket, Key=name,
-                                                Body=b"probe", IfNoneMatch="*")
-                except ClientError as exc:
-                    if _status(exc) == 412 and attempt == 1:
-                        break
-                    if _status(exc) in (400, 501):
-                        mode = "head"
-                        break
-                    raise StoreUnavailable(
-                        f"{self}: probe put: {_status(exc)} {_code(exc)}") from exc
-                except _Missing as exc:
-                    raise StoreUnavailable(f"{self}: probe put denied (403/404): "
-                                           "check the bucket and credentials") from exc
-                else:
-                    if attempt == 1:
-                        mode = "head"
+            try:
+                mode = await self._probe(name)
+            finally:
+                await self._delete_quietly([name])
             if mode == "head":
-                log.warning("%s: the server ignores If-None-Match; puts HEAD first instead", self)
+                log.warning("%s: the server ignores or refuses If-None-Match; puts HEAD first "
+                            "instead (set conditional=head to skip the probe)", self)
             conn.conditional = mode
-            await self._delete_quietly([name])
         return conn.conditional
+
+    async def _probe_put(self, name: str, conditional: bool) -> int:
+        """One probe PUT: 200, or the status it was refused with (400/412/501)."""
+        extra = {"IfNoneMatch": "*"} if conditional else {}
+        try:
+            async with self._op("probe put") as client:
+                await client.put_object(Bucket=self.opts.bucket, Key=name, Body=b"probe", **extra)
+        except ClientError as exc:
+            if _status(exc) in (400, 412, 501):
+                return _status(exc)
+            raise StoreUnavailable(f"{self}: probe put: {_status(exc)} {_code(exc)}") from exc
+        except _Missing as exc:
+            raise StoreUnavailable(f"{self}: probe put denied (403/404): "
+                                   "check the bucket and credentials") from exc
+        return 200
+
+    async def _probe(self, name: str) -> str:
+        """Put a probe object twice with If-None-Match: the second must be refused (412).
+        400/501 to it: the same put without the header tells a server that refuses the
+        header ('head') from one that refuses the request; then a GET of the probe checks
+        that reads go through with these settings."""
+        first = await self._probe_put(name, True)
+        if first in (400, 501):
+            if await self._probe_put(name, False) in (400, 501):
+                raise StoreUnavailable(self._refuse("put", first))
+            mode = "head"
+        else:
+            mode = "header" if await self._probe_put(name, True) == 412 else "head"
+        try:
+            async with self._op("probe get") as client:
+                resp = await client.get_object(Bucket=self.opts.bucket, Key=name)
+                async with resp["Body"] as body:
+                    await body.read()
+        except ClientError as exc:
+            if _status(exc) in (400, 501):
+                raise StoreUnavailable(self._refuse("get", _status(exc))) from exc
+            raise StoreUnavailable(f"{self}: probe get: {_status(exc)} {_code(exc)}") from exc
+        except _Missing as exc:
+            raise StoreUnavailable(f"{self}: probe get denied (403/404): "
+                                   "check the credentials") from exc
+        return mode
+
+    def _refuse(self, what: str, status: int) -> str:
+        """The one line for a server that refuses requests as this client sends them, with
+        the URL option to change; remembered, logged once, reported by `health()`."""
+        if self.opts.checksum == "when_supported":
+            fix = ("with checksum=when_supported botocore sends CRC32 checksum headers "
+                   "(x-amz-checksum-*, x-amz-sdk-checksum-algorithm), which it refuses: "
+                   "set checksum=when_required")
+        else:
+            fix = "check addressing=path|virtual and sign_payload=true|false for this server"
+        line = f"{self}: the server answers {status} to a plain {what}: {fix}"
+        if self._conn.refused is None:
+            self._conn.refused = line
+            log.error("%s", line)
+        return self._conn.refused
 
     async def _put_single(self, name: str, data: bytes, conditional: bool) -> bool:
         extra = {"IfNoneMatch": "*"} if conditional else {}
@@ -512,6 +782,11 @@ class S3Store(Store):
                 status = _status(exc)
                 if status == 412:
                     return _retried(exc)
+                if status in (400, 501) and conditional:
+                    raise StoreUnavailable(
+                        f"{self}: put: {status} {_code(exc)} to If-None-Match: this server "
+                        "refuses conditional writes; set conditional=auto or conditional=head"
+                    ) from exc
                 if status != 409 or delay is None:
                     raise StoreUnavailable(f"{self}: put: {status} {_code(exc)}") from exc
             except _Missing as exc:
@@ -710,6 +985,11 @@ class S3Store(Store):
             "conditional_put": self._conn.conditional or "unknown",
             **self._conn.breaker.snapshot(),
         }
+
+    async def health(self) -> str | None:
+        """A server found to refuse requests as this store sends them: the line naming the
+        URL option to change (see `_refuse`). Never a network call."""
+        return self._conn.refused
 
     async def flush(self) -> None:
         while self._background:

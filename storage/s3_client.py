@@ -2,22 +2,30 @@
 
 Every scope (tenant) of one `s3://` store shares one `S3Connection`: its options, its
 per-loop clients (each with its own aiohttp connection pool of `pool` sockets and an
-in-flight gate of `max_in_flight` requests), its circuit breaker and what it learned about
-the server (whether it enforces If-None-Match).
+in-flight gate of `max_in_flight` requests), one blocking botocore client with the reader
+threads that stream GET bodies through it (see `S3Store` in storage/s3.py for why), its
+circuit breaker and what it learned about the server (whether it enforces If-None-Match).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
+import os
+import threading
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from aiobotocore.config import AioConfig
 from aiobotocore.session import AioSession
 from botocore import UNSIGNED
+from botocore.config import Config
 from botocore.exceptions import BotoCoreError
+from botocore.session import Session
 
 from storage.breaker import BreakerOptions
 from storage.errors import ConfigError
@@ -108,12 +116,24 @@ class S3Options:
             raise ConfigError(f"{u.redacted()}: range_size must be >= 1MiB, part_size >= 5MiB")
         if endpoint and not endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"{u.redacted()}: endpoint must be an http:// or https:// URL")
+        host = urlsplit(endpoint).hostname if endpoint else None
+        if opts.addressing == "virtual" and host and (host == "localhost" or _is_ip(host)):
+            raise ConfigError(f"{u.redacted()}: addressing=virtual puts the bucket in the host "
+                              f"name ({opts.bucket}.{host}), which cannot reach an IP-address or "
+                              "localhost endpoint: set addressing=path")
         return opts
 
     def client_config(self) -> AioConfig:
+        return AioConfig(**self._config_args())
+
+    def blocking_config(self) -> Config:
+        """The same settings for the blocking botocore client that reads GET bodies."""
+        return Config(**self._config_args())
+
+    def _config_args(self) -> dict[str, Any]:
         s3: dict[str, Any] = {"addressing_style": self.addressing,
                               "payload_signing_enabled": self.sign_payload}
-        return AioConfig(
+        return dict(
             max_pool_connections=self.pool,
             connect_timeout=self.connect_timeout,
             read_timeout=self.read_timeout,
@@ -127,6 +147,8 @@ class S3Options:
 
 
 _SESSIONS: dict[str | None, AioSession] = {}
+_BLOCKING_SESSIONS: dict[str | None, Session] = {}
+_BLOCKING_LOCK = threading.Lock()
 
 
 def _session(profile: str | None) -> AioSession:
@@ -134,6 +156,23 @@ def _session(profile: str | None) -> AioSession:
     if profile not in _SESSIONS:
         _SESSIONS[profile] = AioSession(profile=profile) if profile else AioSession()
     return _SESSIONS[profile]
+
+
+def _blocking_session(profile: str | None) -> Session:
+    """One blocking botocore session per profile (as `_session`; creation is not thread-safe)."""
+    with _BLOCKING_LOCK:
+        if profile not in _BLOCKING_SESSIONS:
+            _BLOCKING_SESSIONS[profile] = Session(profile=profile)
+        return _BLOCKING_SESSIONS[profile]
+
+
+@dataclass
+class BlockingReads:
+    """A blocking botocore client and the threads that run its GETs (at most `max_in_flight`
+    at once, which the per-loop gates already bound)."""
+
+    client: Any
+    threads: ThreadPoolExecutor
 
 
 @dataclass
@@ -153,6 +192,11 @@ class S3Connection:
         self._clients: dict[asyncio.AbstractEventLoop, asyncio.Task] = {}
         self.conditional: str | None = None if opts.conditional == "auto" else opts.conditional
         self.touched: OrderedDict[str, float] = OrderedDict()
+        # one line naming the URL option to change, once the server refused our requests
+        self.refused: str | None = None
+        self._blocking: Future[BlockingReads] | None = None
+        self._blocking_pid = 0
+        self._blocking_lock = threading.Lock()
 
     async def client(self) -> _LoopClient:
         loop = asyncio.get_running_loop()
@@ -181,6 +225,38 @@ class S3Connection:
             raise ConfigError(f"{self.label}: cannot create an S3 client: {exc}") from exc
         return _LoopClient(client, asyncio.Semaphore(self.opts.max_in_flight), stack)
 
+    async def blocking(self) -> BlockingReads:
+        """The blocking client and its reader threads, made on first use (from any loop)."""
+        with self._blocking_lock:
+            made = self._blocking
+            if made is not None and self._blocking_pid != os.getpid():
+                made = None  # a forked child: its parent's reader threads are not here
+            if made is None:
+                self._blocking_pid = os.getpid()
+                threads = ThreadPoolExecutor(self.opts.max_in_flight,
+                                             thread_name_prefix="kvstash-s3-read")
+                made = self._blocking = threads.submit(self._create_blocking, threads)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(made))
+        except Exception:
+            with self._blocking_lock:
+                if self._blocking is made:
+                    self._blocking = None
+            raise
+
+    def _create_blocking(self, threads: ThreadPoolExecutor) -> BlockingReads:
+        o = self.opts
+        try:
+            client = _blocking_session(o.profile).create_client(
+                "s3", region_name=o.region, endpoint_url=o.endpoint,
+                aws_access_key_id=o.access_key, aws_secret_access_key=o.secret_key,
+                aws_session_token=o.session_token, config=o.blocking_config(),
+            )
+        except (BotoCoreError, ValueError) as exc:
+            threads.shutdown(wait=False)
+            raise ConfigError(f"{self.label}: cannot create an S3 client: {exc}") from exc
+        return BlockingReads(client, threads)
+
     async def close(self) -> None:
         """Close the client of the running loop; clients of finished loops are dropped."""
         loop = asyncio.get_running_loop()
@@ -189,6 +265,22 @@ class S3Connection:
                 await task.result().exit.aclose()
             if owner is loop or owner.is_closed():
                 del self._clients[owner]
+        with self._blocking_lock:
+            made = self._blocking if not self._clients else None
+            if made is not None:
+                self._blocking = None
+        if made is not None and made.done() and not made.exception():
+            reads = made.result()
+            reads.client.close()
+            reads.threads.shutdown(wait=False)
+
+
+def _is_ip(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
 
 
 def _in_flight(u: Any, default: int) -> int:

@@ -150,6 +150,9 @@ class TenantStore(Store):
     async def health(self) -> str | None:
         return await self.scope.health()
 
+    async def probe(self) -> str | None:
+        return await self.scope.probe()
+
     def stats(self) -> dict[str, Any]:
         out = self.scope.stats()
         if self.shared.capacity is not None:

@@ -155,6 +155,10 @@ class TieredStore(Store):
         per_tier = await asyncio.gather(*(t.exists(keys) for t in self.tiers))
         return [any(col) for col in zip(*per_tier, strict=True)] if per_tier else []
 
+    async def probe(self) -> str | None:
+        reasons = await asyncio.gather(*(t.probe() for t in self.tiers))
+        return next((why for why in reasons if why is not None), None)
+
     async def delete(self, key: str) -> bool:
         # A cascade still in flight would re-create the key below us: let it land first.
         await self.flush()

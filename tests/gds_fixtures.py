@@ -15,6 +15,7 @@ from gds.chunkio import ChunkIO, IOConfig
 from gds.probe import Capabilities
 from hashing import Namespace, chunk_keys
 from storage.codec import encode_chunk
+from storage.pagecache import Residency
 
 KiB = 1024
 # Small pieces, so a few hundred KiB already spread over several pieces and threads.
@@ -35,10 +36,12 @@ def write_chunk(directory: Path, ns: Namespace, index: int, data: np.ndarray,
     return path, key, tokens
 
 
-def cpu_io(**config) -> ChunkIO:
-    """A ChunkIO as on a host without CUDA (the capabilities are injected, not probed)."""
+def cpu_io(residency: Residency | None = None, **config) -> ChunkIO:
+    """A ChunkIO as on a host without CUDA (the capabilities are injected, not probed);
+    `residency`: its page-cache oracle (None: the kernel's)."""
     config = {"piece_bytes": PIECE, **config}
-    return ChunkIO(IOConfig(**config), caps=Capabilities(notes=("injected",)))
+    return ChunkIO(IOConfig(**config), caps=Capabilities(notes=("injected",)),
+                   residency=residency)
 
 
 def shm_directory() -> Iterator[Path]:

@@ -151,6 +151,8 @@ def seaweed_server(workdir: Path) -> Iterator[str]:
 _ERRORS = {
     "slowdown": (b"503 Slow Down", b"SlowDown"),
     "conflict": (b"409 Conflict", b"ConditionalRequestConflict"),
+    "refuse400": (b"400 Bad Request", b"InvalidArgument"),
+    "refuse501": (b"501 Not Implemented", b"NotImplemented"),
 }
 
 
@@ -162,7 +164,11 @@ class FaultProxy:
     "reset" (RST the connection), "stall" (never answer), "stall_body" / "cut_body"
     (forward, then stall or RST after the first 64 KiB of the response). `fail_next(n, mode)` misbehaves for the next
     n requests only, then passes again; `strip_if_none_match` forwards requests without
-    their If-None-Match header (a server that ignores conditional writes). It parses
+    their If-None-Match header (a server that ignores conditional writes); `refuse` maps a
+    header-name prefix to a status (400 or 501) answered to any request carrying such a
+    header, standing in for servers strict about headers they do not know (MinIO, Dell
+    ECS and others answer newer SDKs' checksum headers, or If-None-Match, this way).
+    `headers_seen` collects every request header name that came through. It parses
     request heads only (botocore sends PUTs with Content-Length and `Expect: 100-continue`);
     responses are piped raw.
     """
@@ -172,6 +178,8 @@ class FaultProxy:
         self.upstream = (u.hostname or "127.0.0.1", u.port or 80)
         self.mode = "pass"
         self.strip_if_none_match = False
+        self.refuse: dict[str, int] = {}
+        self.headers_seen: set[str] = set()
         self.requests = 0
         self._budget: list[str] = []
         self._loop = asyncio.new_event_loop()
@@ -232,7 +240,11 @@ class FaultProxy:
                            for ln in lines[1:] if ":" in ln}
                 length = int(headers.get("content-length", "0"))
                 self.requests += 1
+                self.headers_seen.update(headers)
                 mode = self._next_mode()
+                refused = [self.refuse[p] for p in self.refuse for h in headers if h.startswith(p)]
+                if refused and mode == "pass":
+                    mode = f"refuse{refused[0]}"
                 if mode == "reset":
                     sock = writer.get_extra_info("socket")
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))

@@ -36,3 +36,12 @@ def forged_segment_chunk(ns: Namespace, payload_size: int = 4096, seed: int = 1)
     struct.pack_into("<Q", header, 32, 0)
     struct.pack_into("<Q", header, 32, xxhash.xxh3_64_intdigest(bytes(header)))
     return key, tokens, bytes(header) + bytes(payload)
+
+
+def backdate(path: str | os.PathLike, seconds: float = 10.0) -> None:
+    """Give a chunk file an mtime `seconds` in the past, as if written then. A later write
+    through the filesystem then carries another mtime whatever the timestamp granularity,
+    so a store opened with `settle=0` (which remembers a verification at once) still sees
+    the change, as the `settle` window guarantees for files that are really that old."""
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns - int(seconds * 1e9)))

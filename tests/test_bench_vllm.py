@@ -23,7 +23,7 @@ import pytest
 from tests.vllm_engine_fixtures import ENGINE_ENV
 
 # Seven engines start at once (about 2 minutes on 2 busy cores), then run a few rounds.
-pytestmark = pytest.mark.timeout(1200)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 CACHED_TOKENS = 256  # two 128-token chunks; prompts are 257 tokens
 OMP_THREADS_BIND = ENGINE_ENV["VLLM_CPU_OMP_THREADS_BIND"]

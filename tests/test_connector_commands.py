@@ -15,7 +15,7 @@ from kvstash.cli import main
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 def test_demo_serves_a_warm_hit_from_kvserver_and_cleans_up(tmp_path, monkeypatch, capsys):

@@ -17,6 +17,7 @@ import torch
 from connector import KVConnector
 from gds import ChunkIO, IOConfig
 from storage.file import FileStore
+from tests.store_helpers import backdate
 from tests.test_connector_core import LAYOUT, TOKENS, ListEngine, namespace, payload_of, saved
 
 N = len(TOKENS) // LAYOUT.chunk_tokens
@@ -163,9 +164,11 @@ def test_files_the_store_verified_are_trusted_until_they_change(tmp_path):
     # The store's verify=changed policy holds on the direct path too: a file verified whole
     # once, and unchanged since, is read without its header or payload hash; a write
     # through the filesystem changes its identity and brings the full check back.
-    conn = saved(file_connector(tmp_path))
+    conn = saved(KVConnector(f"file://{tmp_path}?settle=0", namespace(), layout=LAYOUT,
+                             resident_reads=False))  # verifications remembered at once
     keys = keys_of(conn)
-    time.sleep(1.1)  # past the store's ctime settling time, so verifications are remembered
+    for key in keys:
+        backdate(conn.store.chunk_path(key))  # so the write below shows in its identity
     for expect_known in (0, N):
         engine = ListEngine(N)
         assert conn.load(TOKENS, N * 16, engine) == N * 16
@@ -179,9 +182,8 @@ def test_files_the_store_verified_are_trusted_until_they_change(tmp_path):
     assert conn.stats()["verify_failures"] == 1
     assert not conn.store.chunk_path(keys[2]).exists()  # quarantined
     conn.close()
-    strict = saved(KVConnector(f"file://{tmp_path / 'always'}?verify=always", namespace(),
+    strict = saved(KVConnector(f"file://{tmp_path / 'always'}?verify=always&settle=0", namespace(),
                                layout=LAYOUT))  # verify=always: every read checks everything
-    time.sleep(1.1)
     for _ in range(2):
         assert strict.load(TOKENS, N * 16, ListEngine(N)) == N * 16
     assert strict.stats()["chunk_io"]["counters"].get("chunks_known_verified", 0) == 0

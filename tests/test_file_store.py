@@ -21,7 +21,7 @@ from storage import ConfigError, InvalidChunk, StoreFull, open_store
 from storage.codec import decode_chunk, decode_header, encode_chunk
 from storage.file import FileStore, VerifiedHeaders, _chunk_path
 from storage.ledger import LEDGER, RootLedger
-from tests.store_helpers import make_chunks
+from tests.store_helpers import backdate, make_chunks
 
 
 async def test_chunks_live_in_a_two_level_hashed_fanout(tmp_path, ns):
@@ -253,18 +253,32 @@ def test_eight_concurrent_writers_of_one_key_leave_one_valid_chunk(tmp_path):
 
 async def test_a_chunk_changed_after_it_was_verified_is_checked_again(tmp_path, ns):
     """Re-reads of an unchanged file skip the payload hash; any rewrite must not."""
-    store = FileStore(tmp_path)
+    store = FileStore(tmp_path, settle_s=0)  # verifications remembered at once
     (key, _, blob), = make_chunks(ns, 1, payload_size=4096)
     await store.put(key, blob)
-    time.sleep(1.1)  # let the file's ctime settle, so its verified identity is remembered
-    assert bytes(await store.get(key)) == blob
     path = _chunk_path(tmp_path, key)
+    backdate(path)  # so the write below shows in the file's identity
+    assert bytes(await store.get(key)) == blob
     assert store.known_header(key, os.stat(path)) is not None
     with open(path, "r+b") as f:  # flip one payload byte in place: same inode, same size
         f.seek(len(blob) - 10)
         f.write(bytes([blob[-10] ^ 0x40]))
     assert await store.get_into(key, bytearray(4096)) is None
     assert store.stats()["corrupt"] == 1
+
+
+@pytest.mark.parametrize("settle", ["3600s", "0"])
+async def test_a_verification_is_remembered_only_once_the_file_has_settled(tmp_path, ns, settle):
+    """A file changed within `settle` of its verification could keep its ctime on a
+    filesystem with coarse timestamps: its verification is not remembered until then."""
+    store = open_store(f"file://{tmp_path}?settle={settle}")
+    assert store.settle_s == (3600.0 if settle == "3600s" else 0.0)
+    (key, _, blob), = make_chunks(ns, 1, payload_size=4096)
+    await store.put(key, blob)
+    assert bytes(await store.get(key)) == blob
+    known = store.known_header(key, os.stat(store.chunk_path(key)))
+    assert (known is not None) == (settle == "0")
+    assert store.scoped("t").settle_s == store.settle_s
 
 
 async def test_verify_always_hashes_every_read(tmp_path, ns):
@@ -309,13 +323,10 @@ async def test_cancelled_batch_read_writes_no_further_buffer(tmp_path, ns):
 
 
 @pytest.mark.parametrize("verify", ["changed", "header", "always"])
-async def test_open_blob_hands_over_a_file_only_when_it_needs_no_reading(tmp_path, ns, monkeypatch,
-                                                                         verify):
-    import storage.file as file_mod
+async def test_open_blob_hands_over_a_file_only_when_it_needs_no_reading(tmp_path, ns, verify):
     from storage.base import BlobFile
     from storage.tiered import TieredStore
-    monkeypatch.setattr(file_mod, "_SETTLED_S", -1.0)  # trust a verified file at once
-    store = FileStore(tmp_path, verify=verify)
+    store = FileStore(tmp_path, verify=verify, settle_s=0)  # trust a verified file at once
     (key, _, blob), (absent, _, _) = make_chunks(ns, 2, payload_size=10_000)
     await store.put(key, blob)
     buf = bytearray(len(blob))
@@ -335,7 +346,7 @@ async def test_open_blob_hands_over_a_file_only_when_it_needs_no_reading(tmp_pat
     assert store.counters["misses"] == 1
 
     # A tier list hands over its first tier's file and reads lower tiers as get() does.
-    lower = FileStore(tmp_path / "lower", verify=verify)
+    lower = FileStore(tmp_path / "lower", verify=verify, settle_s=0)
     (low_key, _, low_blob), = make_chunks(ns, 1, payload_size=5000, seed=3)
     await lower.put(low_key, low_blob)
     tiers = TieredStore([store, lower])

@@ -15,7 +15,15 @@ from gds.buffers import ALIGN, address, host_view
 from gds.errors import CORRUPT, TOO_SMALL, ReadError
 from gds.hostio import OpenFile
 from hashing import Namespace
+from storage.file import FileStore
+from storage.pagecache import PAGE_CACHE
 from tests.gds_fixtures import PIECE, cpu_io, payload, shm_directory, write_chunk
+from tests.pagecache_fixtures import (
+    DeclaredResidency,
+    drop_from_page_cache,
+    skip_brought_back,
+    skip_unless_dropped,
+)
 
 KiB = 1024
 
@@ -245,35 +253,58 @@ def test_host_reads_take_one_piece_per_thread_share_up_to_a_cap():
         assert chunk_io.host.piece_for(256 << 20, active=8) == 256 << 20
 
 
-def _drop_from_page_cache(path):
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_auto_serves_cached_chunks_from_the_cache_and_cold_ones_with_o_direct(tmp_path, ns):
-    """On ext4: a chunk in the page cache never opens an O_DIRECT descriptor; one dropped
-    from the cache (fadvise DONTNEED) is read with O_DIRECT into an aligned tensor."""
+    """On ext4: a chunk in the page cache never opens an O_DIRECT descriptor; one not in
+    it is read with O_DIRECT into an aligned tensor. Residency is declared to ChunkIO's
+    oracle (as a FileStore hands it its own), not asked of the kernel."""
     data = payload(4 * PIECE)
     path, key, _ = write_chunk(tmp_path, ns, 0, data)
     dest = aligned_empty(data.size)
-    with cpu_io(direct="auto") as chunk_io:
+    residency = DeclaredResidency()
+    with cpu_io(residency, direct="auto") as chunk_io:
         chunk_io.submit_chunk(path, dest, key=key).result()
         (cached,) = chunk_io.stats()["filesystems"].values()
     assert np.array_equal(dest.numpy(), data)
     if cached["fstype"] != "ext4":
         pytest.skip(f"tmp_path is on {cached['fstype']}, not ext4")
     assert cached["direct"] is None and cached["cachestat"] is True
-    _drop_from_page_cache(path)
+    residency.drop(path)
     dest.zero_()
-    with cpu_io(direct="auto") as chunk_io:
+    with cpu_io(residency, direct="auto") as chunk_io:
         chunk_io.submit_chunk(path, dest, key=key).result()
         (cold,) = chunk_io.stats()["filesystems"].values()
     assert np.array_equal(dest.numpy(), data)
     assert cold["direct"] is True
+
+
+def test_a_chunk_dropped_by_the_kernel_is_read_with_o_direct(tmp_path, ns):
+    """The kernel's own answer (cachestat(2)), its residency checked right before the read."""
+    data = payload(4 * PIECE)
+    path, key, _ = write_chunk(tmp_path, ns, 0, data)
+    with open(path, "rb+") as f:
+        os.fsync(f.fileno())  # clean pages, which DONTNEED may drop
+    drop_from_page_cache(path)
+    dest = aligned_empty(data.size)
+    with cpu_io(direct="auto") as chunk_io:
+        skip_unless_dropped(path)
+        chunk_io.submit_chunk(path, dest, key=key).result()
+        (cold,) = chunk_io.stats()["filesystems"].values()
+    assert np.array_equal(dest.numpy(), data)
+    if cold["fstype"] != "ext4":
+        pytest.skip(f"tmp_path is on {cold['fstype']}, not ext4")
+    if cold["direct"] is None:  # never opened O_DIRECT: cachestat(2) said all cached
+        skip_brought_back()
+    assert cold["direct"] is True
+
+
+def test_a_file_stores_direct_reads_ask_its_residency_oracle(tmp_path):
+    residency = DeclaredResidency()
+    store = FileStore(tmp_path, residency=residency)
+    assert store.enable_direct_reads().support.residency is residency
+    asyncio.run(store.close())
+    kernel = FileStore(tmp_path)
+    assert kernel.enable_direct_reads().support.residency is PAGE_CACHE
+    asyncio.run(kernel.close())
 
 
 def test_concurrent_submitters_share_one_chunk_io_safely(tmp_path, ns):

@@ -10,6 +10,7 @@ import time
 import pytest
 
 from storage import ConfigError, InvalidChunk, StoreFull, StoreUnavailable, open_store
+from storage.base import PROBE_KEY
 from storage.http import HttpStore
 from tests import kvserver_fixtures
 from tests.kvserver_fixtures import running_kvserver
@@ -112,6 +113,25 @@ async def test_dead_server_is_a_fast_miss_and_the_breaker_opens(ns):
         assert store.counters["errors"] >= 2
     finally:
         await store.close()
+
+
+async def test_probe_answers_for_itself_where_exists_answers_absent(kvserver_url):
+    """`exists` of a dead server is a quiet "absent"; `probe` says the check did not get
+    through, counts it and feeds the breaker like any request, and a tier list's probe
+    fails when one tier's does. A live server's probe says nothing."""
+    dead_url = f"http://127.0.0.1:{free_port()}?breaker_failures=2&breaker_cooldown=30s"
+    dead, live, tiers = open_store(dead_url), open_store(kvserver_url), open_store(
+        ["memory://", kvserver_url, f"http://127.0.0.1:{free_port()}"])
+    try:
+        assert await dead.exists([PROBE_KEY]) == [False]
+        assert "lookup failed" in (await dead.probe() or "")
+        assert dead.stats()["errors"] == 2 and dead.stats()["breaker_open"]
+        assert "circuit open" in (await dead.probe() or "")
+        assert await live.probe() is None
+        assert await tiers.probe() is not None
+    finally:
+        for store in (dead, live, tiers):
+            await store.close()
 
 
 async def test_a_restarted_server_is_reached_again_through_the_pool(tmp_path, ns):

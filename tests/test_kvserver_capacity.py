@@ -3,6 +3,8 @@ backend that cannot serve. Real `kvstash serve` processes on 127.0.0.1."""
 
 from __future__ import annotations
 
+import asyncio
+import re
 import shutil
 import socket
 import subprocess
@@ -11,6 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvserver.app import create_app
+from kvserver.config import ServerConfig
 from storage.errors import StoreFull
 from storage.file import FileStore
 from storage.memory import MemoryStore
@@ -172,3 +176,47 @@ async def test_health_reports_a_read_only_store_root(small_fs: Path):
     finally:
         subprocess.run(["mount", "-o", "remount,rw", str(small_fs)], check=True)
     assert await root.health() is None
+
+
+async def test_readyz_is_decided_by_its_own_probe_not_by_other_requests_failing():
+    """Readiness in front of an http:// backend (a raw asyncio server on 127.0.0.1 that
+    answers readiness's presence check only once another request through the same store
+    has failed): the check got through, so the server is ready; the other request's
+    failure, counted in the store's stats meanwhile, is that request's own. The kvserver
+    app runs in-process (httpx's ASGI transport) so that the two requests interleave in
+    one fixed order."""
+    probe_arrived, other_failed = asyncio.Event(), asyncio.Event()
+
+    async def backend(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"(?im)^content-length: *(\d+)", head)
+        await reader.readexactly(int(length.group(1)) if length else 0)
+        if head.startswith(b"POST /v1/lookup "):
+            probe_arrived.set()
+            await other_failed.wait()
+            status, body = b"200 OK", b'{"prefix_len": 0, "count": 1, "present": "AA=="}'
+        else:
+            status, body = b"500 Internal Server Error", b'{"error": "backend fault"}'
+        writer.write(b"HTTP/1.1 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
+                     b"connection: close\r\n\r\n%s" % (status, len(body), body))
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(backend, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    app = create_app(ServerConfig(store_urls=(f"http://127.0.0.1:{port}?timeout=30s",)))
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://kvserver") as c:
+            ready = asyncio.create_task(c.get("/readyz"))
+            await asyncio.wait_for(probe_arrived.wait(), 30)
+            other = await c.get(f"/v1/chunks/{'0123456789abcdef'}/{'ab' * 16}")
+            other_failed.set()
+            answer = await asyncio.wait_for(ready, 30)
+        assert other.status_code == 404  # a backend failure is a miss
+        assert app.state.tenancy.root.stats()["errors"] == 1
+        assert answer.status_code == 200, answer.text
+    finally:
+        await app.state.tenancy.root.close()
+        server.close()
+        await server.wait_closed()

@@ -230,10 +230,10 @@ def test_the_zmq_publisher_speaks_vllms_kv_event_format(tmp_path, ns):
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"kvstash/")
-        sock.setsockopt(zmq.RCVTIMEO, 10_000)
         sock.connect(endpoint)
         try:
-            time.sleep(0.5)  # a SUB socket misses what was sent before it joined
+            _wait_until_subscribed(sock, zmq, msgspec, server.url, ns)
+            sock.setsockopt(zmq.RCVTIMEO, 10_000)
             asyncio.run(_put_then_close(server.url, chunks))
 
             async def delete_one() -> None:
@@ -262,6 +262,25 @@ def test_the_zmq_publisher_speaks_vllms_kv_event_format(tmp_path, ns):
         batches = [msgspec.msgpack.Decoder(type=KVEventBatch).decode(f[2]) for f in frames]
         assert [type(b.events[0]) for b in batches] == [BlockStored] * 3 + [BlockRemoved]
         assert batches[3].events[0].block_hashes == [bytes.fromhex(chunks[0][0].split("/")[1])]
+
+
+def _wait_until_subscribed(sock, zmq, msgspec, url: str, ns) -> None:
+    """Put warm-up chunks, one at a time, until `sock` receives one's event, and every
+    event published before it: a SUB socket misses what is published before its
+    subscription reaches the publisher, however long that takes on a loaded host.
+    Bounded: 40 chunks, 0.25 s each."""
+    sock.setsockopt(zmq.RCVTIMEO, 250)
+    for key, tokens, blob in make_chunks(ns, 40, payload_size=100, seed=99):
+        asyncio.run(_put_then_close(url, [(key, tokens, blob)]))
+        digest = bytes.fromhex(key.split("/")[1])
+        try:
+            while True:
+                events = _decode(sock.recv_multipart()[2], msgspec)["events"]
+                if any(digest in ev["block_hashes"] for ev in events):
+                    return
+        except zmq.Again:
+            continue
+    pytest.fail("the subscriber received no event of 40 warm-up puts")
 
 
 def _decode(payload: bytes, msgspec) -> dict:

@@ -24,11 +24,14 @@ from kvserver.protocol import ZEROCOPY, BoundedHeadProtocol
 from storage import open_store
 from storage.base import BlobFile
 from tests.kvserver_fixtures import running_kvserver
-from tests.store_helpers import make_chunks
+from tests.store_helpers import backdate, make_chunks
 from tests.test_http_store_client import self_signed_cert
 
 OCTETS = {"content-type": "application/octet-stream"}
-SETTLE_S = 1.1  # a file store trusts a verified file once its ctime is a second old
+# The server's file store remembers a verification at once (`settle=0`), so the second
+# GET of a chunk already goes out from its file; files that change after it was verified
+# are backdated first (tests.store_helpers.backdate), so the change shows in their identity.
+TRUST_AT_ONCE = "settle=0"
 
 
 def sendfile_bytes(url: str) -> float:
@@ -49,9 +52,8 @@ def open_fds(pid: int) -> int:
 
 def test_a_verified_chunk_file_is_sent_by_sendfile_exact_whole_and_ranged(tmp_path: Path, ns):
     chunks = make_chunks(ns, 4, payload_size=(2 << 20) + 123)
-    with running_kvserver("--store", f"file://{tmp_path}") as server:
+    with running_kvserver("--store", f"file://{tmp_path}?{TRUST_AT_ONCE}") as server:
         put_all(server.url, chunks)
-        time.sleep(SETTLE_S)
         # First GETs read and hash the files (nothing vouched for them yet) ...
         for key, _, blob in chunks:
             assert httpx.get(f"{server.url}/v1/chunks/{key}").content == blob
@@ -90,11 +92,11 @@ def test_a_verified_chunk_file_is_sent_by_sendfile_exact_whole_and_ranged(tmp_pa
 
 def test_a_chunk_file_changed_after_verification_is_read_again_and_quarantined(tmp_path: Path, ns):
     (key, _, blob), = make_chunks(ns, 1, payload_size=1 << 20)
-    with running_kvserver("--store", f"file://{tmp_path}") as server:
+    with running_kvserver("--store", f"file://{tmp_path}?{TRUST_AT_ONCE}") as server:
         put_all(server.url, [(key, None, blob)])
-        time.sleep(SETTLE_S)
-        assert httpx.get(f"{server.url}/v1/chunks/{key}").content == blob
         path = open_store(f"file://{tmp_path}").chunk_path(key)
+        backdate(path)
+        assert httpx.get(f"{server.url}/v1/chunks/{key}").content == blob
         with open(path, "r+b") as f:  # same size, one payload byte flipped
             f.seek(len(blob) - 10)
             f.write(bytes([blob[-10] ^ 0xFF]))
@@ -104,9 +106,8 @@ def test_a_chunk_file_changed_after_verification_is_read_again_and_quarantined(t
 
 def test_slow_and_vanishing_readers_hold_no_threads_and_leak_no_descriptors(tmp_path: Path, ns):
     chunks = make_chunks(ns, 3, payload_size=16 << 20)
-    with running_kvserver("--store", f"file://{tmp_path}") as server:
+    with running_kvserver("--store", f"file://{tmp_path}?{TRUST_AT_ONCE}") as server:
         put_all(server.url, chunks)
-        time.sleep(SETTLE_S)
         for key, _, blob in chunks:
             assert httpx.get(f"{server.url}/v1/chunks/{key}").content == blob
         host, port = server.url.removeprefix("http://").split(":")
@@ -160,12 +161,11 @@ def test_tls_connections_are_not_offered_sendfile_and_still_get_exact_bytes(tmp_
     cert, tls_key = self_signed_cert(tmp_path)
     store_dir = tmp_path / "store"
     chunks = make_chunks(ns, 2, payload_size=1 << 20)
-    with running_kvserver("--store", f"file://{store_dir}", "--tls-cert", cert,
+    with running_kvserver("--store", f"file://{store_dir}?{TRUST_AT_ONCE}", "--tls-cert", cert,
                           "--tls-key", tls_key) as server:
         with httpx.Client(base_url=server.url, verify=ssl.create_default_context(cafile=cert)) as client:
             for key, _, blob in chunks:
                 assert client.put(f"/v1/chunks/{key}", content=blob, headers=OCTETS).status_code == 201
-            time.sleep(SETTLE_S)
             for _ in range(2):
                 for key, _, blob in chunks:
                     assert client.get(f"/v1/chunks/{key}").content == blob

@@ -63,7 +63,7 @@ def test_status_needs_a_token(server):
     page = httpx.get(f"{server.url}/status")
     assert page.status_code == 401 and '<form method="get"' in page.text
     assert status_json(server, None).status_code == 401
-    assert status_json(server, "not-a-token-at-all-123").status_code == 401
+    assert status_json(server, "not-a-token-at-all-123").status_code == 403
 
 
 def test_admin_token_sees_every_tenant(server):

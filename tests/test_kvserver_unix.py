@@ -28,7 +28,7 @@ from storage.errors import ConfigError
 from tests.kvserver_fixtures import running_kvserver
 from tests.store_helpers import make_chunks
 from tests.test_http_store_client import ScriptedServer, self_signed_cert
-from tests.test_kvserver_sendfile import SETTLE_S, sendfile_bytes
+from tests.test_kvserver_sendfile import TRUST_AT_ONCE, sendfile_bytes
 from tests.test_kvserver_sendfile import open_fds as process_fds
 
 TOKEN = "unix-socket-token-0123456789"
@@ -62,7 +62,8 @@ def serve_error(*flags: str) -> subprocess.CompletedProcess:
 async def test_the_store_api_works_over_the_unix_socket_with_descriptors_and_sendfile(tmp_path, sock_dir, ns):
     path = sock_dir / "kv.sock"
     chunks = make_chunks(ns, 3, payload_size=(3 << 20) + 17)
-    with running_kvserver("--store", f"file://{tmp_path}", "--unix-socket", str(path)) as server:
+    with running_kvserver("--store", f"file://{tmp_path}?{TRUST_AT_ONCE}", "--unix-socket",
+                          str(path)) as server:
         assert stat.S_ISSOCK(path.lstat().st_mode)
         assert stat.S_IMODE(path.lstat().st_mode) == 0o660
         store = open_store(unix_url(path))
@@ -73,7 +74,6 @@ async def test_the_store_api_works_over_the_unix_socket_with_descriptors_and_sen
             assert await store.put(keys[0], chunks[0][2]) is False  # already there
             assert await store.prefix_len(keys) == 3
             assert await store.exists([keys[2], "ab" * 8 + "/" + "cd" * 16]) == [True, False]
-            time.sleep(SETTLE_S)
             for key, _, blob in chunks:  # the first reads verify the files ...
                 assert await store.get(key) == blob
             total = sum(len(b) for _, _, b in chunks)
@@ -198,10 +198,10 @@ def test_ranges_and_tcp_ignore_the_descriptor_request(tmp_path, sock_dir, ns):
     path = sock_dir / "kv.sock"
     (key, _, blob), = make_chunks(ns, 1, payload_size=100_000)
     want = {"Kvstash-Fd": "1"}
-    with running_kvserver("--store", f"file://{tmp_path}", "--unix-socket", str(path)) as server:
+    with running_kvserver("--store", f"file://{tmp_path}?{TRUST_AT_ONCE}", "--unix-socket",
+                          str(path)) as server:
         assert httpx.put(f"{server.url}/v1/chunks/{key}", content=blob,
                          headers={"content-type": "application/octet-stream"}).status_code == 201
-        time.sleep(SETTLE_S)
         assert httpx.get(f"{server.url}/v1/chunks/{key}").content == blob  # verified now
         r = httpx.get(f"{server.url}/v1/chunks/{key}", headers=want)  # TCP: a plain body
         assert r.status_code == 200 and r.content == blob and "kvstash-fd" not in r.headers
@@ -341,12 +341,12 @@ async def test_cancelled_reads_of_handed_over_files_leave_no_descriptor_open(tmp
     waits for a thread, while the thread reads): none leaves a chunk file open here."""
     path = sock_dir / "kv.sock"
     chunks = make_chunks(ns, 8, payload_size=(4 << 20) + 3)
-    with running_kvserver("--store", f"file://{tmp_path}", "--unix-socket", str(path)) as server:
+    with running_kvserver("--store", f"file://{tmp_path}?{TRUST_AT_ONCE}", "--unix-socket",
+                          str(path)) as server:
         store = open_store(unix_url(path, pool="32", breaker_failures="100000"))
         try:
             for key, _, blob in chunks:
                 assert await store.put(key, blob) is True
-            time.sleep(SETTLE_S)
             for key, _, _ in chunks:  # verified by the server: handed over from now on
                 assert await store.get(key) is not None
             rng = random.Random(7)

@@ -5,7 +5,10 @@ checked against its own checksum; reads of page-cached bytes never wait on the d
 (preadv RWF_NOWAIT) and answer NOT_RESIDENT instead. `KVConnector.load_segments_async`
 on such a store reads segment 0 of every chunk, then segment 1, ... on its layers thread:
 page-cached bytes straight into the engine's memory where the target gives it, the rest
-through staging. Pages are dropped from the cache with `posix_fadvise(DONTNEED)`.
+through staging. Which bytes are cached is declared through the store's residency oracle
+(`DeclaredResidency`, tests.pagecache_fixtures), so each plan is checked whatever the
+kernel keeps; `test_a_header_dropped_by_the_kernel_is_not_waited_for` asks the kernel
+itself and skips where it keeps or brings back a dropped file's pages.
 """
 
 from __future__ import annotations
@@ -19,11 +22,16 @@ import pytest
 
 from connector import KVConnector
 from storage.capabilities import NOT_RESIDENT
-from storage.codec import encode_chunk
+from storage.codec import HEADER_SIZE, encode_chunk
 from storage.file import FileStore
+from tests.pagecache_fixtures import (
+    DeclaredResidency,
+    drop_from_page_cache,
+    skip_brought_back,
+    skip_unless_dropped,
+)
 from tests.test_connector_core import LAYOUT, TOKENS, ListEngine, namespace, payload_of, saved
 from tests.test_connector_direct import keys_of
-from tests.test_resident_reads import drop_from_page_cache, skip_unless_cached
 
 N = len(TOKENS) // LAYOUT.chunk_tokens
 KEY = "0123456789abcdef/" + "cd" * 16
@@ -39,13 +47,23 @@ def flip_byte(path, offset_from_end: int) -> None:
 
 
 @pytest.fixture
-def chunk(tmp_path):
-    """A file:// store holding KEY: three segments, its pages in the page cache."""
-    store = FileStore(tmp_path / "kv")
+def residency() -> DeclaredResidency:
+    """The page cache as each test declares it: every file cached until it is dropped."""
+    return DeclaredResidency()
+
+
+def put_chunk(store: FileStore) -> np.ndarray:
+    """KEY's payload, stored in three segments."""
     payload = np.random.default_rng(0).integers(0, 256, sum(SEGMENTS), dtype=np.uint8)
     asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload, segments=SEGMENTS)))
-    skip_unless_cached(store.chunk_path(KEY))
-    return store, payload
+    return payload
+
+
+@pytest.fixture
+def chunk(tmp_path, residency):
+    """A file:// store holding KEY: three segments, its pages declared in the page cache."""
+    store = FileStore(tmp_path / "kv", residency=residency)
+    return store, put_chunk(store)
 
 
 def segment_views(payload: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
@@ -119,10 +137,10 @@ def test_a_segment_read_into_buffers_that_change_under_it_keeps_its_good_file(ch
     assert all(np.array_equal(buf, want) for want, buf in segs)
 
 
-def test_a_chunk_not_in_the_page_cache_is_read_only_once_the_reader_may_wait(chunk):
+def test_a_chunk_not_in_the_page_cache_is_read_only_once_the_reader_may_wait(chunk, residency):
     store, payload = chunk
     segs = segment_views(payload)
-    drop_from_page_cache(store.chunk_path(KEY))
+    residency.drop(store.chunk_path(KEY))
     f, _ = store.open_segments(KEY)
     assert f.head([memoryview(segs[0][1])]).key == KEY  # the header, read waiting
     assert not f.resident
@@ -131,10 +149,10 @@ def test_a_chunk_not_in_the_page_cache_is_read_only_once_the_reader_may_wait(chu
     f.close()
 
 
-def test_a_header_not_in_the_page_cache_is_not_waited_for_when_told_not_to(chunk):
+def test_a_header_not_in_the_page_cache_is_not_waited_for_when_told_not_to(chunk, residency):
     store, payload = chunk
     segs = segment_views(payload)
-    drop_from_page_cache(store.chunk_path(KEY))
+    residency.drop(store.chunk_path(KEY))
     f, _ = store.open_segments(KEY)
     assert f.head([memoryview(segs[0][1])], wait=False) is NOT_RESIDENT
     assert not f.resident and not segs[0][1].any()
@@ -142,16 +160,31 @@ def test_a_header_not_in_the_page_cache_is_not_waited_for_when_told_not_to(chunk
     assert store.chunk_path(KEY).exists()  # a miss of this read, not a bad file
 
 
-def test_bytes_evicted_after_the_header_answer_not_resident_then_are_read_waiting(chunk):
+def test_a_header_dropped_by_the_kernel_is_not_waited_for(tmp_path):
+    """The kernel's own answer (preadv RWF_NOWAIT), the header's residency checked right
+    before the read."""
+    store = FileStore(tmp_path / "kv")
+    segs = segment_views(put_chunk(store))
+    f, _ = store.open_segments(KEY)
+    drop_from_page_cache(store.chunk_path(KEY))
+    skip_unless_dropped(store.chunk_path(KEY), 0, HEADER_SIZE + SEGMENTS[0])
+    got = f.head([memoryview(segs[0][1])], wait=False)
+    if got is not NOT_RESIDENT:  # RWF_NOWAIT reads only cached pages: they were back
+        f.close()
+        skip_brought_back()
+    assert not f.resident and not segs[0][1].any()
+    f.close()
+    assert store.chunk_path(KEY).exists()
+
+
+def test_bytes_evicted_after_the_header_answer_not_resident_then_are_read_waiting(
+        chunk, residency):
     store, payload = chunk
     segs = segment_views(payload)
     f, _ = store.open_segments(KEY)
-    f.head([memoryview(segs[0][1])])
-    drop_from_page_cache(store.chunk_path(KEY))
+    assert f.head([memoryview(segs[0][1])]).key == KEY and f.resident
+    residency.drop(store.chunk_path(KEY), f.header.header_len + SEGMENTS[0], SEGMENTS[1])
     got = f.read(1, [memoryview(segs[1][1])])
-    if got is True:  # DONTNEED dropped other pages of the file, not this segment's
-        f.close()
-        pytest.skip("the kernel kept this segment's pages after DONTNEED")
     assert got is NOT_RESIDENT and not f.resident
     assert f.read(1, [memoryview(segs[1][1])]) is True
     assert np.array_equal(segs[1][1], segs[1][0])
@@ -179,13 +212,13 @@ def test_a_whole_chunk_with_a_corrupt_segment_is_a_miss_and_its_file_quarantined
 
 
 @pytest.mark.parametrize("case", ["not cached", "other lengths"])
-def test_a_chunk_that_cannot_be_read_whole_is_left_to_the_segment_reads(chunk, case):
+def test_a_chunk_that_cannot_be_read_whole_is_left_to_the_segment_reads(chunk, residency, case):
     """Not in the page cache (nothing waited for), or segments of other lengths than the
     buffers: no answer yet, nothing judged; `head` and `read` then read it."""
     store, payload = chunk
     segs = segment_views(payload)
     if case == "not cached":
-        drop_from_page_cache(store.chunk_path(KEY))
+        residency.drop(store.chunk_path(KEY))
         bufs = [[memoryview(buf)] for _, buf in segs]
     else:
         bufs = [[memoryview(np.zeros(n, np.uint8))] for n in (2000, 2000, 500)]
@@ -242,10 +275,10 @@ def layered(conn: KVConnector, engine: LayerEngine, deadline_s: float = 10, here
                                     here=here)
 
 
-def file_connector(root, **kwargs) -> KVConnector:
-    conn = saved(KVConnector(f"file://{root}", namespace(), layout=LAYOUT, **kwargs))
-    skip_unless_cached(conn.store.chunk_path(keys_of(conn)[0]))
-    return conn
+def file_connector(root, residency: DeclaredResidency | None = None, **kwargs) -> KVConnector:
+    """A connector over a saved file:// store whose chunks are all declared cached."""
+    store = FileStore(root, residency=DeclaredResidency() if residency is None else residency)
+    return saved(KVConnector(store, namespace(), layout=LAYOUT, **kwargs))
 
 
 def test_cached_layers_land_in_place_segment_major_and_exact(tmp_path):
@@ -299,14 +332,15 @@ def test_read_here_every_layer_lands_on_the_calling_thread_before_the_call_retur
 
 
 @pytest.mark.parametrize("in_place", [True, False])
-def test_read_here_a_chunk_not_in_the_page_cache_is_missed_not_waited_for(tmp_path, in_place):
+def test_read_here_a_chunk_not_in_the_page_cache_is_missed_not_waited_for(tmp_path, residency,
+                                                                         in_place):
     """On the engine's thread nothing waits on the disk: the chunk whose pages were dropped
     is a miss (vLLM recomputes it), the others land; the file stays, and a load that may
     wait reads it."""
-    conn = file_connector(tmp_path)
+    conn = file_connector(tmp_path, residency)
     keys = keys_of(conn)
     path = conn.store.chunk_path(keys[3])
-    drop_from_page_cache(path)
+    residency.drop(path)
     engine = LayerEngine(N, in_place=in_place)
     assert layered(conn, engine, here=True).result(0) == [i != 3 for i in range(N)]
     # Its blocks were offered to the read, which found its bytes uncached: nothing landed.
@@ -325,14 +359,14 @@ def test_read_here_a_chunk_not_in_the_page_cache_is_missed_not_waited_for(tmp_pa
 
 def evicting_engine(conn: KVConnector, after: tuple[int, int]) -> LayerEngine:
     """A LayerEngine without destinations whose placing of segment `after` (chunk, layer)
-    drops every chunk file of `conn` from the page cache first."""
+    drops every chunk file of `conn` from the (declared) page cache first."""
     paths = [conn.store.chunk_path(k) for k in keys_of(conn)]
 
     class Evicting(LayerEngine):
         def place_segment(self, i: int, s: int) -> None:
             if (i, s) == after:
                 for path in paths:
-                    drop_from_page_cache(path)
+                    conn.store.residency.drop(path)
             super().place_segment(i, s)
 
     return Evicting(N, in_place=False)
@@ -341,18 +375,17 @@ def evicting_engine(conn: KVConnector, after: tuple[int, int]) -> LayerEngine:
 def test_read_here_layers_evicted_after_their_header_are_missed_never_placed_unread(tmp_path):
     conn = file_connector(tmp_path)
     engine = evicting_engine(conn, (N - 1, 0))  # every chunk's pages go after its header
-    ok = layered(conn, engine, here=True).result(0)
-    placed = {i for i, s in engine.placed_segments if s == LAYOUT.layers - 1}
-    assert {i for i in range(N) if ok[i]} == placed  # what DONTNEED left cached, if any
-    for i in placed:
-        assert np.array_equal(engine.kv[i], payload_of(i))
+    assert layered(conn, engine, here=True).result(0) == [False] * N
+    # Layer 0 came with each header; no later layer was read, so none was placed.
+    assert engine.placed_segments == [(i, 0) for i in range(N)]
+    assert conn.stats()["load_misses"] == N
     conn.close()
 
 
-def test_a_chunk_not_in_the_page_cache_goes_through_staging_and_is_placed(tmp_path):
-    conn = file_connector(tmp_path)
+def test_a_chunk_not_in_the_page_cache_goes_through_staging_and_is_placed(tmp_path, residency):
+    conn = file_connector(tmp_path, residency)
     keys = keys_of(conn)
-    drop_from_page_cache(conn.store.chunk_path(keys[3]))
+    residency.drop(conn.store.chunk_path(keys[3]))
     engine = LayerEngine(N)
     assert layered(conn, engine).result(10) == [True] * N
     assert sorted(engine.placed_segments) == [(3, s) for s in range(LAYOUT.layers)]
@@ -423,9 +456,7 @@ def test_read_here_a_chunk_of_another_prompt_is_refused(tmp_path):
 
 @pytest.mark.parametrize("here", [False, True])
 def test_a_chunk_saved_without_segment_checksums_is_read_and_placed_whole(tmp_path, here):
-    conn = saved(KVConnector(f"file://{tmp_path}", namespace(), layout=LAYOUT,
-                             segment_checksums=False))
-    skip_unless_cached(conn.store.chunk_path(keys_of(conn)[0]))
+    conn = file_connector(tmp_path, segment_checksums=False)
     engine = LayerEngine(N)
     assert layered(conn, engine, here=here).result(10) == [True] * N
     for i in range(N):

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parent.parent
 

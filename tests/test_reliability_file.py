@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from storage.errors import StoreError, StoreFull
 from storage.file import QUARANTINE, TMP_MARK, FileStore, _chunk_path
 from storage.ledger import LEDGER
 from tests.reliability_fixtures import file_store_fixture, small_fs_fixture  # noqa: F401
+from tests.store_helpers import backdate
 
 SEED = 8
 
@@ -205,15 +207,18 @@ async def test_concurrent_readers_writers_and_gc_see_only_misses_or_exact_bytes(
 
 async def test_damage_after_a_verified_read_is_still_caught(file_store: FileStore):
     """The store skips re-hashing a file it verified while its identity (inode, size,
-    mtime, ctime) is unchanged; an in-place write through the filesystem changes ctime."""
+    mtime, ctime) is unchanged; an in-place write through the filesystem changes it."""
     rng = np.random.default_rng(SEED)
     ways = ["flip_payload", "zero", "replace", "flip_header"]
     chunks = [chunk_for(SEED, 10 + i) for i in range(len(ways))]
+    file_store.settle_s = 0  # verifications remembered at once ...
     for key, blob in chunks:
         await file_store.put(key, blob)
-    await asyncio.sleep(1.1)  # past the store's settling time, so verifications are cached
+        backdate(_chunk_path(file_store.root, key))  # ... and each write below shows
     for key, blob in chunks:
         assert await file_store.get(key) == blob
+    assert all(file_store.known_header(key, os.stat(_chunk_path(file_store.root, key)))
+               for key, _ in chunks)  # re-reads skip the hash
     for (key, _), how in zip(chunks, ways, strict=True):
         corrupt_file(_chunk_path(file_store.root, key), how, rng, chunk_for(SEED, 99)[1])
     for key, _ in chunks:

@@ -1,10 +1,12 @@
 """Chunks whose bytes are all in the page cache, read on the calling thread (real files).
 
-`FileStore.read_resident_into` reads a chunk only where `cachestat(2)` says every page of
-its file is cached and the store's directory is on a local filesystem; the core reads the
-leading such chunks of a load on the engine's thread and hands the rest to the store's
-loop as before. Pages are dropped from the cache with `posix_fadvise(DONTNEED)` (the
-store fsyncs what it writes, so its pages are clean and go).
+`FileStore.read_resident_into` reads a chunk only where its residency oracle (the kernel's
+`cachestat(2)` in production) says every page of its file is cached and the store's
+directory is on a local filesystem; the core reads the leading such chunks of a load on
+the engine's thread and hands the rest to the store's loop as before. Which chunks are
+cached is declared through `DeclaredResidency` (tests.pagecache_fixtures), so each plan is
+checked whatever the kernel keeps; the tests named `..._by_the_kernel` ask the kernel
+itself and skip where it keeps or brings back a dropped file's pages.
 """
 
 from __future__ import annotations
@@ -20,7 +22,14 @@ from connector import KVConnector
 from storage.capabilities import NOT_RESIDENT, SupportsResidentReads
 from storage.codec import HEADER_SIZE, encode_chunk
 from storage.file import FileStore
-from storage.pagecache import all_cached
+from storage.pagecache import PAGE_CACHE
+from tests.pagecache_fixtures import (
+    DeclaredResidency,
+    drop_from_page_cache,
+    skip_brought_back,
+    skip_unless_cached,
+    skip_unless_dropped,
+)
 from tests.test_connector_core import LAYOUT, TOKENS, ListEngine, namespace, payload_of, saved
 from tests.test_connector_direct import flip_payload_byte, keys_of
 
@@ -28,38 +37,18 @@ N = len(TOKENS) // LAYOUT.chunk_tokens
 KEY = "0123456789abcdef/" + "ab" * 16
 
 
-def page_cached(path) -> bool | None:
-    """Whether the whole file is in the page cache; None: the kernel cannot tell."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return all_cached(fd, 0, os.fstat(fd).st_size)
-    finally:
-        os.close(fd)
-
-
-def skip_unless_cached(path) -> None:
-    if page_cached(path) is None:
-        pytest.skip("the kernel cannot say what is in the page cache (cachestat(2))")
-
-
-def drop_from_page_cache(path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    if page_cached(path):
-        pytest.skip("this filesystem keeps the file's pages cached after DONTNEED")
+@pytest.fixture
+def residency() -> DeclaredResidency:
+    """The page cache as each test declares it: every file cached until it is dropped."""
+    return DeclaredResidency()
 
 
 @pytest.fixture
-def cached_store(tmp_path):
-    """A file:// store holding KEY, its pages in the page cache; skipped where the kernel
-    cannot tell (no cachestat(2): Linux < 6.5)."""
-    store = FileStore(tmp_path / "kv")
+def cached_store(tmp_path, residency):
+    """A file:// store holding KEY, its pages declared in the page cache."""
+    store = FileStore(tmp_path / "kv", residency=residency)
     payload = np.arange(3000, dtype=np.uint8).tobytes()
     asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload)))
-    skip_unless_cached(store.chunk_path(KEY))
     return store, payload
 
 
@@ -73,22 +62,49 @@ def test_a_cached_chunk_is_read_with_its_exact_bytes_and_counted_as_a_hit(cached
     assert store.stats()["hits"] == 1
 
 
-def test_a_chunk_not_all_in_the_page_cache_is_left_to_the_normal_path(cached_store):
+@pytest.mark.parametrize("dropped", ["whole file", "last page"])
+def test_a_chunk_not_all_in_the_page_cache_is_left_to_the_normal_path(cached_store, residency,
+                                                                      dropped):
     store, payload = cached_store
-    drop_from_page_cache(store.chunk_path(KEY))
+    path = store.chunk_path(KEY)
+    if dropped == "whole file":
+        residency.drop(path)
+    else:
+        residency.drop(path, os.path.getsize(path) - 1, 1)
     out = bytearray(b"\xee" * len(payload))
     assert store.read_resident_into(KEY, out) is NOT_RESIDENT
     assert out == bytearray(b"\xee" * len(payload))  # nothing read
     assert store.stats()["gets"] == 0
+    assert not store.is_resident(KEY)
+
+
+def test_a_chunk_dropped_by_the_kernel_is_left_to_the_normal_path(tmp_path):
+    """The kernel's own answer (cachestat(2)), the file's residency checked right before
+    the read."""
+    store = FileStore(tmp_path / "kv")
+    assert store.residency is PAGE_CACHE
+    payload = np.arange(3000, dtype=np.uint8).tobytes()
+    asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload)))
+    skip_unless_cached(store.chunk_path(KEY))
+    out = bytearray(len(payload))
+    header, why = store.read_resident_into(KEY, out)
+    assert why is None and bytes(out) == payload
+    drop_from_page_cache(store.chunk_path(KEY))
+    skip_unless_dropped(store.chunk_path(KEY))
+    out = bytearray(b"\xee" * len(payload))
+    if store.read_resident_into(KEY, out) is not NOT_RESIDENT:  # cachestat said all cached
+        skip_brought_back()
+    assert store.stats()["gets"] == 1  # the first read only
+    assert out == bytearray(b"\xee" * len(payload))  # nothing read
 
 
 @pytest.mark.parametrize("verify", ["changed", "header", "always"])
-def test_a_corrupt_cached_chunk_is_a_miss_and_quarantined_whatever_verify(tmp_path, verify):
-    store = FileStore(tmp_path / "kv", verify=verify)
+def test_a_corrupt_cached_chunk_is_a_miss_and_quarantined_whatever_verify(tmp_path, residency,
+                                                                          verify):
+    store = FileStore(tmp_path / "kv", verify=verify, residency=residency)
     payload = bytes(range(256)) * 8
     asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload)))
-    flip_payload_byte(store, KEY)  # written through the page cache: still all cached
-    skip_unless_cached(store.chunk_path(KEY))
+    flip_payload_byte(store, KEY)
     assert store.read_resident_into(KEY, bytearray(len(payload))) == (None, "corrupt")
     assert not store.chunk_path(KEY).exists()
     assert store.stats()["corrupt"] == 1
@@ -101,15 +117,14 @@ def test_a_missing_chunk_is_a_miss(tmp_path):
 
 
 def test_a_chunk_read_in_one_go_with_its_header_is_exact_and_a_longer_header_is_read_again(
-        tmp_path):
+        tmp_path, residency):
     """Where `out` is exactly the payload of a file under a 4 KiB header, header and payload
     come in one read. A file of that size whose header is longer (many token ids) is read
     again from its real payload offset into one buffer, and refused, not quarantined, by
     parts that must hold exactly its payload."""
-    store = FileStore(tmp_path / "kv")
+    store = FileStore(tmp_path / "kv", residency=residency)
     payload = bytes(range(256)) * 16
     asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload)))
-    skip_unless_cached(store.chunk_path(KEY))
     out = bytearray(len(payload))
     header, why = store.read_resident_into(KEY, out)
     assert why is None and header.header_len == HEADER_SIZE and bytes(out) == payload
@@ -128,8 +143,8 @@ def test_a_chunk_read_in_one_go_with_its_header_is_exact_and_a_longer_header_is_
     assert store.chunk_path(long_key).exists()
 
 
-def test_a_corrupt_header_read_with_its_payload_is_a_miss_and_quarantined(tmp_path):
-    store = FileStore(tmp_path / "kv")
+def test_a_corrupt_header_read_with_its_payload_is_a_miss_and_quarantined(tmp_path, residency):
+    store = FileStore(tmp_path / "kv", residency=residency)
     payload = bytes(range(256)) * 16
     asyncio.run(store.put(KEY, encode_chunk(KEY, list(range(16)), payload)))
     path = store.chunk_path(KEY)
@@ -138,7 +153,6 @@ def test_a_corrupt_header_read_with_its_payload_is_a_miss_and_quarantined(tmp_pa
         b = f.read(1)
         f.seek(120)
         f.write(bytes([b[0] ^ 0x01]))
-    skip_unless_cached(path)
     assert store.read_resident_into(KEY, bytearray(len(payload))) == (None, "corrupt")
     assert not path.exists()
     assert store.stats()["corrupt"] == 1
@@ -163,13 +177,14 @@ def test_a_local_directory_answers_a_lookup_on_the_calling_thread(tmp_path):
         store.prefix_len_now(["../../etc/passwd"])
 
 
-def test_a_local_directory_says_which_chunks_of_a_prefix_are_in_the_page_cache(cached_store):
+def test_a_local_directory_says_which_chunks_of_a_prefix_are_in_the_page_cache(cached_store,
+                                                                              residency):
     store, _ = cached_store
     other = "0123456789abcdef/" + "cd" * 16
     asyncio.run(store.put(other, encode_chunk(other, list(range(16)), b"y" * 100)))
     missing = "0123456789abcdef/" + "ef" * 16
     assert store.cached_prefix_now([KEY, other, missing, KEY]) == [True, True]
-    drop_from_page_cache(store.chunk_path(other))
+    residency.drop(store.chunk_path(other))
     assert store.cached_prefix_now([KEY, other]) == [True, False]
     assert store.cached_prefix_now([missing, KEY]) == []
     link = store.chunk_path(missing)  # a symlink is never opened: there, but not cached
@@ -188,10 +203,11 @@ def test_a_network_filesystem_is_never_looked_up_on_the_callers_thread(tmp_path,
     assert store.cached_prefix_now([KEY]) is None
 
 
-def connector_counting_loop_lookups(root, monkeypatch) -> tuple[KVConnector, list[int]]:
+def connector_counting_loop_lookups(root, monkeypatch, residency: DeclaredResidency | None = None,
+                                    ) -> tuple[KVConnector, list[int]]:
     """A connector over a saved file:// store, and the key counts of the lookups its store
     answered on the loop (`prefix_len`), as they come."""
-    conn = saved(KVConnector(f"file://{root}", namespace(), layout=LAYOUT))
+    conn = saved(KVConnector(FileStore(root, residency=residency), namespace(), layout=LAYOUT))
     hops: list[int] = []
     real = conn.store.prefix_len
 
@@ -228,14 +244,14 @@ def test_a_long_lookup_goes_to_the_loop_even_for_a_local_directory(tmp_path, mon
     conn.close()
 
 
-def test_a_lookup_with_the_page_cache_is_answered_here_for_every_rank(tmp_path, monkeypatch):
+def test_a_lookup_with_the_page_cache_is_answered_here_for_every_rank(tmp_path, monkeypatch,
+                                                                     residency):
     """`lookup_cached`: the chunks held for every key list, each with whether its files
     are all cached, in one pass on this thread, counted as a lookup; None (ask the loop)
     for a store that is not a local directory."""
-    conn, hops = connector_counting_loop_lookups(tmp_path, monkeypatch)
+    conn, hops = connector_counting_loop_lookups(tmp_path, monkeypatch, residency)
     keys = keys_of(conn)
-    skip_unless_cached(conn.store.chunk_path(keys[0]))
-    drop_from_page_cache(conn.store.chunk_path(keys[2]))
+    residency.drop(conn.store.chunk_path(keys[2]))
     assert conn.lookup_cached([keys]) == (N, [i != 2 for i in range(N)])
     assert conn.lookup_cached([keys, keys[:3]]) == (3, [True, True, False])  # two ranks
     assert hops == []
@@ -284,10 +300,10 @@ class ThreadEngine(ListEngine):
         self.threads.append(threading.get_ident())
 
 
-def resident_connector(root) -> KVConnector:
-    conn = saved(KVConnector(f"file://{root}", namespace(), layout=LAYOUT))
-    skip_unless_cached(conn.store.chunk_path(keys_of(conn)[0]))
-    return conn
+def resident_connector(root, residency: DeclaredResidency | None = None) -> KVConnector:
+    """A connector over a saved file:// store whose chunks are all declared cached."""
+    store = FileStore(root, residency=DeclaredResidency() if residency is None else residency)
+    return saved(KVConnector(store, namespace(), layout=LAYOUT))
 
 
 def load_all(conn: KVConnector, engine: ListEngine):
@@ -311,10 +327,11 @@ def test_a_cached_load_is_read_and_placed_before_load_async_returns(tmp_path):
     conn.close()
 
 
-def test_chunks_no_longer_cached_are_read_through_chunkio_after_the_cached_ones(tmp_path):
-    conn = resident_connector(tmp_path)
+def test_chunks_no_longer_cached_are_read_through_chunkio_after_the_cached_ones(tmp_path,
+                                                                              residency):
+    conn = resident_connector(tmp_path, residency)
     for key in keys_of(conn)[3:]:
-        drop_from_page_cache(conn.store.chunk_path(key))
+        residency.drop(conn.store.chunk_path(key))
     engine = ListEngine(N)
     handle = load_all(conn, engine)
     assert handle.result(10) == [True] * N

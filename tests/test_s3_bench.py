@@ -3,11 +3,21 @@
 from __future__ import annotations
 
 import argparse
+import functools
 
 import pytest
 
 from bench.s3shape import parse_shape
-from bench.store_s3 import LOOKUP_CHUNKS, LOOKUPS_AT_ONCE, baselines, extras, setup
+from bench.store import measure_store
+from bench.store_s3 import (
+    LOOKUP_CHUNKS,
+    LOOKUPS_AT_ONCE,
+    RAW_GET_NAME,
+    baselines,
+    extras,
+    raw_get_round,
+    setup,
+)
 from storage import open_store
 from tests.s3_fixtures import with_prefix
 from tests.store_helpers import make_chunks
@@ -28,6 +38,18 @@ async def test_baselines_report_put_and_get_rates(moto_s3_url):
     assert [r["name"] for r in rows] == ["boto3 sequential get/put_object",
                                          "boto3 sequential, checksums off"]
     assert all(r["get_gbps"] > 0 and r["put_gbps"] > 0 for r in rows)
+
+
+async def test_plain_boto3_at_the_stores_concurrency_reads_in_the_same_rounds(moto_s3_url):
+    """`bench store` times plain boto3 on N threads (get_object+read+xxh3) on the very
+    objects the store reads, round by round, and reports paired ratios for get and
+    get_into_many beside the sequential baselines."""
+    url = with_prefix(moto_s3_url, touch="0")
+    got = await measure_store(url, 64 * 1024, 3, 2, 2, functools.partial(raw_get_round, url))
+    assert got["raw_same_objects_get_gbps"] > 0
+    assert got["get_ratio_paired"] > 0 and got["get_into_many_ratio_paired"] > 0
+    assert len(got["rounds_gbps"]["raw"]) == len(got["rounds_gbps"]["get"]) == 2
+    assert "N threads" in RAW_GET_NAME
 
 
 async def test_lookups_at_once_are_timed_beside_plain_boto3_heads(moto_s3_url):

@@ -87,6 +87,24 @@ async def test_a_body_that_stalls_or_breaks_midway_is_a_miss_not_corruption(faul
     await store.close()
 
 
+async def test_a_deadline_ends_a_body_stalled_midway_without_waiting_out_the_read_timeout(
+        fault_proxy, ns):
+    """Chunk bodies stream on reader threads, and a thread cannot be cancelled: when the
+    operation's deadline passes, the stalled socket's read side is shut, so the call
+    returns a miss at once rather than after `read_timeout` (here far longer than the
+    deadline). `wait_for` only bounds a hang; it is no timing assertion."""
+    store = open_store(through(fault_proxy, read_timeout="30s", timeout="0.5s", retries="1"))
+    (key, _, blob), = make_chunks(ns, 1, payload_size=2_000_000)
+    assert await store.put(key, blob) is True
+    fault_proxy.set("stall_body")
+    assert await asyncio.wait_for(store.get(key), 15) is None
+    assert await asyncio.wait_for(store.get_into(key, bytearray(len(blob))), 15) is None
+    assert (store.stats()["errors"], store.stats()["corrupt"]) == (2, 0)
+    fault_proxy.set("pass")
+    assert await store.get(key) == blob
+    await store.close()
+
+
 async def test_a_failed_put_raises_store_unavailable(fault_proxy, ns):
     store = open_store(through(fault_proxy))
     (key, _, blob), = make_chunks(ns, 1)
@@ -135,6 +153,18 @@ async def test_breaker_opens_on_a_dead_endpoint_and_recovers(fault_proxy, ns):
     assert store.stats()["breaker"] == "closed"
     assert await store.get(key) == blob
     await store.close()
+
+
+async def test_probe_says_a_failing_endpoint_failed_where_exists_answers_absent(stored, fault_proxy):
+    """An endpoint that resets every connection: `exists` answers "absent" (the hot path's
+    miss), `probe` says the check did not get through; once it passes again, nothing."""
+    store, key, _ = stored
+    assert await store.probe() is None
+    fault_proxy.set("reset")
+    assert await store.exists([key]) == [False]
+    assert await store.probe() is not None
+    fault_proxy.set("pass")
+    assert await store.exists([key]) == [True]
 
 
 async def test_a_failed_probe_reopens_the_breaker(fault_proxy, ns):

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import multiprocessing
+import os
 
 import boto3
 import pytest
@@ -275,3 +277,29 @@ async def test_lookups_at_once_share_one_head_a_key(store, ns):
     asked.clear()
     assert await store.prefix_len(keys) == 3
     assert len(asked) == 4 and store._heads == {}
+
+
+def _read_in_child(store: S3Store, key: str, blob: bytes) -> None:
+    async def read() -> bool:
+        return await asyncio.wait_for(store.get(key), 30) == blob
+
+    os._exit(0 if asyncio.run(read()) else 1)
+
+
+def test_a_forked_child_reads_through_reader_threads_of_its_own(moto_s3_url, ns):
+    """Chunk bodies stream on reader threads, which a forked child does not inherit: a
+    store used before the fork reads in the child too (it would wait forever on its
+    parent's threads)."""
+    store = open_store(with_prefix(moto_s3_url, touch="0"))
+    (key, _, blob), = make_chunks(ns, 1, payload_size=10_000)
+
+    async def parent() -> None:
+        assert await store.put(key, blob) is True
+        assert await store.get(key) == blob
+
+    asyncio.run(parent())
+    child = multiprocessing.get_context("fork").Process(target=_read_in_child,
+                                                         args=(store, key, blob))
+    child.start()
+    child.join(60)
+    assert child.exitcode == 0

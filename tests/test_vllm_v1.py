@@ -33,7 +33,7 @@ from tests.engines_fixtures import (  # noqa: E402
     vllm_config,
     wait_until,
 )
-from tests.test_resident_reads import drop_from_page_cache, page_cached  # noqa: E402
+from tests.pagecache_fixtures import DeclaredResidency  # noqa: E402
 
 pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url, for the s3 store cases
 
@@ -1061,6 +1061,8 @@ def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path, monkey
     thread beside it."""
     if max_layers is not None:
         monkeypatch.setattr("connector.vllm_worker.READ_HERE_MAX_LAYERS", max_layers)
+    # The stores the engines open from the URL: all their chunks declared cached.
+    monkeypatch.setattr("storage.file.PAGE_CACHE", DeclaredResidency())
     beside = step_tokens > READ_HERE_STEP_TOKENS or max_layers is not None
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
@@ -1068,8 +1070,6 @@ def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path, monkey
     src, dst = list(range(1, 8)), list(range(10, 17))
     try:
         write_prompt(writer, src)
-        if not all(page_cached(f) for f in (tmp_path / "kv").rglob("*.kv")):
-            pytest.skip("the kernel cannot say what is in the page cache (cachestat(2))")
         placed_before_layer = []
         ext, recving, errors = read_prompt_layerwise(reader, dst, lambda name: (
             placed_before_layer.append(torch.equal(reader.kv[name][dst[:6]],
@@ -1086,16 +1086,18 @@ def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path, monkey
     assert reader.worker.core.chunk_io.stats()["counters"].get("chunk_reads", 0) == 0
 
 
-def test_auto_loads_a_hit_not_in_the_page_cache_between_steps(tmp_path):
+def test_auto_loads_a_hit_not_in_the_page_cache_between_steps(tmp_path, monkeypatch):
     """A chunk whose pages are not all cached may wait on the disk: the hit loads async,
     through ChunkIO, while other requests compute."""
+    residency = DeclaredResidency()
+    monkeypatch.setattr("storage.file.PAGE_CACHE", residency)  # for the stores the engines open
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_mode="auto")
     try:
         write_prompt(writer, list(range(1, 8)))
         for f in (tmp_path / "kv").rglob("*.kv"):
-            drop_from_page_cache(f)
+            residency.drop(f)
         ext, is_async, errors = read_prompt(reader, list(range(10, 17)))
     finally:
         writer.shutdown()

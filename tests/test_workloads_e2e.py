@@ -10,7 +10,7 @@ import pytest
 from bench.presets import bytes_per_token
 from bench.workloads import add_workload_arguments, run_workload
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 TINY = [
     "--model", "llama-test", "--chunk-tokens", "32", "--always-load",
