@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh clone:
 #   make demo   -- install, then run the end-to-end demo on the embedded default store
-#   make test   -- install, then run ruff and the whole test suite
+#   make test   -- install, then run ruff, mypy (the engine side) and the whole test suite
 #   make test-repeat [N=5] -- the suite's fast part (not marked slow) N times in a row
 #   make compose-check -- start the Docker compose stack for real and check it (Docker needed)
 VENV ?= .venv
@@ -27,6 +27,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest -q
 
 # Each run in a fresh interpreter; the first failing run stops the loop.
@@ -39,6 +40,7 @@ test-repeat: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 bench-store: $(STAMP)
 	$(VENV)/bin/kvstash bench store --store file://$(CURDIR)/.kvstash-bench

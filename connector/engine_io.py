@@ -81,7 +81,12 @@ class StoreLoop:
         if not cpus:
             return
         moved: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self.loop.call_soon_threadsafe(lambda: moved.set_result(run_on(cpus)))
+
+        def move() -> None:
+            run_on(cpus)
+            moved.set_result(None)
+
+        self.loop.call_soon_threadsafe(move)
         moved.result(timeout)
 
     def submit(self, fn: Callable[[Store], Coroutine[Any, Any, T]]) -> concurrent.futures.Future[T]:

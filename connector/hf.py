@@ -15,7 +15,7 @@ Exactness, precisely (checked with torch 2.13.0+cpu and transformers 5.19.0 and 
 3. against one full recompute of the whole prompt they agree within the kernels'
    reduction-order noise (`RECOMPUTE_ULPS`): a suffix-only pass may block its matmuls and
    attention reductions differently from a full pass. They are bit-equal only where the
-   kernels happen to be batch-invariant (the AMD EPYC VMs here, not Intel Xeon ones).
+   kernels happen to be batch-invariant (some CPUs' are, others' not).
 """
 
 from __future__ import annotations
@@ -30,10 +30,10 @@ import torch
 import xxhash
 from transformers import DynamicCache
 
+from connector.buffers import staging_tensor
 from connector.core import KVConnector
 from connector.layout import ChunkLayout
 from connector.policy import PrefillTimer
-from gds.buffers import aligned_empty
 from hashing import Namespace
 
 log = logging.getLogger("kvstash.connector.hf")
@@ -43,10 +43,10 @@ _VOLATILE_CONFIG = ("_name_or_path", "transformers_version", "dtype", "torch_dty
 
 
 # How far a hit's logits may be from one full recompute of the prompt, in units of the
-# dtype's machine epsilon times the largest logit magnitude. Measured on 2-layer random
-# Llama/Qwen2 models (fp32): a prefix computed apart from its suffix moves the logits by up
-# to ~5 eps on AMD EPYC, ~7 eps on Intel Xeon (8.3e-7 at magnitude ~1.4); 32 leaves room
-# for deeper models while a wrong prefix moves them by the logits' own magnitude.
+# dtype's machine epsilon times the largest logit magnitude: a prefix computed apart from
+# its suffix moves the logits by a few epsilons (docs/connector.md, "What a hit
+# guarantees"); 32 leaves room for deeper models while a wrong prefix moves them by the
+# logits' own magnitude.
 RECOMPUTE_ULPS = 32
 
 
@@ -113,11 +113,9 @@ class _PrefixBuffers:
     """Staging memory for the chunks being read and the per-layer K/V they are placed into,
     kept from one load to the next and grown to the largest prefix loaded so far.
 
-    Fresh host memory costs a page fault per 4 KiB page on first touch: on the 2-vCPU VMs
-    here ~110 ms per 224 MiB (~2 GB/s, huge pages or MADV_POPULATE_WRITE made no
-    difference), against 8-17 ms to read or copy into memory already touched. A hit that
-    allocated both buffers anew ran at 0.3-2 GB/s; reusing them is what lets a load run near
-    the store's own read rate.
+    Fresh host memory costs a page fault per 4 KiB page on first touch, slower than reading
+    or copying into memory already touched: reusing the buffers is what lets a load run
+    near the store's own read rate (docs/benchmarks/2026-11-23-ttft-load.md).
 
     Where staging sits is `KVConnector.staging_kind`'s answer: on the GPU when cuFile or
     KvikIO fill it (placing is then a device-side copy); 4 KiB-aligned host memory that
@@ -145,12 +143,7 @@ class _PrefixBuffers:
         return _StagedPrefix(self.layout, self.raw, self.kv)
 
     def _staging(self, n_chunks: int) -> torch.Tensor:
-        shape = (n_chunks, self.layout.payload_nbytes)
-        if self.kind == "device":
-            return torch.empty(shape, dtype=torch.uint8, device=self.device)
-        if self.kind == "direct":
-            return aligned_empty(shape)
-        return torch.empty(shape, dtype=torch.uint8, pin_memory=self.device.type == "cuda")
+        return staging_tensor(self.kind, (n_chunks, self.layout.payload_nbytes), self.device)
 
     def release(self, cache: Any) -> None:
         """After the forward pass: forget the K/V buffer if `cache` still holds any of it."""
@@ -270,7 +263,6 @@ class CachedPrefill:
         connector.bind_layout(self.layout)
         self._buffers: _PrefixBuffers | None = None
         self._layer_load: Any = None
-        self._timers: list[PrefillTimer] = []  # forward passes not yet observed
         self.last_hit_tokens = 0
         self.last_cached_tokens = 0
         # Wall seconds of the last call: "cache" (lookup, load, placement), "compute" (the
@@ -337,26 +329,26 @@ class CachedPrefill:
             # A layer of some chunk failed while the forward ran: that output used a wrong
             # prefix. Recompute the whole prompt (the staging may still be written: dropped).
             log.warning("layerwise load fell short; computing the whole prompt")
-            self._buffers.raw = None
+            self._drop_staging()
             hit, cache = 0, None
             timer = PrefillTimer(total, ids.device)
             out = self.model(ids, use_cache=True, **kwargs)
             timer.stop()
         t2 = time.perf_counter()
-        if cache is not None:
+        if cache is not None and self._buffers is not None:
             self._buffers.release(out.past_key_values)
-        self._observe(timer)
+        # The policy learns what the forward cost once its time is known (on a GPU once its
+        # kernels are done: the Python call returns before).
+        self.connector.prefill_timed(timer)
         self.last_hit_tokens = hit
         self._save(tokens, out.past_key_values, hit)
         self.last_timings = {"cache": t1 - t0, "compute": t2 - t1, "save": time.perf_counter() - t2}
         return out
 
-    def _observe(self, timer: PrefillTimer) -> None:
-        """Tell the policy what the forward passes cost, each once its time is known (on a
-        GPU once its kernels are done: the Python call returns before)."""
-        self._timers.append(timer)
-        for done in PrefillTimer.finished(self._timers):
-            self.connector.observe_prefill(done.tokens, done.seconds())
+    def _drop_staging(self) -> None:
+        """Reads may still be landing in the staging memory: the next load takes new."""
+        if self._buffers is not None:
+            self._buffers.raw = None
 
     def _save(self, tokens: np.ndarray, cache: Any, hit: int) -> None:
         if cache is None or len(tokens) // self.connector.chunk_tokens * self.connector.chunk_tokens <= hit:

@@ -3,8 +3,8 @@
 Both sides are measured online. Every load reports bytes and seconds (store GB/s as the
 engine sees it, placement included); every prefill reports computed tokens and seconds.
 What a load saves is the marginal cost of the tokens it skips, not their average: a
-forward has a fixed part (on a GPU, launching kernels: a 1.5B model on an H100 prefilled
-4096 tokens in 28 ms and a 512-token suffix in 17-45 ms), so `PrefillModel` fits
+forward has a fixed part (on a GPU, launching kernels: a short suffix can take as long
+as a long prompt, docs/benchmarks/2026-11-27-gpu-rerun.md), so `PrefillModel` fits
 `seconds = fixed + tokens / tokens_per_s` to forwards of different sizes. A stored prefix
 of n tokens is worth loading when `n * bytes_per_token / GBps < n / tokens_per_s`. Before
 the first measurement the policy is optimistic (storage is usually orders of magnitude
@@ -45,8 +45,8 @@ class PrefillModel:
     """Prefill time as `fixed + tokens / tokens_per_s`, learnt from the forwards an engine
     reports. Forwards are kept by size class (a power of two of tokens, the last `keep` of
     each); a class speaks once it holds `min_samples`, through its lower median, so one
-    slow forward (the first of a shape compiles or warms kernels: 1.09 s against 22 ms on
-    an H100) is outvoted rather than averaged in. Two classes or more give the fit's
+    slow forward (the first of a shape compiles or warms kernels: tens of times the
+    others) is outvoted rather than averaged in. Two classes or more give the fit's
     slope; with one, `tokens_per_s` is that class's average rate (no fixed part assumed);
     with none yet, every forward's rate as it came, exponentially weighted."""
 
@@ -67,7 +67,7 @@ class PrefillModel:
 
     def _points(self) -> list[tuple[float, float]]:
         """(tokens, seconds) of each size class that speaks: its lower medians."""
-        out = []
+        out: list[tuple[float, float]] = []
         for samples in self._sizes.values():
             if len(samples) >= self.min_samples:
                 mid = (len(samples) - 1) // 2

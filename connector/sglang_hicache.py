@@ -15,12 +15,13 @@ The backend runs on the engine core, `connector.KVConnector`: lookups behind its
 breaker, verified reads (key, layout, checksum) through direct reads where the store has
 them, writes through its write-behind queue, one set of counters (`stats()`). SGLang's
 cache controller decides what to prefetch, so the core's load-vs-recompute policy does
-not apply here; its deadline does (`timeout_s`).
+not apply here; its deadline does (`load_deadline_s`: the bound of one batch).
 
 Threading contract (SGLang's): the cache controller calls `batch_exists`,
 `batch_get_v1` and `batch_set_v1` from its prefetch and backup threads, never from the
 scheduler, and expects them to return when the I/O is done; each call is one batch on
-the core, bounded by `timeout_s`. A failure is a False for that page (SGLang then stops
+the core, bounded by `lookup_timeout_s` (an existence check) or the load deadline (a read
+or a write: `KVConnector.max_load_wait_s`). A failure is a False for that page (SGLang then stops
 the hit there), never an exception.
 """
 
@@ -36,13 +37,19 @@ from sglang.srt.mem_cache.hicache_storage import (
     HiCacheStorageExtraInfo,
 )
 
-from connector.core import KVConnector
+from connector.buffers import BufferPool, staging_tensor
+from connector.core import Buffers, KVConnector
 from connector.layout import EngineLayout
+from connector.options import CoreOptions
 from hashing import Namespace, keys_from_block_hashes
 
 log = logging.getLogger("kvstash.connector.sglang")
 
 FORMAT = "sglang-hicache-v1"
+WHERE = "hicache-storage-backend-extra-config"
+# `timeout_s`, the former name of both `lookup_timeout_s` and `load_deadline_s`, is still
+# read (with a warning).
+DEPRECATED = {"timeout_s": ("lookup_timeout_s", "load_deadline_s")}
 
 
 def hicache_namespace(
@@ -62,7 +69,8 @@ def hicache_namespace(
 
 class KvstashHiCache(HiCacheStorage):
     """Extra config (besides the hook's three): `store` (URL or list of URLs), `salt`,
-    `timeout_s` (deadline of one batch, default 10), `max_in_flight` (default 16)."""
+    and the core's options every adapter takes (connector.options: `lookup_timeout_s`,
+    `load_deadline_s`, `max_in_flight`, `breaker_*`). Other keys are SGLang's."""
 
     def __init__(self, storage_config: HiCacheStorageConfig, kwargs: dict | None = None):
         extra = storage_config.extra_config or {}
@@ -72,11 +80,12 @@ class KvstashHiCache(HiCacheStorage):
             )
         self.config = storage_config
         self.salt = str(extra.get("salt", ""))
-        self.timeout_s = float(extra.get("timeout_s", 10.0))
-        self.max_in_flight = int(extra.get("max_in_flight", 16))
+        self.options = CoreOptions.parse(extra, WHERE, aliases=DEPRECATED)
         self.ns: Namespace | None = None
         self.store_urls = extra["store"]
         self.core: KVConnector | None = None
+        self._pages: BufferPool | None = None  # read staging, kept between batches
+        self._pages_max = 0  # the most pages one batch has read
 
     def register_mem_pool_host(self, mem_pool_host: Any) -> None:
         super().register_mem_pool_host(mem_pool_host)
@@ -88,9 +97,15 @@ class KvstashHiCache(HiCacheStorage):
         self.core = KVConnector(
             self.store_urls, self.ns,
             layout=EngineLayout.of(self.page_nbytes, engine=FORMAT),
-            max_in_flight=self.max_in_flight, lookup_timeout_s=self.timeout_s,
+            **self.options.core_kwargs(),
         )
+        self._pages = BufferPool(self._page_buffer, lambda: self._pages_max)
         log.info("SGLang HiCache storage on %s, namespace %s", self.core.store, self.ns.id)
+
+    @property
+    def _core(self) -> KVConnector:
+        assert self.core is not None, "register_mem_pool_host must come first"
+        return self.core
 
     def stats(self) -> dict[str, Any]:
         """The engine core's counters and state (connector.core.COUNTERS)."""
@@ -100,26 +115,32 @@ class KvstashHiCache(HiCacheStorage):
         assert self.ns is not None, "register_mem_pool_host must come first"
         return keys_from_block_hashes(keys, self.ns)
 
-    def _read(self, keys: list[str], pages: list[torch.Tensor]) -> list[bool]:
-        """Read, verify and copy pages into `pages` (host memory), within `timeout_s`."""
-        return self.core.read(self._keys(keys), pages, timeout=self.timeout_s)
+    def _read(self, keys: list[str], pages: list[torch.Tensor]) -> tuple[list[bool], bool]:
+        """Read, verify and copy pages into `pages` (host memory), within the load
+        deadline: per page whether it was read, and whether every read has ended (a read
+        cut short by the deadline may yet write its page)."""
+        core = self._core
+        wait_s = core.max_load_wait_s
+        handle = core.load_async(self._keys(keys), [()] * len(keys), Buffers(pages), wait_s)
+        ok = handle.result(wait_s + 1.0)
+        return ok, handle.done() and not handle.stalled
 
     def _write(self, keys: list[str], payload: Any) -> list[bool]:
-        """Write pages through the core's queue; waits up to `timeout_s` for the answer."""
-        future = self.core.write(self._keys(keys), None, payload)
+        """Write pages through the core's queue; waits up to the load deadline for the
+        answer."""
+        core = self._core
+        wait_s = core.max_load_wait_s
+        future = core.write(self._keys(keys), None, payload)
         try:
-            return future.result(self.timeout_s)
+            return future.result(wait_s)
         except Exception as exc:  # noqa: BLE001 - storage trouble is a miss, never an error
             log.warning("HiCache storage on %s: write not done in %.1f s: %s",
-                        self.core.store, self.timeout_s, exc or type(exc).__name__)
+                        core.store, wait_s, exc or type(exc).__name__)
             return [False] * len(keys)
 
     def _page_buffer(self) -> torch.Tensor:
-        if self.core.reads_direct:
-            from gds.buffers import aligned_empty
-
-            return aligned_empty(self.page_nbytes)
-        return torch.empty(self.page_nbytes, dtype=torch.uint8)
+        kind = "direct" if self._core.reads_direct else "host"
+        return staging_tensor(kind, self.page_nbytes, torch.device("cpu"))
 
     # -- the interface SGLang's cache controller uses -----------------------------------
 
@@ -137,7 +158,7 @@ class KvstashHiCache(HiCacheStorage):
     def batch_exists(
         self, keys: list[str], extra_info: HiCacheStorageExtraInfo | None = None,
     ) -> int:
-        return self.core.lookup_async(self._keys(keys)).result()
+        return self._core.lookup_async(self._keys(keys)).result()
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor,
@@ -145,11 +166,17 @@ class KvstashHiCache(HiCacheStorage):
     ) -> list[bool]:
         pool = self.mem_pool_host
         starts = [int(x) for x in host_indices[:: pool.page_size]]
-        pages = [self._page_buffer() for _ in keys]
-        ok = self._read(keys, pages)
+        free = self._pages
+        assert free is not None, "register_mem_pool_host must come first"
+        self._pages_max = max(self._pages_max, len(keys))
+        pages = [free.take() for _ in keys]
+        ok, ended = self._read(keys, pages)
         for i, good in enumerate(ok):
             if good:
                 pool.set_from_flat_data_page(starts[i], pages[i].view(pool.dtype))
+        if ended:  # no read is still writing them
+            for page in pages:
+                free.give(page)
         return ok
 
     def batch_set_v1(
@@ -173,7 +200,7 @@ class KvstashHiCache(HiCacheStorage):
         self, key: str, target_location: Any = None, target_sizes: Any = None,
     ) -> torch.Tensor | None:
         out = self._page_buffer()
-        if not self._read([key], [out])[0]:
+        if not self._read([key], [out])[0][0]:
             return None
         page = out.view(self.mem_pool_host.dtype)
         if target_location is not None:

@@ -19,7 +19,7 @@ The tier runs on the engine core, `connector.KVConnector`: existence checks behi
 circuit breaker, verified loads (key, layout, checksum) through direct reads where the
 store has them, write-behind stores, one set of counters (`KvstashTier.stats()`). vLLM's
 offloading manager decides what to load, so the core's load-vs-recompute policy does
-not apply here; its deadline does (`timeout_s`).
+not apply here; its deadline does (`load_deadline_s`).
 
 Threading contract (vLLM's): every method runs in the scheduler process under the tiering
 manager's lock and must not block. `lookup` answers RETRY while an existence check is
@@ -58,11 +58,18 @@ from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManag
 from connector.core import Buffers, KVConnector, LoadHandle
 from connector.engine_io import StoreSpec
 from connector.layout import EngineLayout
+from connector.options import CORE_OPTIONS, CoreOptions, check_known
 from hashing import Namespace, keys_from_block_hashes
 
 log = logging.getLogger("vllm.kvstash.tier")  # vLLM shows only loggers under "vllm"
 
 FORMAT = "vllm-offload-v1"
+
+# The tier's own options, besides the core's (connector.options) and vLLM's `type`,
+# `module_path` and `backpressure`. `timeout_s`, the former name of both
+# `lookup_timeout_s` and `load_deadline_s`, is still read (with a warning).
+TIER_OPTIONS = frozenset({"store", "salt", "enable_kv_events", "locality"})
+DEPRECATED = {"timeout_s": ("lookup_timeout_s", "load_deadline_s")}
 
 
 def tier_namespace(spec: OffloadingSpec, page_bytes: int, salt: str = "") -> Namespace:
@@ -110,17 +117,17 @@ class _StoreLookups(AsyncLookupManager):
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         # Runs on vLLM's lookup thread, so waiting here never blocks the scheduler; a
         # timeout or store error raises, and the base class turns the batch into misses.
-        return self._tier.core.exists(self._tier.store_keys(keys), self._tier.timeout_s)
+        return self._tier.core.exists(self._tier.store_keys(keys))
 
 
 class KvstashTier(SecondaryTierManager):
     """Secondary tier over a kvstash store. Tier options (besides vLLM's `type`,
     `module_path`, `backpressure`): `store` (a URL or a list of URLs, fastest first),
-    `salt` (isolates tenants sharing one store), `max_in_flight` (concurrent chunk I/O
-    per job), `timeout_s` (the deadline of one existence check), `enable_kv_events`
-    (publish BlockStored with medium STORAGE for pages this tier wrote, so KV-aware
-    routers index storage hits; needs vLLM's --kv-events-config too), `locality`
-    (LOCAL or REMOTE, as for vLLM's own tiers)."""
+    `salt` (isolates tenants sharing one store), `enable_kv_events` (publish BlockStored
+    with medium STORAGE for pages this tier wrote, so KV-aware routers index storage hits;
+    needs vLLM's --kv-events-config too), `locality` (LOCAL or REMOTE, as for vLLM's own
+    tiers), and the core's options every adapter takes (connector.options:
+    `lookup_timeout_s`, `load_deadline_s`, `max_in_flight`, `breaker_*`)."""
 
     medium: ClassVar[Medium] = Medium.STORAGE
 
@@ -131,12 +138,14 @@ class KvstashTier(SecondaryTierManager):
         tier_type: str,
         store: StoreSpec = "",
         salt: str = "",
-        max_in_flight: int = 16,
-        timeout_s: float = 5.0,
         enable_kv_events: bool = False,
         locality: str | None = None,
         backpressure_detector: BackpressureDetector | None = None,
+        **options: Any,
     ):
+        where = f"secondary tier {tier_type!r}"
+        check_known(options, CORE_OPTIONS | TIER_OPTIONS | set(DEPRECATED), where)
+        core_options = CoreOptions.parse(options, where, aliases=DEPRECATED)
         super().__init__(offloading_spec, primary_kv_view, tier_type, backpressure_detector)
         self.locality = Locality(locality) if locality is not None else None
         if not store:
@@ -144,7 +153,6 @@ class KvstashTier(SecondaryTierManager):
                 f"secondary tier {tier_type!r} needs a 'store' URL (e.g. file:///mnt/kv)"
             )
         self.ns = tier_namespace(offloading_spec, self.block_size_bytes, salt)
-        self.timeout_s = float(timeout_s)
         self._pages = primary_kv_view.cast("B")
         self._jobs: dict[JobId, _Job] = {}
         self._events: list[OffloadingEvent] | None = (
@@ -153,7 +161,7 @@ class KvstashTier(SecondaryTierManager):
         )
         self.core = KVConnector(
             store, self.ns, layout=EngineLayout.of(self.block_size_bytes, engine=FORMAT),
-            max_in_flight=int(max_in_flight), lookup_timeout_s=self.timeout_s,
+            **core_options.core_kwargs(),
         )
         self._lookups = _StoreLookups(self)
         log.info("vLLM offloading tier %s on %s, namespace %s",
@@ -206,8 +214,7 @@ class KvstashTier(SecondaryTierManager):
         keys = list(job_metadata.keys)
         pages = [self._page(c) for c in job_metadata.chunk_ids]
         store_keys = self.store_keys(keys)
-        handle = self.core.load_async(store_keys, [()] * len(keys), Buffers(pages),
-                                      deadline_s=self.timeout_s)
+        handle = self.core.load_async(store_keys, [()] * len(keys), Buffers(pages))
         self._jobs[job_metadata.job_id] = _Job(keys, True, handle, time.monotonic())
 
     @override

@@ -167,3 +167,19 @@ def test_per_key_interface_round_trips(store_url):
         assert storage.get(page_keys(list(range(1, 17)))[0]) is None
     finally:
         storage.close()
+
+
+@pytest.mark.parametrize("option, message", [
+    ({"lookup_timeout_s": -1}, "lookup_timeout_s=-1 must be a positive number"),
+    ({"max_in_flight": "many"}, "max_in_flight='many' must be a positive whole number"),
+])
+def test_bad_options_are_refused_at_start_in_the_line_every_adapter_gives(option, message):
+    """The backend takes the core's options under the names the vLLM connector and tier
+    use (connector.options), checked the same way."""
+    config = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=False,
+        model_name="test/tiny-llama", extra_config={"store": "memory://", **option},
+    )
+    with pytest.raises(ValueError, match=f"^hicache-storage-backend-extra-config: {message}"):
+        KvstashHiCache(config)

@@ -199,3 +199,29 @@ def test_written_pages_are_announced_as_storage_events(tmp_path):
 def test_store_url_is_required():
     with pytest.raises(ValueError, match="needs a 'store' URL"):
         new_manager("")
+
+
+@pytest.mark.parametrize("option, message", [
+    ({"max_in_flight": 0}, "max_in_flight=0 must be a positive whole number"),
+    ({"lookup_timeout_s": "soon"}, "lookup_timeout_s='soon' must be a positive number"),
+    ({"lookup_timeout": 2}, r"unknown option 'lookup_timeout' \(did you mean 'lookup_timeout_s'\?\)"),
+])
+def test_bad_options_are_refused_at_start_in_the_line_every_adapter_gives(option, message):
+    """The tier takes the core's options under the names the vLLM connector and SGLang use
+    (connector.options), checked the same way."""
+    config = offloading_config("memory://")
+    config.extra_config["secondary_tiers"][0].update(option)
+    with pytest.raises(ValueError, match=f"^secondary tier 'KvstashTier': {message}") as err:
+        TieringOffloadingSpec(config).get_manager()
+    assert "\n" not in str(err.value)
+
+
+def test_timeout_s_still_sets_the_lookup_timeout_and_the_load_deadline(caplog):
+    """`timeout_s`, the tier's former name for both, is read with a deprecation warning."""
+    manager = new_manager("memory://")  # offloading_config sets timeout_s=10
+    (tier,) = manager.secondary_tiers
+    try:
+        assert (tier.core.lookup_timeout_s, tier.core.load_deadline_s) == (10, 10)
+        assert "timeout_s is deprecated" in caplog.text
+    finally:
+        manager.shutdown()

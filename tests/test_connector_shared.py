@@ -1,0 +1,105 @@
+"""What the core offers every engine adapter besides loads: staging pools, in-flight
+de-duplication of loads and saves, the exit flush, and the policy fed from counters."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import numpy as np
+import pytest
+
+from connector import ChunkLayout, KVConnector
+from connector.buffers import BufferPool
+from connector.exit_flush import ExitFlush
+from connector.inflight import InFlightLoads
+from hashing import Namespace
+
+LAYOUT = ChunkLayout(layers=2, kv_heads=2, head_dim=8, chunk_tokens=16, dtype="float32")
+
+
+def connector(**kwargs) -> KVConnector:
+    ns = Namespace(model="m", dtype=LAYOUT.dtype, layout=LAYOUT.name, chunk_tokens=16)
+    return KVConnector("memory://", ns, layout=LAYOUT, **kwargs)
+
+
+def test_a_buffer_pool_keeps_what_it_is_given_up_to_its_bound_and_only_what_fits():
+    made = []
+    bound = [2]
+    pool = BufferPool(lambda: made.append(bytearray(8)) or made[-1], lambda: bound[0],
+                      fits=lambda buf: len(buf) == 8)
+    a, b, c = pool.take(), pool.take(), pool.take()
+    assert len(made) == 3
+    for buf in (a, b, c, bytearray(4)):
+        pool.give(buf)
+    assert len(pool) == 2 and all(len(buf) == 8 for buf in pool)
+    assert pool.take() in (a, b) and len(made) == 3  # reused, not made
+    bound[0] = 3  # the bound may grow (the most one step used)
+    pool.give(c)
+    assert len(pool) == 2
+
+
+def test_a_chunk_being_loaded_is_waited_for_by_other_requests_not_by_its_own():
+    loads = InFlightLoads(max_wait_s=60.0)
+    loads.claim("first", [b"h1", b"h2"])
+    assert loads.loaded_by_another(b"h2", "second")
+    assert not loads.loaded_by_another(b"h2", "first")
+    assert not loads.loaded_by_another(b"h3", "second")
+    loads.release("second", [b"h1"])  # not its claim: stays
+    assert loads.loaded_by_another(b"h1", "second")
+    loads.release("first", [b"h1", b"h2"])
+    assert not loads and not loads.loaded_by_another(b"h1", "second")
+    stale = InFlightLoads(max_wait_s=0.0)  # never waited for past its bound
+    stale.claim("first", [b"h1"])
+    assert not stale.loaded_by_another(b"h1", "second")
+
+
+def test_a_chunk_being_written_is_known_until_its_write_ends():
+    core = connector()
+    try:
+        keys = core.keys(np.arange(32))[0]
+        done = core.write(keys, None, lambda i: np.zeros(LAYOUT.payload_nbytes, np.uint8))
+        assert core.writing(keys[0]) in (done, None)  # None once it has already ended
+        assert done.result(10) == [True, True]
+        assert core.writing(keys[0]) is None and core.writing(keys[1]) is None
+    finally:
+        core.close()
+
+
+def test_the_policy_learns_from_another_process_counters_without_counting_them_again():
+    core = connector()
+    try:
+        core.learn_from({"prefill_tokens": 4096, "prefill_seconds": 2.0,
+                         "loads": 1, "hit_bytes": 10**9, "load_seconds": 0.5})
+        stats = core.stats()
+        assert stats["prefill_tokens"] == 0 and stats["hit_bytes"] == 0
+        assert stats["store_gbps_estimate"] == pytest.approx(2.0)
+        assert core.lookup_patience_s(2048, floor_s=0.0) == pytest.approx(1.0)
+        assert core.lookup_patience_s(16, floor_s=0.25) == 0.25
+    finally:
+        core.close()
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
+                    reason="signal handlers are set from the main thread only")
+def test_a_stop_signal_writes_queued_saves_then_runs_the_handler_that_was_there():
+    core = connector(save_delay_s=0.5)  # queued saves wait a little before they are written
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(
+        (signum, core.save_pending_bytes)))
+    flush = ExitFlush(core, timeout_s=10.0)
+    try:
+        flush.install()
+        keys, _ = core.keys(np.arange(32))
+        core.write(keys, None, lambda i: np.ones(LAYOUT.payload_nbytes, np.uint8))
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)  # what the signal runs
+        assert seen == [(signal.SIGTERM, 0)]  # flushed first, then the old handler
+        assert core.exists(keys) == [True, True]
+        flush.remove()
+        assert signal.getsignal(signal.SIGTERM) is not previous  # the test's handler is back
+        signal.getsignal(signal.SIGTERM)(signal.SIGTERM, None)
+        assert len(seen) == 2
+    finally:
+        flush.remove()
+        signal.signal(signal.SIGTERM, previous)
+        core.close()
