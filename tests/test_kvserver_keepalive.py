@@ -4,17 +4,13 @@ stay referenced by the keep-alive timer until that timer would have fired."""
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import socket
 import struct
-import threading
 import time
-from collections.abc import Iterator
-
-import uvicorn
 
 from kvserver.protocol import BoundedHeadProtocol
+from tests.test_kvserver_sendfile import serving
 
 CONNECTIONS = 50
 
@@ -25,27 +21,6 @@ async def small_app(scope, receive, send):
     await send({"type": "http.response.start", "status": 200,
                 "headers": [(b"content-length", b"2")]})
     await send({"type": "http.response.body", "body": b"ok"})
-
-
-@contextlib.contextmanager
-def serving(app, keep_alive_s: float) -> Iterator[int]:
-    """uvicorn with kvserver's protocol on a free loopback port, in a thread: the port."""
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, http=BoundedHeadProtocol, log_level="warning",
-                                           lifespan="off", timeout_keep_alive=keep_alive_s))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 10
-        while not server.started:
-            assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.02)
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
 
 
 def live_protocols() -> int:
@@ -65,7 +40,8 @@ def reset_after_one_request(port: int) -> None:
 
 def test_a_reset_keep_alive_connection_is_released_at_once():
     before = live_protocols()
-    with serving(small_app, keep_alive_s=120) as port:  # no keep-alive timer fires here
+    with serving(small_app, timeout_keep_alive=120) as url:  # no keep-alive timer fires here
+        port = int(url.rsplit(":", 1)[1])
         for _ in range(CONNECTIONS):
             reset_after_one_request(port)
         deadline = time.monotonic() + 3.0

@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -177,12 +178,13 @@ def test_tls_connections_are_not_offered_sendfile_and_still_get_exact_bytes(tmp_
 
 
 @contextlib.contextmanager
-def serving(app) -> Iterator[str]:
-    """uvicorn with kvserver's protocol on a free loopback port, in a thread."""
+def serving(app, **config: Any) -> Iterator[str]:
+    """uvicorn with kvserver's protocol on a free loopback port, in a thread (`config`:
+    more of uvicorn's settings)."""
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, http=BoundedHeadProtocol, log_level="warning",
-                                           lifespan="off"))
+                                           lifespan="off", **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
