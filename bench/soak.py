@@ -486,6 +486,44 @@ async def scenario_loss_s3(budget: float, seaweed: SeaweedProcess, seed: int) ->
 # -- load ---------------------------------------------------------------------------------
 
 
+async def mixed_client(store: Any, seed: int, n: int, deadline: float,
+                       stored: list[tuple[str, bytes]],
+                       pick: Callable[[random.Random, int], tuple[str, bytes]],
+                       out: Outcome, latencies: list[float]) -> None:
+    """Client `n`'s loop until `deadline` on `store`: of every four operations, one PUT of a
+    fresh 64 KiB chunk, one lookup of every `stored` key (all must be found) and two GETs
+    of a chunk `pick` chooses (the exact bytes or a counted loss); every failure counted."""
+    r = random.Random(seed * 1000 + n)
+    op = 0
+    while time.monotonic() < deadline:
+        started = time.perf_counter()
+        try:
+            if op % 4 == 3:
+                await store.put(*chunk_for(seed + 1, n * 100_000 + op, 64 * 1024))
+            elif op % 4 == 2:
+                if await store.prefix_len([k for k, _ in stored]) != len(stored):
+                    out.violate("a lookup missed stored keys")
+            else:
+                key, blob = pick(r, op)
+                got = await store.get(key)
+                if got != blob:
+                    out.wrong += got is not None
+                    out.lost += got is None
+                    out.violate(f"get {key}: {'miss' if got is None else 'wrong bytes'}")
+        except Exception as exc:  # noqa: BLE001 - every failure is counted
+            out.violate(f"client error: {exc!r}")
+        latencies.append(time.perf_counter() - started)
+        op += 1
+    await store.close()
+
+
+async def sample_rss(pid: int, rss: list[int], deadline: float) -> None:
+    """Append the RSS of process `pid` to `rss` every 0.5 s until `deadline`."""
+    while time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+        rss.append(rss_bytes(pid))
+
+
 async def scenario_load_http(budget: float, work: Path, seed: int, clients: int) -> Outcome:
     from storage.http import HttpStore
 
@@ -503,38 +541,12 @@ async def scenario_load_http(budget: float, work: Path, seed: int, clients: int)
         latencies: list[float] = []
         deadline = time.monotonic() + budget
 
-        async def client(n: int) -> None:
-            store = HttpStore(server.url, pool=1)
-            r = random.Random(seed * 1000 + n)
-            op = 0
-            while time.monotonic() < deadline:
-                started = time.perf_counter()
-                try:
-                    if op % 4 == 3:
-                        key, blob = chunk_for(seed + 1, n * 100_000 + op, 64 * 1024)
-                        await store.put(key, blob)
-                    elif op % 4 == 2:
-                        if await store.prefix_len([k for k, _ in preload]) != len(preload):
-                            out.violate("a lookup missed stored keys")
-                    else:
-                        key, blob = r.choice(preload)
-                        got = await store.get(key)
-                        if got != blob:
-                            out.wrong += got is not None
-                            out.lost += got is None
-                            out.violate(f"get {key}: {'miss' if got is None else 'wrong bytes'}")
-                except Exception as exc:  # noqa: BLE001 - every failure is counted
-                    out.violate(f"client error: {exc!r}")
-                latencies.append(time.perf_counter() - started)
-                op += 1
-            await store.close()
+        def pick(r: random.Random, op: int) -> tuple[str, bytes]:
+            return r.choice(preload)
 
-        async def sample_rss() -> None:
-            while time.monotonic() < deadline:
-                await asyncio.sleep(0.5)
-                rss.append(rss_bytes(server.pid))
-
-        await asyncio.gather(sample_rss(), *(client(n) for n in range(clients)))
+        await asyncio.gather(sample_rss(server.pid, rss, deadline), *(
+            mixed_client(HttpStore(server.url, pool=1), seed, n, deadline, preload, pick,
+                         out, latencies) for n in range(clients)))
         out.requests = len(latencies)
         out.latency = percentiles(latencies)
         out.notes["server_rss_mib"] = {"start": rss[0] / MiB, "peak": max(rss) / MiB,
@@ -1161,37 +1173,12 @@ async def scenario_slow_clients(budget: float, work: Path, seed: int) -> Outcome
         for t in threads:
             t.start()
 
-        async def client(n: int) -> None:
-            store = HttpStore(server.url, pool=1, timeout=10.0)
-            r = random.Random(seed * 1000 + n)
-            op = 0
-            while time.monotonic() < deadline:
-                started = time.perf_counter()
-                try:
-                    if op % 4 == 3:
-                        await store.put(*chunk_for(seed + 1, n * 100_000 + op, 64 * 1024))
-                    elif op % 4 == 2:
-                        if await store.prefix_len([k for k, _ in small]) != len(small):
-                            out.violate("a lookup missed stored keys")
-                    else:
-                        key, blob = r.choice(small if op % 8 else big)
-                        got = await store.get(key)
-                        if got != blob:
-                            out.wrong += got is not None
-                            out.lost += got is None
-                            out.violate(f"get {key}: {'miss' if got is None else 'wrong bytes'}")
-                except StoreError as exc:
-                    out.violate(f"client error: {exc!r}")
-                latencies.append(time.perf_counter() - started)
-                op += 1
-            await store.close()
+        def pick(r: random.Random, op: int) -> tuple[str, bytes]:
+            return r.choice(small if op % 8 else big)
 
-        async def sample_rss() -> None:
-            while time.monotonic() < deadline:
-                await asyncio.sleep(0.5)
-                rss.append(rss_bytes(server.pid))
-
-        await asyncio.gather(sample_rss(), *(client(n) for n in range(normal)))
+        await asyncio.gather(sample_rss(server.pid, rss, deadline), *(
+            mixed_client(HttpStore(server.url, pool=1, timeout=10.0), seed, n, deadline, small,
+                         pick, out, latencies) for n in range(normal)))
         for t in threads:
             await asyncio.to_thread(t.join, give_up + 10)
         stored = {p.stem for p in chunk_files(root) if p.suffix == ".kv"}
