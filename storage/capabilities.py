@@ -2,11 +2,14 @@
 
 A caller asks `isinstance(store, SupportsX)` instead of testing for a backend class or
 reaching for its attributes; a store that lacks the capability is served through the base
-protocol (or, in the store contract tests, skipped with the reason).
+protocol (or, in the store contract tests, skipped with the reason). A wrapper (a tier
+list, a tenant scope) has a capability only where what it wraps has it, so the answer is
+never a claim it cannot keep.
 
 - `SupportsBlobFiles`: a server sends a verified chunk without copying it through Python
   (`open_blob` may hand over an open file for sendfile(2) or descriptor passing;
-  `get_blob_into` fills a reusable buffer). file://, memory://, tiers whose first tier has it.
+  `get_blob_into` fills a reusable buffer). file://, memory://, tier lists whose first tier
+  has it, tenant scopes of a backend that has it.
 - `SupportsGC`: `gc(capacity)` evicts down to a bound from a fresh scan (`kvstash gc`).
   file:// and s3://.
 - `SupportsRootUsage`: `root_usage()` scans the whole root, tenants included (`kvstash stat`).
@@ -16,6 +19,8 @@ protocol (or, in the store contract tests, skipped with the reason).
   bounce buffers, O_DIRECT into host memory), each header checked against its key.
   file://, and tier lists whose first tier is file:// (what that tier lacks is read from
   the tiers below into host memory, and copied to the destination's device).
+- `SupportsRangeReads`: a chunk's header, then byte ranges of its payload (one layer at a
+  time). file://, memory://, s3://, http://, and tier lists whose every tier has it.
 - `SupportsResidentReads`: a chunk whose bytes are all in this host's page cache is read on
   the calling thread, where handing it to an I/O thread would cost more than the copy; so
   is a lookup (`prefix_len_now`); and a chunk is read one segment (layer) at a time on a

@@ -6,9 +6,10 @@ combines tiers, so a prefix split across tiers still counts as one hit.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from storage.base import BlobFile, Store, check_blob
 from storage.capabilities import SupportsBlobFiles, SupportsDirectReads, SupportsRangeReads
@@ -22,10 +23,14 @@ LIST_BATCH = 1024  # keys of a lower tier checked against the tiers above at a t
 
 
 class TieredStore(Store):
+    """Tiers, fastest first. A tier list has a capability only where its tiers do, and
+    `TieredStore(tiers)` is the class that has those (`tier_class`): it sends blobs and
+    reads directly into device buffers where its first tier can (`SupportsBlobFiles`,
+    `SupportsDirectReads`), and reads ranges where every tier can (`SupportsRangeReads`)."""
+
     def __new__(cls, tiers: Sequence[Store]) -> TieredStore:
-        # A tier list reads directly into device buffers when its first tier can.
-        if cls is TieredStore and tiers and isinstance(tiers[0], SupportsDirectReads):
-            cls = DirectTieredStore
+        if cls is TieredStore:
+            cls = tier_class(tiers)
         return super().__new__(cls)
 
     def __init__(self, tiers: Sequence[Store]):
@@ -91,27 +96,6 @@ class TieredStore(Store):
         self.counters["misses"] += 1
         return None
 
-    async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
-        return await self._first_tier_blob(key, out, send_file=False)  # type: ignore[return-value]
-
-    async def open_blob(self, key: str, out: Any) -> memoryview | BlobFile | None:
-        """The first tier's answer (a file to send, where it can give one); a miss there
-        reads the lower tiers as `get` does."""
-        return await self._first_tier_blob(key, out, send_file=True)
-
-    async def _first_tier_blob(self, key: str, out: Any,
-                               send_file: bool) -> memoryview | BlobFile | None:
-        first = self.tiers[0]
-        if not isinstance(first, SupportsBlobFiles):
-            blob = await self.get(key)
-            return None if blob is None else memoryview(blob).cast("B")
-        got = await (first.open_blob(key, out) if send_file else first.get_blob_into(key, out))
-        if got is None:
-            blob = await self._get_from(1, key)
-            return None if blob is None else memoryview(blob).cast("B")
-        self._count_get(got.size if isinstance(got, BlobFile) else got.nbytes)
-        return got
-
     async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
         self.counters["gets"] += 1
         return await self._get_into_from(0, key, out)
@@ -131,25 +115,6 @@ class TieredStore(Store):
                 return header
         self.counters["misses"] += 1
         return None
-
-    # -- ranged reads (SupportsRangeReads): from the first tier that has the chunk ---------
-
-    async def read_header(self, key: str) -> ChunkHeader | None:
-        for tier in self.tiers:
-            if isinstance(tier, SupportsRangeReads):
-                header = await tier.read_header(key)
-                if header is not None:
-                    return header
-        return None
-
-    async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
-        # Chunks are immutable: any tier holding the key holds these bytes (the caller's
-        # segment checksum says whether they are).
-        for tier in self.tiers:
-            if isinstance(tier, SupportsRangeReads) and await tier.read_range_into(
-                    key, header, offset, out):
-                return True
-        return False
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         per_tier = await asyncio.gather(*(t.exists(keys) for t in self.tiers))
@@ -206,7 +171,66 @@ class TieredStore(Store):
             await t.close()
 
 
-class DirectTieredStore(TieredStore):
+class BlobFileTiers(TieredStore):
+    """A tier list whose first tier sends verified blobs (SupportsBlobFiles): its answer
+    where it has the chunk (a file to send, where it can give one), else the lower tiers'
+    as `get` reads them."""
+
+    def __init__(self, tiers: Sequence[Store]):
+        super().__init__(tiers)
+        first = self.tiers[0]
+        if not isinstance(first, SupportsBlobFiles):
+            raise TypeError(f"{first} does not send blobs (SupportsBlobFiles)")
+        self.first_blobs: SupportsBlobFiles = first
+
+    async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
+        got = await self.first_blobs.get_blob_into(key, out)
+        if got is None:
+            return await self._lower_blob(key)
+        self._count_get(got.nbytes)
+        return got
+
+    async def open_blob(self, key: str, out: Any) -> memoryview | BlobFile | None:
+        got = await self.first_blobs.open_blob(key, out)
+        if got is None:
+            return await self._lower_blob(key)
+        self._count_get(got.size if isinstance(got, BlobFile) else got.nbytes)
+        return got
+
+    async def _lower_blob(self, key: str) -> memoryview | None:
+        blob = await self._get_from(1, key)
+        return None if blob is None else memoryview(blob).cast("B")
+
+
+class RangeReadTiers(TieredStore):
+    """A tier list whose every tier reads byte ranges (SupportsRangeReads): from the first
+    tier that has the chunk."""
+
+    def __init__(self, tiers: Sequence[Store]):
+        super().__init__(tiers)
+        self.ranged: list[SupportsRangeReads] = []
+        for tier in self.tiers:
+            if not isinstance(tier, SupportsRangeReads):
+                raise TypeError(f"{tier} does not read ranges (SupportsRangeReads)")
+            self.ranged.append(tier)
+
+    async def read_header(self, key: str) -> ChunkHeader | None:
+        for tier in self.ranged:
+            header = await tier.read_header(key)
+            if header is not None:
+                return header
+        return None
+
+    async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
+        # Chunks are immutable: any tier holding the key holds these bytes (the caller's
+        # segment checksum says whether they are).
+        for tier in self.ranged:
+            if await tier.read_range_into(key, header, offset, out):
+                return True
+        return False
+
+
+class DirectReadTiers(TieredStore):
     """A tier list whose first tier reads directly into device buffers (SupportsDirectReads):
     chunks go there first; what it lacks, or fails to read, is read from the tiers below
     (which promote it) into host memory, and copied to a device destination."""
@@ -286,3 +310,21 @@ class DirectTieredStore(TieredStore):
         while not done.query():  # the caller places it next: the copy must be done
             await asyncio.sleep(0.0002)
         return header
+
+
+@functools.cache  # one class per set of capabilities
+def _combined(caps: tuple[type[TieredStore], ...]) -> type[TieredStore]:
+    if len(caps) == 1:
+        return caps[0]
+    name = "".join(c.__name__.removesuffix("Tiers") for c in caps) + "Tiers"
+    return cast("type[TieredStore]", type(name, caps, {}))
+
+
+def tier_class(tiers: Sequence[Store]) -> type[TieredStore]:
+    """The TieredStore class with the capabilities `tiers` give a tier list."""
+    caps = tuple(c for c, has in (
+        (DirectReadTiers, bool(tiers) and isinstance(tiers[0], SupportsDirectReads)),
+        (BlobFileTiers, bool(tiers) and isinstance(tiers[0], SupportsBlobFiles)),
+        (RangeReadTiers, bool(tiers) and all(isinstance(t, SupportsRangeReads) for t in tiers)),
+    ) if has)
+    return _combined(caps) if caps else TieredStore
