@@ -15,8 +15,9 @@ never a claim it cannot keep.
 - `SupportsRootUsage`: `root_usage()` scans the whole root, tenants included (`kvstash stat`).
   file://.
 - `SupportsDirectReads`: chunk payloads are read straight into destination tensors on any
-  device through the store's own `gds.ChunkIO` (GPUDirect Storage into GPU memory, pinned
-  bounce buffers, O_DIRECT into host memory), each header checked against its key.
+  device through a `gds.ChunkIO` (GPUDirect Storage into GPU memory, pinned bounce buffers,
+  O_DIRECT into host memory), each header checked against its key; the ChunkIO is handed
+  in from above (`gds.enable_direct_reads(store)`), so storage never imports gds.
   file://, and tier lists whose first tier is file:// (what that tier lacks is read from
   the tiers below into host memory, and copied to the destination's device).
 - `SupportsRangeReads`: a chunk's header, then byte ranges of its payload (one layer at a
@@ -37,6 +38,7 @@ if TYPE_CHECKING:
     from storage.base import BlobFile
     from storage.codec import ChunkHeader
     from storage.file import SegmentFile
+    from storage.pagecache import Residency
 
 
 class _NotResident:
@@ -76,11 +78,20 @@ class SupportsRootUsage(Protocol):
 
 @runtime_checkable
 class SupportsDirectReads(Protocol):
-    def enable_direct_reads(self, chunk_io: ChunkIO | None = None, *,
-                            max_in_flight: int = 8) -> ChunkIO:
-        """Read through a ChunkIO from now on and return it: the one given (shared; its
-        owner closes it), else the store's own, built once for its directory (probing the
-        filesystem and the GPU) and closed with the store."""
+    """The ChunkIO is handed in from the layer above (`gds.enable_direct_reads(store)`
+    builds one for `direct_reads_home()`): storage never imports gds."""
+
+    def direct_reads_home(self) -> tuple[str, Residency]:
+        """The directory a ChunkIO for this store probes (filesystem, O_DIRECT, GPU), and
+        the page-cache oracle that decides which of its reads take O_DIRECT."""
+
+    def enable_direct_reads(self, chunk_io: ChunkIO, *, owned: bool = False) -> ChunkIO:
+        """Read through `chunk_io` from now on and return it. `owned`: the store closes it,
+        with itself or when another replaces it; else it is shared and its owner closes it."""
+
+    @property
+    def chunk_io(self) -> ChunkIO | None:
+        """The ChunkIO reads go through, None before `enable_direct_reads`."""
 
     async def read_chunks_into(
         self, keys: Sequence[str], dests: Sequence[Any], *,
@@ -88,6 +99,7 @@ class SupportsDirectReads(Protocol):
     ) -> list[ChunkHeader | None]:
         """Each key's payload into the first bytes of its destination (a tensor on any
         device, or writable host memory); per key its verified header, or None on a miss.
+        Direct reads must be enabled first (a RuntimeError otherwise: a caller's mistake).
         Every read is submitted at once (the ChunkIO runs `max_in_flight` of them, in
         order). `on_done(i, header, why)` runs on an I/O thread as key i settles: `why` is
         None on a hit, else "missing", "corrupt" or "io"; returning False cancels the reads

@@ -9,12 +9,16 @@ import asyncio
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from storage.base import BlobFile, Store, check_blob
 from storage.capabilities import SupportsBlobFiles, SupportsDirectReads, SupportsRangeReads
 from storage.codec import ChunkHeader
 from storage.errors import StoreError
+
+if TYPE_CHECKING:
+    from gds.chunkio import ChunkIO  # the layer above: the type of what it hands in
+    from storage.pagecache import Residency
 
 log = logging.getLogger("kvstash.storage.tiered")
 
@@ -235,12 +239,22 @@ class DirectReadTiers(TieredStore):
     chunks go there first; what it lacks, or fails to read, is read from the tiers below
     (which promote it) into host memory, and copied to a device destination."""
 
-    def enable_direct_reads(self, chunk_io: Any = None, *, max_in_flight: int = 8) -> Any:
-        return self.tiers[0].enable_direct_reads(chunk_io, max_in_flight=max_in_flight)
+    def __init__(self, tiers: Sequence[Store]):
+        super().__init__(tiers)
+        first = self.tiers[0]
+        if not isinstance(first, SupportsDirectReads):
+            raise TypeError(f"{first} does not read directly (SupportsDirectReads)")
+        self.first_direct: SupportsDirectReads = first
+
+    def direct_reads_home(self) -> tuple[str, Residency]:
+        return self.first_direct.direct_reads_home()
+
+    def enable_direct_reads(self, chunk_io: ChunkIO, *, owned: bool = False) -> ChunkIO:
+        return self.first_direct.enable_direct_reads(chunk_io, owned=owned)
 
     @property
-    def chunk_io(self) -> Any:
-        return self.tiers[0].chunk_io
+    def chunk_io(self) -> ChunkIO | None:
+        return self.first_direct.chunk_io
 
     async def read_chunks_into(
         self, keys: Sequence[str], dests: Sequence[Any], *,
@@ -279,7 +293,7 @@ class DirectReadTiers(TieredStore):
             return on_done(i, header, why) if on_done is not None else None
 
         try:
-            await self.tiers[0].read_chunks_into(keys, dests, on_done=landed)
+            await self.first_direct.read_chunks_into(keys, dests, on_done=landed)
             await asyncio.sleep(0)  # let the hand-offs from the I/O threads start
             while lower:
                 await asyncio.gather(*list(lower), return_exceptions=True)
@@ -292,24 +306,10 @@ class DirectReadTiers(TieredStore):
     async def _lower_into(self, key: str, dest: Any) -> ChunkHeader | None:
         """`key` read through the tiers below the first (promoting it) into `dest`; a CUDA
         destination is filled from pinned host memory, as for any S3 or HTTP store."""
-        from gds.buffers import host_view, is_cuda
-
-        if not is_cuda(dest):
-            return await self._get_into_from(1, key, host_view(dest))
-        import torch
-
-        size = dest.numel() * dest.element_size()
-        staging = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        header = await self._get_into_from(1, key, host_view(staging))
-        if header is None:
-            return None
-        flat = dest.detach().reshape(-1).view(torch.uint8)
-        flat[: header.payload_len].copy_(staging[: header.payload_len], non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(dest.device))
-        while not done.query():  # the caller places it next: the copy must be done
-            await asyncio.sleep(0.0002)
-        return header
+        io = self.chunk_io
+        if io is None:
+            raise RuntimeError(f"{self}: direct reads are not enabled (gds.enable_direct_reads)")
+        return await io.fill_through_host(dest, lambda host: self._get_into_from(1, key, host))
 
 
 @functools.cache  # one class per set of capabilities
