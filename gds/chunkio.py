@@ -169,6 +169,7 @@ class ChunkIO:
             slots = self._slots()
         with self._device_lock:
             if name not in self._device:
+                backend: BounceBackend | TorchGdsBackend | KvikioBackend
                 if name == "bounce":
                     backend = BounceBackend(
                         self._pool, self.config.piece_bytes, self.config.direct, slots
@@ -300,7 +301,8 @@ class ChunkIO:
             trust = None
         try:
             with OpenFile.for_read(path, self.support) as f:
-                known = trust.known_header(key, f.stat) if trust is not None else None
+                known = (trust.known_header(key, f.stat)
+                         if trust is not None and key is not None else None)
                 header = known or self._read_header(f, key)
                 if f.size != header.total_len:
                     raise ReadError(path, CORRUPT, f"file is {f.size} bytes, header says {header.total_len}")
@@ -313,7 +315,7 @@ class ChunkIO:
                 if self.config.verify == "checksum" and known is None:
                     checksum = header.payload_checksum
                 self._read_payload(f, header.header_len, header.payload_len, dest, ready, checksum)
-                if trust is not None and checksum is not None:
+                if trust is not None and key is not None and checksum is not None:
                     trust.note_verified(key, f.stat, header)
         except ReadError as exc:
             self._failed(exc)
@@ -360,10 +362,12 @@ class ChunkIO:
         results = await asyncio.gather(
             *(asyncio.wrap_future(f) for f in self.submit_reads(ranges)), return_exceptions=True
         )
+        out: list[int | ReadError] = []
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, ReadError):
                 raise r
-        return results
+            out.append(r)
+        return out
 
     async def read(self, path: str | os.PathLike, offset: int, length: int, dest: Any) -> int:
         return await asyncio.wrap_future(self.submit_read(path, offset, length, dest))

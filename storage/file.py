@@ -949,6 +949,7 @@ class FileStore(Store):
                 self._touch(key, path, st)
                 file, fd = BlobFile(fd, st.st_size), -1  # the caller closes it now
                 return file
+            blob: memoryview | bytes
             if out is not None and out.nbytes >= st.st_size:
                 blob = out[: read_into_at(fd, out[: st.st_size], 0)]
             else:
@@ -1007,7 +1008,7 @@ class FileStore(Store):
             # An unchanged, already verified file needs its header neither read nor parsed.
             known = self.known_header(key, st)
             header, read = known, False
-            if header is None and st.st_size == HEADER_SIZE + room:
+            if header is None and parts is not None and st.st_size == HEADER_SIZE + room:
                 # A chunk of the asked size with the usual 4 KiB header: header and
                 # payload in one read. A longer header is read again below, and so is
                 # its payload where it still fits `parts`.
@@ -1732,7 +1733,7 @@ class SegmentFile:
             self._fail(exc)
             return False
 
-    def _fail(self, exc: Exception) -> None:
+    def _fail(self, exc: ChunkError | OSError) -> None:
         self._failed = True
         if isinstance(exc, ChunkError):
             self.store._quarantine(self.key, self._path, str(exc))

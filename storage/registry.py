@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from typing import Protocol
 
 from storage.base import Store
 from storage.errors import ConfigError
@@ -22,7 +23,13 @@ BACKENDS = {
 FSSPEC_PREFIX = "fsspec+"
 
 
-def _backend_class(scheme: str) -> type:
+class Backend(Protocol):
+    """A backend class: opens its store from a parsed URL (one-line ConfigError if bad)."""
+
+    def from_url(self, u: StoreURL) -> Store: ...
+
+
+def _backend_class(scheme: str) -> Backend:
     target = BACKENDS.get(scheme)
     if target is None and scheme.startswith(FSSPEC_PREFIX):
         target = "storage.fsspec_store:FsspecStore"

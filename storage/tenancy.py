@@ -115,7 +115,7 @@ class TenantStore(Store):
     def watch(self, callback: Any) -> None:
         self.scope.watch(callback)  # the scope's own changes, evictions for others included
 
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: str) -> bytes | bytearray | None:
         return await self.scope.get(key)
 
     async def get_into(self, key: str, out: Any) -> ChunkHeader | None:

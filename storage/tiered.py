@@ -75,20 +75,29 @@ class TieredStore(Store):
             for upper in self.tiers[:hit_tier]:
                 self._spawn(upper, key, blob)
 
-    def watch(self, callback: Any) -> None:
+    def watch(self, callback: Callable[[str, str], None]) -> None:
         """A tier list reports what its first tier stores and what its last tier drops (a
         chunk evicted from a faster tier is still in the list below it)."""
         seen = {id(self.tiers[0]), id(self.tiers[-1])}
         if len(seen) == 1:
             self.tiers[0].watch(callback)
             return
-        self.tiers[0].watch(lambda event, key: event == "stored" and callback(event, key))
-        self.tiers[-1].watch(lambda event, key: event == "removed" and callback(event, key))
 
-    async def get(self, key: str) -> bytes | None:
+        def stored(event: str, key: str) -> None:
+            if event == "stored":
+                callback(event, key)
+
+        def removed(event: str, key: str) -> None:
+            if event == "removed":
+                callback(event, key)
+
+        self.tiers[0].watch(stored)
+        self.tiers[-1].watch(removed)
+
+    async def get(self, key: str) -> bytes | bytearray | None:
         return await self._get_from(0, key)
 
-    async def _get_from(self, first: int, key: str) -> bytes | None:
+    async def _get_from(self, first: int, key: str) -> bytes | bytearray | None:
         self.counters["gets"] += 1
         for i in range(first, len(self.tiers)):
             blob = await self.tiers[i].get(key)
