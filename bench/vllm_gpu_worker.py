@@ -135,7 +135,7 @@ class _Bench:
             worker.clear_connector_metadata()
             if not worker.flush(120):
                 raise RuntimeError("the writer's saves were not written within 120 s")
-            keys = worker._keys(refs, 0)
+            keys = worker.connector_worker.keys(refs, 0)
             want = [t[:, ids].view(torch.int16).cpu() for t in kv.values()]
             return keys, want
         finally:
