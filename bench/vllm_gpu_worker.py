@@ -118,7 +118,7 @@ class _Bench:
     def spin(self, ms: float) -> None:
         self.torch.cuda._sleep(int(ms * self.cycles_per_ms))
 
-    def save(self) -> tuple[str, list[Any]]:
+    def save(self) -> tuple[list[str], list[Any]]:
         """The writer: a step whose forward writes the chunks' blocks, then saves them."""
         torch = self.torch
         worker, kv = self.worker()
