@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh clone:
 #   make demo   -- install, then run the end-to-end demo on the embedded default store
-#   make test   -- install, then run ruff, mypy (the engine side) and the whole test suite
+#   make test   -- install, then run ruff, mypy (the package code) and the whole test suite
 #   make test-repeat [N=5] -- the suite's fast part (not marked slow) N times in a row
 #   make compose-check -- start the Docker compose stack for real and check it (Docker needed)
 VENV ?= .venv

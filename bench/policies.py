@@ -6,7 +6,7 @@ size. The contract, for one key at a time:
 
 - `key in policy`: is it resident?
 - `policy.hit(key)`: a resident key was used again.
-- `policy.insert(key) -> list[str]`: offer a missing key; returns the keys that leave the
+- `policy.insert(key) -> list[key]`: offer a missing key; returns the keys that leave the
   cache as a result (victims, and `key` itself when the policy declines to admit it).
 
 Policies here:
@@ -24,11 +24,15 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Hashable
+from typing import Any, Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)  # a chunk's key: a store key, or a trace's block id
 
 POLICIES = ("lru", "s3fifo", "fifo", "unlimited")
 
 
-class EvictionPolicy(ABC):
+class EvictionPolicy(ABC, Generic[K]):
     """Decides residency of equal-sized chunks under a capacity of `capacity` chunks."""
 
     name: str = ""
@@ -39,56 +43,56 @@ class EvictionPolicy(ABC):
         self.capacity = capacity
 
     @abstractmethod
-    def __contains__(self, key: str) -> bool: ...
+    def __contains__(self, key: object) -> bool: ...
 
     @abstractmethod
     def __len__(self) -> int: ...
 
     @abstractmethod
-    def hit(self, key: str) -> None: ...
+    def hit(self, key: K) -> None: ...
 
     @abstractmethod
-    def insert(self, key: str) -> list[str]: ...
+    def insert(self, key: K) -> list[K]: ...
 
 
-class Unlimited(EvictionPolicy):
+class Unlimited(EvictionPolicy[K]):
     name = "unlimited"
 
     def __init__(self, capacity: int | None = None):
         self.capacity = capacity or 0
-        self._keys: set[str] = set()
+        self._keys: set[K] = set()
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._keys
 
     def __len__(self) -> int:
         return len(self._keys)
 
-    def hit(self, key: str) -> None:
+    def hit(self, key: K) -> None:
         return None
 
-    def insert(self, key: str) -> list[str]:
+    def insert(self, key: K) -> list[K]:
         self._keys.add(key)
         return []
 
 
-class LRU(EvictionPolicy):
+class LRU(EvictionPolicy[K]):
     name = "lru"
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self._order: OrderedDict[str, None] = OrderedDict()
+        self._order: OrderedDict[K, None] = OrderedDict()
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._order
 
     def __len__(self) -> int:
         return len(self._order)
 
-    def hit(self, key: str) -> None:
+    def hit(self, key: K) -> None:
         self._order.move_to_end(key)
 
-    def insert(self, key: str) -> list[str]:
+    def insert(self, key: K) -> list[K]:
         self._order[key] = None
         victims = []
         while len(self._order) > self.capacity:
@@ -96,14 +100,14 @@ class LRU(EvictionPolicy):
         return victims
 
 
-class FIFO(LRU):
+class FIFO(LRU[K]):
     name = "fifo"
 
-    def hit(self, key: str) -> None:
+    def hit(self, key: K) -> None:
         return None
 
 
-class S3FIFO(EvictionPolicy):
+class S3FIFO(EvictionPolicy[K]):
     """S3-FIFO: small FIFO -> main FIFO with counters, plus a ghost FIFO of keys only.
 
     A new key enters the small queue, unless the ghost queue remembers it (it was evicted
@@ -120,22 +124,22 @@ class S3FIFO(EvictionPolicy):
     def __init__(self, capacity: int):
         super().__init__(capacity)
         self.small_capacity = max(1, int(capacity * self.SMALL_FRACTION))
-        self._small: OrderedDict[str, None] = OrderedDict()
-        self._main: OrderedDict[str, None] = OrderedDict()
-        self._ghost: OrderedDict[str, None] = OrderedDict()
-        self._freq: dict[str, int] = {}
+        self._small: OrderedDict[K, None] = OrderedDict()
+        self._main: OrderedDict[K, None] = OrderedDict()
+        self._ghost: OrderedDict[K, None] = OrderedDict()
+        self._freq: dict[K, int] = {}
 
-    def __contains__(self, key: str) -> bool:
+    def __contains__(self, key: object) -> bool:
         return key in self._freq
 
     def __len__(self) -> int:
         return len(self._freq)
 
-    def hit(self, key: str) -> None:
+    def hit(self, key: K) -> None:
         self._freq[key] = min(self._freq[key] + 1, self.MAX_FREQ)
 
-    def insert(self, key: str) -> list[str]:
-        victims: list[str] = []
+    def insert(self, key: K) -> list[K]:
+        victims: list[K] = []
         while len(self._freq) >= self.capacity:
             victims.append(self._evict())
         self._freq[key] = 0
@@ -146,14 +150,14 @@ class S3FIFO(EvictionPolicy):
             self._small[key] = None
         return victims
 
-    def _evict(self) -> str:
+    def _evict(self) -> K:
         if len(self._small) >= self.small_capacity or not self._main:
             victim = self._evict_small()
             if victim is not None:
                 return victim
         return self._evict_main()
 
-    def _evict_small(self) -> str | None:
+    def _evict_small(self) -> K | None:
         """Drain the small queue until one key is evicted (None: all promoted to main)."""
         while self._small:
             key, _ = self._small.popitem(last=False)
@@ -169,7 +173,7 @@ class S3FIFO(EvictionPolicy):
             return key
         return None
 
-    def _evict_main(self) -> str:
+    def _evict_main(self) -> K:
         while True:
             key, _ = self._main.popitem(last=False)
             freq = self._freq[key]
@@ -181,11 +185,12 @@ class S3FIFO(EvictionPolicy):
             return key
 
 
-def make_policy(name: str, capacity: int | None) -> EvictionPolicy:
+def make_policy(name: str, capacity: int | None) -> EvictionPolicy[Any]:
     """A policy by name; `capacity=None` (or the name `unlimited`) keeps everything."""
     if capacity is None or name == "unlimited":
         return Unlimited()
-    classes = {"lru": LRU, "s3fifo": S3FIFO, "fifo": FIFO}
+    classes: dict[str, type[LRU[Any]] | type[S3FIFO[Any]]] = {"lru": LRU, "s3fifo": S3FIFO,
+                                                              "fifo": FIFO}
     if name not in classes:
         raise ValueError(f"unknown eviction policy {name!r} (known: {', '.join(POLICIES)})")
     return classes[name](capacity)

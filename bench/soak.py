@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -112,8 +113,8 @@ def check_file_root(out: Outcome, root: Path, acked: list[int], seed: int, size:
             out.violate(f"visible chunk {key} does not verify")
     for i in acked:
         key, blob = chunk_for(seed, i, size)
-        path = visible.get(key)
-        if path is None or path.read_bytes() != blob:
+        found = visible.get(key)
+        if found is None or found.read_bytes() != blob:
             out.lost += 1
             out.violate(f"acknowledged put {i} lost")
     out.notes["torn_tmp_files"] = sum(TMP_MARK in p.name for p in chunk_files(root))
@@ -383,7 +384,7 @@ def scenario_loss_http(budget: float, work: Path, seed: int) -> Outcome:
             tokens = np.random.default_rng([seed, cycle]).integers(0, 32000, 128, dtype=np.uint32)
             cycle += 1
             try:
-                conn.save(tokens, lambda i, t=tokens: payload(t, i))
+                conn.save(tokens, functools.partial(payload, tokens))
                 conn.flush(timeout=10)
                 server.kill()
                 out.faults += 1
@@ -391,7 +392,7 @@ def scenario_loss_http(budget: float, work: Path, seed: int) -> Outcome:
                 while time.monotonic() < outage_end:
                     if conn.lookup(tokens) != 0 or conn.load(tokens, 128, Target(), 0.3) != 0:
                         out.violate("a hit while the server was down")
-                    conn.save(tokens[::-1].copy(), lambda i, t=tokens: payload(t, i))
+                    conn.save(tokens[::-1].copy(), functools.partial(payload, tokens))
                     out.requests += 3
                 server.start()
                 started = time.monotonic()
@@ -737,6 +738,12 @@ def scenario_hostile_http(budget: float, work: Path, seed: int) -> Outcome:
         trickle.extend([_raw_status(server.url, b"GET /healthz HTTP/1.1\r\n", bytes_forever),
                         time.monotonic() - started])
 
+    def send_body(s: socket.socket) -> None:
+        s.sendall(blob)
+
+    def send_nothing(s: socket.socket) -> None:
+        return None
+
     try:
         trickler = threading.Thread(target=trickle_head, daemon=True)
         trickler.start()
@@ -747,8 +754,8 @@ def scenario_hostile_http(budget: float, work: Path, seed: int) -> Outcome:
                     extra = (f"Content-Type: application/octet-stream\r\n"
                              f"Content-Length: {len(blob)}\r\n" if method == "PUT" else "")
                     head = f"{method} {target} HTTP/1.1\r\nHost: x\r\n{extra}\r\n".encode()
-                    status = _raw_status(server.url, head, lambda s, m=method: s.sendall(blob)
-                                         if m == "PUT" else None)
+                    status = _raw_status(server.url, head, send_body if method == "PUT"
+                                         else send_nothing)
                     out.inputs += 1
                     if status is None or not 400 <= status < 500:
                         out.violate(f"{method} {target}: status {status}")
@@ -1022,7 +1029,8 @@ async def scenario_events(budget: float, work: Path, seed: int, idle_per_tenant:
                 server.pid)
             cpu_before = 1000 * cpu / max(done, 1)
             followers: dict[str, list[list[str]]] = {t: [] for t in names}
-            readies, refused = [], []
+            readies: list[asyncio.Event] = []
+            refused: list[int] = []
             for tenant, count in [("writer", 2), ("neighbour", 1),
                                   *((t, idle_per_tenant) for t in idle)]:
                 for _ in range(count):

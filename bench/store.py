@@ -22,7 +22,7 @@ from typing import Any
 
 from bench.report import machine, table, write_json
 from hashing import Namespace, chunk_keys
-from storage import encode_chunk, open_store
+from storage import Store, encode_chunk, open_store
 from storage.buffers import host_buffer
 from storage.options import StoreURL
 
@@ -95,6 +95,11 @@ async def _got(get: Awaitable[Any]) -> int | None:
     return None if blob is None else len(blob)
 
 
+async def _got_get(store: Store, key: str) -> int | None:
+    """`_got` of `store.get(key)`."""
+    return await _got(store.get(key))
+
+
 async def _timed(concurrency: int, jobs: Sequence[Callable[[], Awaitable[Any]]]) -> tuple[float, list]:
     sem = asyncio.Semaphore(concurrency)
 
@@ -112,9 +117,10 @@ async def _settle_disk() -> None:
     await asyncio.sleep(0.5)
 
 
-async def measure_store(url: str, size: int, count: int, concurrency: int, rounds: int,
+async def measure_store(url: str | list[str], size: int, count: int, concurrency: int, rounds: int,
                         raw_get_round: Callable[..., float] | None = None,
-                        raw_put_round: Callable[..., float] | None = None) -> dict:
+                        raw_put_round: Callable[..., tuple[float, Callable[[], None]]] | None = None,
+                        ) -> dict[str, Any]:
     """Time puts, then gets of the same chunks, `rounds` times each (median reported).
 
     A scheme's raw baselines run in the same rounds, interleaved with the store's, so both
@@ -129,10 +135,11 @@ async def measure_store(url: str, size: int, count: int, concurrency: int, round
     chunks = make_chunks(size, count, tag)
     nbytes = sum(len(b) for _, b in chunks)
     keys = [k for k, _ in chunks]
-    put_times, raw_put_times = [], []
+    put_times: list[float] = []
+    raw_put_times: list[float] = []
 
     async def put_all(batch: list[tuple[str, bytes]]) -> float:
-        t, wrote = await _timed(concurrency, [lambda k=k, b=b: store.put(k, b) for k, b in batch])
+        t, wrote = await _timed(concurrency, [functools.partial(store.put, k, b) for k, b in batch])
         if not all(wrote):
             raise RuntimeError(f"{store}: {wrote.count(False)} puts reported an existing key")
         return t
@@ -196,7 +203,7 @@ async def measure_store(url: str, size: int, count: int, concurrency: int, round
         # read verifies each payload (timed on its own); later reads of unchanged objects
         # may skip the hash (see the file store's `verify=`).
         await asyncio.sleep(SETTLE_S)
-        first_s, got = await _timed(concurrency, [lambda i=i: store.get_into(keys[i], buffers[i])
+        first_s, got = await _timed(concurrency, [functools.partial(store.get_into, keys[i], buffers[i])
                                                   for i in range(count)])
         await check("first reads", got)
         for _ in range(rounds):
@@ -204,11 +211,11 @@ async def measure_store(url: str, size: int, count: int, concurrency: int, round
                 times["raw"].append(await asyncio.to_thread(raw_get_round, keys, buffers, concurrency))
             # Each blob is used and dropped, as a caller's loop (and the baselines) would:
             # keeping all of them alive would time the first touch of fresh memory instead.
-            t, got = await _timed(concurrency, [lambda k=k: _got(store.get(k)) for k in keys])
+            t, got = await _timed(concurrency, [functools.partial(_got_get, store, k) for k in keys])
             await check("gets", got)
             times["get"].append(t)
             await asyncio.sleep(AFTER_GET_S)
-            t, got = await _timed(concurrency, [lambda i=i: store.get_into(keys[i], buffers[i])
+            t, got = await _timed(concurrency, [functools.partial(store.get_into, keys[i], buffers[i])
                                                 for i in range(count)])
             await check("get_into", got)
             times["get_into"].append(t)
@@ -220,7 +227,7 @@ async def measure_store(url: str, size: int, count: int, concurrency: int, round
             await store.delete(k)
     finally:
         await store.close()
-    out = {
+    out: dict[str, Any] = {
         "put_gbps": nbytes / statistics.median(put_times) / 1e9,
         "first_get_into_gbps": nbytes / first_s / 1e9,
         **{f"{name}_gbps": nbytes / statistics.median(ts) / 1e9
@@ -268,7 +275,7 @@ async def run(args: argparse.Namespace) -> int:
                 if mod is not None:
                     base = await mod.baselines(args, url, size_mib * MiB, args.count, conc)
                 raw = got.pop("raw_same_objects_get_gbps", None)
-                if raw is not None:
+                if mod is not None and raw is not None:
                     base = [{"name": mod.RAW_GET_NAME, "put_gbps": None, "get_gbps": raw,
                              "get_ratio_paired": got.pop("get_ratio_paired"),
                              "get_into_many_ratio_paired": got.pop("get_into_many_ratio_paired")},
@@ -277,7 +284,7 @@ async def run(args: argparse.Namespace) -> int:
                           f"{base[0]['get_ratio_paired']:.2f}x, get_into_many "
                           f"{base[0]['get_into_many_ratio_paired']:.2f}x", flush=True)
                 raw = got.pop("raw_put_gbps", None)
-                if raw is not None:
+                if mod is not None and raw is not None:
                     base = [*base, {"name": mod.RAW_PUT_NAME, "put_gbps": raw, "get_gbps": None,
                                     "put_ratio_paired": got.pop("put_ratio_paired")}]
                 rows.append({"size_mib": size_mib, "concurrency": conc, **got, "baselines": base})

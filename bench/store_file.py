@@ -41,7 +41,7 @@ def _preadv_file(path: Path, payload: memoryview) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
-        iov = [head, payload[: size - HEADER_SIZE]]
+        iov = [memoryview(head), payload[: size - HEADER_SIZE]]
         off = 0
         while off < size:
             n = os.preadv(fd, iov, off)

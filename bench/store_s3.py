@@ -32,6 +32,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from storage.options import StoreURL
+from storage.s3 import S3Store
 from storage.s3_client import S3Options
 
 HEADER = 4096
@@ -109,7 +110,7 @@ def raw_get_round(url: str, keys: list[str], buffers: list[memoryview], concurre
     with _RAW_LOCK:  # made once, untimed: a client costs ~0.4 s to create
         client = _RAW_CLIENTS.get(url)
         fresh = client is None
-        if fresh:
+        if client is None:
             client = _RAW_CLIENTS[url] = _client(opts, "when_required", pool=64)
     names = [opts.prefix + k for k in keys]
 
@@ -167,20 +168,25 @@ async def baselines(args: argparse.Namespace, url: str, size: int, count: int,
 LOOKUPS_AT_ONCE, LOOKUP_CHUNKS = 16, 8
 
 
+class _CountedHeads(S3Store):
+    """The s3:// store, counting the HEADs it sends while `counting` is set."""
+
+    counting = False
+    heads = 0
+
+    async def _head(self, name: str) -> bool:
+        if self.counting:
+            self.heads += 1
+        return await super()._head(name)
+
+
 async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:
     from bench.store import stored_prefix
-    from storage import open_store
 
-    store = open_store(url)
-    opts = S3Options.from_url(StoreURL(url))
+    u = StoreURL(url)
+    opts = S3Options.from_url(u)
+    store = _CountedHeads(opts, u.redacted())
     client = _client(opts, "when_required", pool=LOOKUPS_AT_ONCE)
-    heads = 0
-    head = store._head
-
-    async def counted(name: str) -> bool:
-        nonlocal heads
-        heads += 1
-        return await head(name)
 
     def plain_lookup() -> int:  # a client without sharing: its own HEAD a key
         for i, name in enumerate(names):
@@ -194,7 +200,7 @@ async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:
     try:
         keys = await stored_prefix(store, LOOKUP_CHUNKS)
         names = [store._name(k) for k in keys]
-        store._head = counted
+        store.counting = True
         with ThreadPoolExecutor(LOOKUPS_AT_ONCE) as pool:
             for _ in range(getattr(args, "rounds", 3)):
                 t0 = time.perf_counter()
@@ -206,7 +212,7 @@ async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:
                 plain.append(time.perf_counter() - t0)
                 if set(got) != {LOOKUP_CHUNKS} or set(seen) != {LOOKUP_CHUNKS}:
                     raise RuntimeError(f"lookups saw {got} and {seen} of {LOOKUP_CHUNKS} chunks")
-        store._head = head
+        store.counting = False
         for k in keys:
             await store.delete(k)
     finally:
@@ -215,7 +221,7 @@ async def extras(args: argparse.Namespace, url: str) -> dict[str, Any]:
     rounds = len(mine)
     return {
         "lookups_at_once": LOOKUPS_AT_ONCE,
-        "lookup_heads": heads / rounds,
+        "lookup_heads": store.heads / rounds,
         "plain_boto3_lookup_heads": LOOKUPS_AT_ONCE * LOOKUP_CHUNKS,
         "lookups_ms": statistics.median(mine) * 1e3,
         "plain_boto3_lookups_ms": statistics.median(plain) * 1e3,

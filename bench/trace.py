@@ -29,11 +29,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import time
 import uuid
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -41,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.policies import POLICIES, EvictionPolicy, make_policy
+from bench.policies import POLICIES, EvictionPolicy, K, make_policy
 from bench.presets import PRESETS
 from bench.report import table, write_json
 from hashing import Namespace, keys_from_block_hashes
@@ -122,17 +123,15 @@ def best_achievable(requests: Iterable[TraceRequest]) -> tuple[int, int]:
     return hits, total
 
 
-def admit_request(
-    policy: EvictionPolicy, keys: Sequence[Hashable]
-) -> tuple[list[Hashable], list[Hashable]]:
+def admit_request(policy: EvictionPolicy[K], keys: Sequence[K]) -> tuple[list[K], list[K]]:
     """Show one request to the policy; returns (keys to write, resident keys to delete).
 
     Resident keys are hits (even past a gap: this request rewrites the gap, so they
     become reachable again); missing keys are offered for admission. A key admitted and
     evicted within the same request is neither written nor deleted.
     """
-    admitted: dict[Hashable, None] = {}
-    victims: list[Hashable] = []
+    admitted: dict[K, None] = {}
+    victims: list[K] = []
     for key in reversed(keys):
         if key in policy:
             policy.hit(key)
@@ -176,7 +175,7 @@ class Counts:
         self.evictions += evictions
 
 
-def simulate(requests: Iterable[TraceRequest], policy: EvictionPolicy) -> Counts:
+def simulate(requests: Iterable[TraceRequest], policy: EvictionPolicy[int]) -> Counts:
     """The replay's decisions without a store (block ids are the keys): the planner's model."""
     counts = Counts()
     for r in requests:
@@ -203,6 +202,7 @@ def kv_bytes_per_token(model: str) -> int:
 
 
 def _find_number(doc: Any, name: str) -> float | None:
+    values: Iterable[Any]
     if isinstance(doc, dict):
         if isinstance(doc.get(name), int | float):
             return float(doc[name])
@@ -290,7 +290,7 @@ async def _gather_limited(calls: Sequence[Callable[[], Any]], limit: int) -> lis
 async def replay(
     requests: Sequence[TraceRequest],
     store: Store,
-    policy: EvictionPolicy,
+    policy: EvictionPolicy[str],
     payload_bytes: int,
     *,
     concurrency: int = 8,
@@ -312,7 +312,7 @@ async def replay(
         t0 = time.perf_counter()
         hit = await store.prefix_len(keys)
         t1 = time.perf_counter()
-        blobs = await _gather_limited([lambda k=k: store.get(k) for k in keys[:hit]], concurrency)
+        blobs = await _gather_limited([functools.partial(store.get, k) for k in keys[:hit]], concurrency)
         t2 = time.perf_counter()
         expected = 0
         while expected < len(keys) and keys[expected] in policy:
@@ -326,7 +326,7 @@ async def replay(
             stored.discard(key)
         blobs_out = [encode_chunk(k, tokens, payload) for k in writes]
         wrote = await _gather_limited(
-            [lambda k=k, b=b: store.put(k, b) for k, b in zip(writes, blobs_out, strict=True)],
+            [functools.partial(store.put, k, b) for k, b in zip(writes, blobs_out, strict=True)],
             concurrency,
         )
         t4 = time.perf_counter()
@@ -344,7 +344,7 @@ async def replay(
     if len(stored) != len(policy):
         result.disagreements += 1
     if cleanup:
-        await _gather_limited([lambda k=k: store.delete(k) for k in stored], concurrency)
+        await _gather_limited([functools.partial(store.delete, k) for k in stored], concurrency)
     return result
 
 

@@ -31,12 +31,16 @@ import statistics
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.presets import PRESETS, Preset, get_preset
 
+add_workload_arguments: Callable[[argparse.ArgumentParser], None] | None
+policy_for: Callable[[argparse.Namespace], Any] | None
+run_workload: Callable[[argparse.Namespace], int] | None
 try:
     from bench.workloads import add_workload_arguments, policy_for, run_workload
 except ModuleNotFoundError:

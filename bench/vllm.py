@@ -265,7 +265,7 @@ class Engine:
 
     def close_input(self) -> None:
         """Let the engine leave its loop and shut vLLM down (its queued saves flushed)."""
-        if self.proc is not None:
+        if self.proc is not None and self.proc.stdin is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdin.close()
 
@@ -283,7 +283,8 @@ class Engine:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        proc.stdout.close()
+        if proc.stdout is not None:
+            proc.stdout.close()
 
 
 # -- stores ---------------------------------------------------------------------------------
@@ -610,6 +611,7 @@ class Bench:
         for s in self.stores:
             if engine.startswith(f"{s.scheme}-") and params != KVSTASH_OFF:
                 s.expect(prompts, self.args.chunk_tokens)
+                assert self.watch is not None, "the store watch starts before any request"
                 self.watch.wait_saved(s)
         return answer
 
@@ -657,6 +659,7 @@ class Bench:
                     row.add(answer)
                     if row.kind == "hit" and batch == 1:
                         store = next(s for s in self.stores if s.scheme == row.store)
+                        assert self.watch is not None
                         seconds, nbytes = self.watch.timed_read(store, chunks)
                         row.store_read_s.append(seconds)
                         row.store_read_bytes += nbytes
@@ -754,7 +757,7 @@ def _workload_result(name: str, prompts: Sequence[np.ndarray], rows: Sequence[Ro
 
     stream = [Prompt(str(i), p) for i, p in enumerate(prompts)]
     base, ideal, kv = rows
-    out = {
+    out: dict[str, Any] = {
         "workload": name, "prompts": len(prompts), "tokens": int(sum(map(len, prompts))),
         "reusable_tokens_chunks": sum(reusable_tokens(stream, chunk_tokens)),
         "reusable_tokens_blocks": sum(reusable_tokens(stream, block_size)),
@@ -834,7 +837,7 @@ def format_table(single: list[dict[str, Any]], title: str) -> str:
                     f"request with kvstash off ({_verdict(lo - 1, hi - 1, MISS_TARGET)} <= "
                     f"+{MISS_TARGET:.0%}); {r['ttft_vs_noop_connector'] - 1:+.1%} (CI "
                     f"{nlo - 1:+.1%}..{nhi - 1:+.1%}) vs the no-op connector engine; "
-                    f"{vs_base - 1:+.1%} vs no connector")
+                    f"{r['ttft_vs_no_cache'] - 1:+.1%} vs no connector")
         elif r["kind"] == "off":
             note = (f"{r['ttft_vs_noop_connector'] - 1:+.1%} vs the no-op connector engine: "
                     f"this process against that one")

@@ -118,7 +118,7 @@ class _Bench:
     def spin(self, ms: float) -> None:
         self.torch.cuda._sleep(int(ms * self.cycles_per_ms))
 
-    def save(self) -> tuple[str, list[Any]]:
+    def save(self) -> tuple[list[str], list[Any]]:
         """The writer: a step whose forward writes the chunks' blocks, then saves them."""
         torch = self.torch
         worker, kv = self.worker()
@@ -135,7 +135,7 @@ class _Bench:
             worker.clear_connector_metadata()
             if not worker.flush(120):
                 raise RuntimeError("the writer's saves were not written within 120 s")
-            keys = worker._keys(refs, 0)
+            keys = worker.connector_worker.keys(refs, 0)
             want = [t[:, ids].view(torch.int16).cpu() for t in kv.values()]
             return keys, want
         finally:

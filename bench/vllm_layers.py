@@ -77,6 +77,7 @@ class Proxy:
             [sys.executable, "-m", "bench.s3shape", "--upstream", host_port, "--shape", shape],
             stdout=subprocess.PIPE, text=True, cwd=REPO,
         )
+        assert self.proc.stdout is not None  # stdout=PIPE
         line = self.proc.stdout.readline().split()
         if len(line) != 2 or line[0] != "listening":
             self.stop()
@@ -115,9 +116,12 @@ def _ranged_load_seconds(url: str, keys: list[str], in_flight: int) -> float:
     """Read `keys` as a layerwise load does: every header, then every segment's range,
     segment-major, at most `in_flight` at once, each checked against its checksum. Seconds."""
     from storage import open_store
+    from storage.capabilities import SupportsRangeReads
 
     async def read() -> float:
         store = open_store(url)
+        if not isinstance(store, SupportsRangeReads):
+            raise RuntimeError(f"{store}: no ranged reads (SupportsRangeReads)")
         gate = asyncio.Semaphore(in_flight)
 
         async def bounded(coro: Any) -> Any:
@@ -133,7 +137,7 @@ def _ranged_load_seconds(url: str, keys: list[str], in_flight: int) -> float:
 
             async def one(i: int, s: int) -> None:
                 offset, length, _ = headers[i].segments[s]
-                view = memoryview(bufs[i])[offset : offset + length]
+                view = bufs[i].data[offset : offset + length]
                 if not await bounded(store.read_range_into(keys[i], headers[i], offset, view)):
                     raise RuntimeError(f"range {s} of {keys[i]} missing")
                 headers[i].verify_segment(s, view)

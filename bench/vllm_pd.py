@@ -98,7 +98,7 @@ def measure(args: argparse.Namespace, engines: dict[str, Engine], stores: list,
 def summarize(series: dict[str, list[float]]) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in series.items()}
 
-    def ratio(a: str, b: str) -> dict[str, float]:
+    def ratio(a: str, b: str) -> dict[str, Any]:
         lo, hi = _paired_ci(series[a], series[b])
         return {"median": _paired(series[a], series[b]), "ci": [lo, hi]}
 

@@ -118,7 +118,7 @@ def to_event_extra_keys(extra_keys: list[Any]) -> list[Any] | None:
     return list(extra_keys) or None
 
 
-MODULES = {
+MODULES: dict[str, dict[str, Any]] = {
     "vllm": {},
     "vllm.config": {"VllmConfig": object},
     "vllm.distributed": {},

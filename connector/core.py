@@ -54,6 +54,7 @@ from connector.reads import resolve as _resolve
 from connector.writebehind import SaveJob, WriteBehindQueue
 from gds.buffers import for_gpu, host_view
 from gds.chunkio import run_on
+from gds.filestore import enable_direct_reads
 from hashing import Namespace, chunk_keys, token_array
 from storage.base import Store
 from storage.breaker import CircuitBreaker
@@ -309,7 +310,7 @@ class KVConnector:
     `direct_io`: a store that reads directly into device buffers (`SupportsDirectReads`:
     file://, or a tier list whose first tier is file://) is read that way, straight into
     whatever `LoadTarget.staging` returns, CUDA tensors included. True enables it (the
-    store builds its ChunkIO); a `gds.ChunkIO` is shared with the store; False reads
+    store gets a ChunkIO of its own); a `gds.ChunkIO` is shared with the store; False reads
     through `get_into_many` like every other backend (bytes land in host staging).
 
     `resident_reads`: chunks of a local file:// directory that are all in the page cache
@@ -374,7 +375,7 @@ class KVConnector:
         self.chunk_io: ChunkIO | None = None
         if direct_io is not False and isinstance(self.store, SupportsDirectReads):
             given = None if direct_io is True else direct_io
-            self.chunk_io = self.store.enable_direct_reads(given, max_in_flight=max_in_flight)
+            self.chunk_io = enable_direct_reads(self.store, given, max_in_flight=max_in_flight)
         # One read plan per capability of the store (connector/reads.py), each asked once:
         # a runtime protocol check costs tens of microseconds, and loads ask per chunk.
         reads = ReadContext(self.store, self._loop, max_in_flight, self._count, self._account)

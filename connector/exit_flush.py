@@ -3,19 +3,19 @@
 Engines stop their workers without calling the adapter's shutdown (vLLM's OpenAI server,
 on SIGINT/SIGTERM, aborts its engine core and kills it within seconds), so the flush runs
 from the signal itself, before the handler that was there (which then runs as before),
-and again at interpreter exit; each bounded by `timeout_s`. Signal handlers are set only
-from the main thread and never over one set from outside Python.
+and again at interpreter exit; each bounded by `timeout_s`. The signals are chained as
+kvserver chains its own (`storage.exit_signals.ExitSignals`): only from the main thread,
+never over a handler set from outside Python.
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
-import os
-import signal
-import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from storage.exit_signals import ExitSignals
 
 if TYPE_CHECKING:
     from connector.core import KVConnector
@@ -31,36 +31,16 @@ class ExitFlush:
         self.core = core
         self.timeout_s = timeout_s
         self.log = logger
-        self._handlers: dict[int, tuple[Any, Any]] = {}
+        self._signals = ExitSignals(self.flush_now)
 
     def install(self) -> None:
         atexit.register(self.flush_now)
-        if threading.current_thread() is not threading.main_thread():
-            return
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous = signal.getsignal(sig)
-            if previous is None:  # set from outside Python: leave it alone
-                continue
-
-            def handler(signum: int, frame: Any, previous: Any = previous) -> None:
-                self.flush_now()
-                if callable(previous):
-                    previous(signum, frame)
-                elif previous == signal.SIG_DFL:
-                    signal.signal(signum, signal.SIG_DFL)
-                    os.kill(os.getpid(), signum)
-
-            signal.signal(sig, handler)
-            self._handlers[sig] = (handler, previous)
+        self._signals.install()
 
     def remove(self) -> None:
         """Undo `install`: the atexit hook, and each signal handler still ours."""
         atexit.unregister(self.flush_now)
-        if threading.current_thread() is threading.main_thread():
-            for sig, (handler, previous) in self._handlers.items():
-                if signal.getsignal(sig) is handler:
-                    signal.signal(sig, previous)
-        self._handlers = {}
+        self._signals.remove()
 
     def flush_now(self) -> None:
         """Write what is queued, within `timeout_s`; one log line either way."""

@@ -295,10 +295,6 @@ class KvstashConnector(KVConnectorBase_V1):
         assert isinstance(meta, KvstashMetadata)
         return meta
 
-    def _keys(self, chunks: list[ChunkRef], rank: int) -> list[str]:
-        """`KvstashWorker.keys` (`kvstash bench vllm-gpu-worker` asks the worker it drives)."""
-        return self._worker.keys(chunks, rank)
-
     # -- both -------------------------------------------------------------------------------
 
     def flush(self, timeout: float | None = 30.0) -> bool:

@@ -12,7 +12,12 @@ Nothing here imports torch at import time; see docs/gds.md.
 from gds.buffers import aligned_buffer, aligned_empty
 from gds.chunkio import ChunkIO, IOConfig
 from gds.errors import ChunkIOError, ReadError, WriteError
-from gds.filestore import aread_store_chunks, read_store_chunks, submit_store_chunks
+from gds.filestore import (
+    aread_store_chunks,
+    enable_direct_reads,
+    read_store_chunks,
+    submit_store_chunks,
+)
 from gds.probe import Capabilities, choose_cuda_backend, probe
 
 __all__ = [
@@ -26,6 +31,7 @@ __all__ = [
     "aligned_empty",
     "aread_store_chunks",
     "choose_cuda_backend",
+    "enable_direct_reads",
     "probe",
     "read_store_chunks",
     "submit_store_chunks",

@@ -30,6 +30,7 @@ has verified whole before and that is unchanged since (its `verify=changed` poli
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -37,8 +38,8 @@ import secrets
 import socket
 import threading
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Awaitable, Callable, Collection, Iterable, Sequence
+from concurrent.futures import Future, InvalidStateError, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -168,6 +169,7 @@ class ChunkIO:
             slots = self._slots()
         with self._device_lock:
             if name not in self._device:
+                backend: BounceBackend | TorchGdsBackend | KvikioBackend
                 if name == "bounce":
                     backend = BounceBackend(
                         self._pool, self.config.piece_bytes, self.config.direct, slots
@@ -299,7 +301,8 @@ class ChunkIO:
             trust = None
         try:
             with OpenFile.for_read(path, self.support) as f:
-                known = trust.known_header(key, f.stat) if trust is not None else None
+                known = (trust.known_header(key, f.stat)
+                         if trust is not None and key is not None else None)
                 header = known or self._read_header(f, key)
                 if f.size != header.total_len:
                     raise ReadError(path, CORRUPT, f"file is {f.size} bytes, header says {header.total_len}")
@@ -312,7 +315,7 @@ class ChunkIO:
                 if self.config.verify == "checksum" and known is None:
                     checksum = header.payload_checksum
                 self._read_payload(f, header.header_len, header.payload_len, dest, ready, checksum)
-                if trust is not None and checksum is not None:
+                if trust is not None and key is not None and checksum is not None:
                     trust.note_verified(key, f.stat, header)
         except ReadError as exc:
             self._failed(exc)
@@ -359,10 +362,12 @@ class ChunkIO:
         results = await asyncio.gather(
             *(asyncio.wrap_future(f) for f in self.submit_reads(ranges)), return_exceptions=True
         )
+        out: list[int | ReadError] = []
         for r in results:
             if isinstance(r, BaseException) and not isinstance(r, ReadError):
                 raise r
-        return results
+            out.append(r)
+        return out
 
     async def read(self, path: str | os.PathLike, offset: int, length: int, dest: Any) -> int:
         return await asyncio.wrap_future(self.submit_read(path, offset, length, dest))
@@ -370,6 +375,87 @@ class ChunkIO:
     async def read_chunk(self, path: str | os.PathLike, dest: Any, key: str | None = None,
                          token_ids: Any = None) -> ChunkHeader:
         return await asyncio.wrap_future(self.submit_chunk(path, dest, key, token_ids))
+
+    async def read_chunks_into(
+        self, paths: Sequence[str | os.PathLike], dests: Sequence[Any], keys: Sequence[str],
+        on_done: Callable[[int, ChunkHeader | None, ReadError | None], bool | None], *,
+        trust: VerifiedFiles | None = None,
+    ) -> None:
+        """Read each chunk file into its destination (`submit_chunk`, all submitted at once)
+        and return once `on_done(i, header, failure)` has returned for every one that ran.
+        `on_done` runs on an I/O thread as chunk i settles: (header, None) on a hit, else
+        (None, the ReadError; any other exception, a CUDA error, is logged and reported as
+        an "io" ReadError); returning False cancels the reads not yet started. Cancelled
+        (the caller gave up waiting), no further read starts; a read already running may
+        still write its destination."""
+        futures: list[Future] = []
+        # Set once `on_done` has returned for every chunk. Waiting for the reads themselves
+        # is not enough: a read's other done-callbacks (an awaiter's) run at once from any
+        # thread that adds them after it finished, while the reading thread may still be
+        # inside `on_done` (placing the chunk): the batch would end before its answers.
+        # One future for the batch also wakes the caller's loop once, not once per chunk.
+        settled: Future[None] = Future()
+        left = [len(paths)]
+        lock = threading.Lock()
+
+        def landed(i: int, fut: Future) -> None:
+            try:
+                if fut.cancelled():
+                    return
+                header: ChunkHeader | None = None
+                failure: ReadError | None = None
+                try:
+                    header = fut.result(timeout=0)
+                except ReadError as exc:
+                    failure = exc
+                except Exception as exc:  # noqa: BLE001 - not a ReadError (a CUDA error): a miss
+                    log.warning("direct read of %s failed: %s", paths[i], exc)
+                    failure = ReadError(os.fspath(paths[i]), IO, f"{type(exc).__name__}: {exc}")
+                if on_done(i, header, failure) is False:
+                    for later in futures[i + 1 :]:
+                        later.cancel()
+            finally:
+                with lock:
+                    left[0] -= 1
+                    last = left[0] == 0
+                if last:
+                    # Cancelled (at any moment) when the caller gave up waiting: nobody reads it.
+                    with contextlib.suppress(InvalidStateError):
+                        settled.set_result(None)
+
+        try:
+            for path, dest, key in zip(paths, dests, keys, strict=True):
+                futures.append(self.submit_chunk(path, dest, key, trust=trust))
+            for i, fut in enumerate(futures):  # once the list is whole: `landed` reads it
+                fut.add_done_callback(functools.partial(landed, i))
+            if futures:
+                await asyncio.wrap_future(settled)
+        finally:
+            for f in futures:
+                f.cancel()  # only those not yet started: no read starts after we give up
+
+    async def fill_through_host(
+        self, dest: Any, read: Callable[[memoryview], Awaitable[ChunkHeader | None]],
+    ) -> ChunkHeader | None:
+        """`dest` filled by `read`, which puts a chunk's payload into the host memory it is
+        given and returns its header (None: a miss): `dest` itself where it is host memory;
+        for a CUDA destination, pinned staging that is then copied to it (done when this
+        returns, so the caller may place it at once)."""
+        if not is_cuda(dest):
+            return await read(host_view(dest))
+        import torch
+
+        staging = torch.empty(nbytes(dest), dtype=torch.uint8, pin_memory=True)
+        header = await read(host_view(staging))
+        if header is None:
+            return None
+        flat = dest.detach().reshape(-1).view(torch.uint8)
+        flat[: header.payload_len].copy_(staging[: header.payload_len], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record(torch.cuda.current_stream(dest.device))
+        while not done.query():  # the caller places it next: the copy must be done
+            await asyncio.sleep(0.0002)
+        return header
 
     # -- writes ----------------------------------------------------------------------------
 

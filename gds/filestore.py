@@ -1,5 +1,7 @@
 """Reading a FileStore's chunks straight into destination tensors through ChunkIO.
 
+`enable_direct_reads(store)` hands a store that reads directly (`SupportsDirectReads`:
+file://, a tier list over it) its ChunkIO: gds sits above storage, which never imports it.
 The store's layout (`FileStore.chunk_path`) names the file of each key; ChunkIO verifies
 each header against its key (and token ids, when given) and lands the payload in its
 destination. A failed key is a miss (None), never an exception: absent, evicted, corrupt
@@ -13,25 +15,25 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-from gds.chunkio import ChunkIO
-from gds.errors import CORRUPT, IO, ReadError
+from gds.chunkio import ChunkIO, IOConfig
+from gds.errors import ReadError
+from storage.capabilities import SupportsDirectReads
 from storage.codec import ChunkHeader
 from storage.file import FileStore
 
 
-def settle(store: FileStore, key: str, fut: Future) -> tuple[ChunkHeader | None, str | None]:
-    """A finished ChunkIO read of `key`: (its header, None), or (None, the ReadError's reason)
-    for a miss. The store is told either way, as if it had read the chunk itself: a hit
-    refreshes its LRU place, a corrupt file is quarantined, a missing one forgotten.
-    Exceptions other than ReadError (a bug, a CUDA error) propagate."""
-    try:
-        header = fut.result(timeout=0)
-    except ReadError as exc:
-        store.record_read(key, None, corrupt=exc.detail if exc.reason == CORRUPT else None,
-                          error=exc.reason == IO)
-        return None, exc.reason
-    store.record_read(key, header.total_len)
-    return header, None
+def enable_direct_reads(store: SupportsDirectReads, chunk_io: ChunkIO | None = None, *,
+                        max_in_flight: int = 8) -> ChunkIO:
+    """Turn on `store`'s direct reads and return the ChunkIO they go through: `chunk_io`
+    (shared: its owner closes it), else the store's own, built once for its directory
+    (probing the filesystem and the GPU) and closed with the store."""
+    if chunk_io is not None:
+        return store.enable_direct_reads(chunk_io)
+    if store.chunk_io is not None:
+        return store.chunk_io
+    root, residency = store.direct_reads_home()
+    own = ChunkIO(IOConfig(max_in_flight=max_in_flight), probe_dir=root, residency=residency)
+    return store.enable_direct_reads(own, owned=True)
 
 
 def submit_store_chunks(io: ChunkIO, store: FileStore, keys: Sequence[str], dests: Sequence[Any],

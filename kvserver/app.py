@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
-import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI
@@ -29,6 +27,7 @@ from kvserver.routes import admin, chunks, events, health, lookups
 from kvserver.services import Services
 from kvserver.status import mount_status
 from storage.base import Store
+from storage.exit_signals import ExitSignals
 
 # Documents the token in the OpenAPI document; the gate has checked it before any route.
 BEARER = HTTPBearer(auto_error=False, description="a token from the server's tokens file")
@@ -36,37 +35,6 @@ BEARER = HTTPBearer(auto_error=False, description="a token from the server's tok
 TENANT_ROUTERS = ((chunks.router, AUTH_ERRORS), (chunks.heads, AUTH_ERRORS_NO_BODY),
                   (lookups.router, AUTH_ERRORS), (admin.router, AUTH_ERRORS),
                   (events.router, AUTH_ERRORS))
-
-
-@contextmanager
-def on_exit_signals(action: Callable[[], None]) -> Iterator[None]:
-    """Within the block, SIGINT and SIGTERM run `action` (from the signal handler: it
-    must only hand work to a loop) before the handlers already there (uvicorn's, which
-    start its graceful shutdown). Nothing outside the main thread, where Python runs
-    signal handlers (a test client's app, say)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    installed: dict[int, Any] = {}
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        previous = signal.getsignal(sig)
-
-        def handler(signum: int, frame: Any, previous: Any = previous) -> None:
-            action()
-            if callable(previous):
-                previous(signum, frame)
-            elif previous == signal.SIG_DFL:
-                signal.signal(signum, signal.SIG_DFL)
-                signal.raise_signal(signum)
-
-        signal.signal(sig, handler)
-        installed[sig] = (handler, previous)
-    try:
-        yield
-    finally:
-        for signum, (handler, previous) in installed.items():
-            if signal.getsignal(signum) is handler:  # uvicorn restores its own predecessors
-                signal.signal(signum, previous)
 
 
 @asynccontextmanager
@@ -83,7 +51,7 @@ async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         def end_streams() -> None:
             loop.call_soon_threadsafe(svc.events.end_streams)
 
-        with on_exit_signals(end_streams):
+        with ExitSignals(end_streams):
             yield
     finally:
         trimmer.cancel()

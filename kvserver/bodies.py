@@ -129,9 +129,8 @@ class ViewResponse(Response):
             owned = n if self.release is _nothing else max(n - 2 * PIECE, 0)
             for start in range(0, n, PIECE):
                 piece = self.view[start : min(start + PIECE, n)]
-                if start + piece.nbytes > owned:
-                    piece = bytes(piece)
-                await send({"type": "http.response.body", "body": piece,
+                body = bytes(piece) if start + piece.nbytes > owned else piece
+                await send({"type": "http.response.body", "body": body,
                             "more_body": start + PIECE < n})
             if n == 0:
                 await send({"type": "http.response.body", "body": b"", "more_body": False})

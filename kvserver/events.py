@@ -302,7 +302,7 @@ class ZmqPublisher:
 
         self._batch, self._stored, self._removed = _structs()
         self._encode = msgspec.msgpack.Encoder().encode
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.PUB)
         self._sock.setsockopt(zmq.SNDHWM, hwm)
         self._sock.setsockopt(zmq.LINGER, 0)

@@ -39,9 +39,9 @@ def path_refusal(scope: dict) -> str | None:
     if found is not None:
         return (f"request path holds an encoded separator ({found.group().decode()}): "
                 "path segments never contain '/' or '\\'")
-    found = _CONTROL_OR_BACKSLASH.search(scope["path"])
-    if found is not None:
-        return (f"request path holds a control character or backslash ({found.group()!r}); "
+    bad = _CONTROL_OR_BACKSLASH.search(scope["path"])
+    if bad is not None:
+        return (f"request path holds a control character or backslash ({bad.group()!r}); "
                 "a chunk path is /v1/chunks/<16 hex>/<32 hex>")
     return None
 

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import HTMLResponse, JSONResponse
@@ -85,7 +85,7 @@ class StatusSources:
     rates: Rates
     started: float
 
-    def viewer(self, request: Request) -> str | None | bool:
+    def viewer(self, request: Request) -> str | None | Literal[False]:
         """The tenant whose figures the request may see, ALL, or False (refused)."""
         if self.tokens is None:
             return ALL

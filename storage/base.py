@@ -169,7 +169,7 @@ class Store(ABC):
         returns (callers reuse their buffers), so one it holds on to is copied."""
 
     @abstractmethod
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: str) -> bytes | bytearray | None:
         """The verified blob (bytes, or a bytearray the store filled in place), or None
         (absent, corrupt, unreachable)."""
 

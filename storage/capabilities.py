@@ -2,20 +2,26 @@
 
 A caller asks `isinstance(store, SupportsX)` instead of testing for a backend class or
 reaching for its attributes; a store that lacks the capability is served through the base
-protocol (or, in the store contract tests, skipped with the reason).
+protocol (or, in the store contract tests, skipped with the reason). A wrapper (a tier
+list, a tenant scope) has a capability only where what it wraps has it, so the answer is
+never a claim it cannot keep.
 
 - `SupportsBlobFiles`: a server sends a verified chunk without copying it through Python
   (`open_blob` may hand over an open file for sendfile(2) or descriptor passing;
-  `get_blob_into` fills a reusable buffer). file://, memory://, tiers whose first tier has it.
+  `get_blob_into` fills a reusable buffer). file://, memory://, tier lists whose first tier
+  has it, tenant scopes of a backend that has it.
 - `SupportsGC`: `gc(capacity)` evicts down to a bound from a fresh scan (`kvstash gc`).
   file:// and s3://.
 - `SupportsRootUsage`: `root_usage()` scans the whole root, tenants included (`kvstash stat`).
   file://.
 - `SupportsDirectReads`: chunk payloads are read straight into destination tensors on any
-  device through the store's own `gds.ChunkIO` (GPUDirect Storage into GPU memory, pinned
-  bounce buffers, O_DIRECT into host memory), each header checked against its key.
+  device through a `gds.ChunkIO` (GPUDirect Storage into GPU memory, pinned bounce buffers,
+  O_DIRECT into host memory), each header checked against its key; the ChunkIO is handed
+  in from above (`gds.enable_direct_reads(store)`), so storage never imports gds.
   file://, and tier lists whose first tier is file:// (what that tier lacks is read from
   the tiers below into host memory, and copied to the destination's device).
+- `SupportsRangeReads`: a chunk's header, then byte ranges of its payload (one layer at a
+  time). file://, memory://, s3://, http://, and tier lists whose every tier has it.
 - `SupportsResidentReads`: a chunk whose bytes are all in this host's page cache is read on
   the calling thread, where handing it to an I/O thread would cost more than the copy; so
   is a lookup (`prefix_len_now`); and a chunk is read one segment (layer) at a time on a
@@ -32,6 +38,7 @@ if TYPE_CHECKING:
     from storage.base import BlobFile
     from storage.codec import ChunkHeader
     from storage.file import SegmentFile
+    from storage.pagecache import Residency
 
 
 class _NotResident:
@@ -71,11 +78,20 @@ class SupportsRootUsage(Protocol):
 
 @runtime_checkable
 class SupportsDirectReads(Protocol):
-    def enable_direct_reads(self, chunk_io: ChunkIO | None = None, *,
-                            max_in_flight: int = 8) -> ChunkIO:
-        """Read through a ChunkIO from now on and return it: the one given (shared; its
-        owner closes it), else the store's own, built once for its directory (probing the
-        filesystem and the GPU) and closed with the store."""
+    """The ChunkIO is handed in from the layer above (`gds.enable_direct_reads(store)`
+    builds one for `direct_reads_home()`): storage never imports gds."""
+
+    def direct_reads_home(self) -> tuple[str, Residency]:
+        """The directory a ChunkIO for this store probes (filesystem, O_DIRECT, GPU), and
+        the page-cache oracle that decides which of its reads take O_DIRECT."""
+
+    def enable_direct_reads(self, chunk_io: ChunkIO, *, owned: bool = False) -> ChunkIO:
+        """Read through `chunk_io` from now on and return it. `owned`: the store closes it,
+        with itself or when another replaces it; else it is shared and its owner closes it."""
+
+    @property
+    def chunk_io(self) -> ChunkIO | None:
+        """The ChunkIO reads go through, None before `enable_direct_reads`."""
 
     async def read_chunks_into(
         self, keys: Sequence[str], dests: Sequence[Any], *,
@@ -83,6 +99,7 @@ class SupportsDirectReads(Protocol):
     ) -> list[ChunkHeader | None]:
         """Each key's payload into the first bytes of its destination (a tensor on any
         device, or writable host memory); per key its verified header, or None on a miss.
+        Direct reads must be enabled first (a RuntimeError otherwise: a caller's mistake).
         Every read is submitted at once (the ChunkIO runs `max_in_flight` of them, in
         order). `on_done(i, header, why)` runs on an I/O thread as key i settles: `why` is
         None on a hit, else "missing", "corrupt" or "io"; returning False cancels the reads

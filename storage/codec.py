@@ -224,8 +224,9 @@ def encode_header(key: str, token_ids: Any, payload: Any, meta: dict | None = No
         raise ChunkError("meta is nested too deeply") from exc
     _check_meta_size(meta_bytes)
     kb = key.encode("ascii")
+    table: list[tuple[int, int]] = []  # (length, xxh3-64) per segment
     if segments is None:
-        version, checksum, table = VERSION, xxhash.xxh3_64_intdigest(view, seed=0), []
+        version, checksum = VERSION, xxhash.xxh3_64_intdigest(view, seed=0)
     else:
         version, (checksum, table) = VERSION_SEGMENTS, _checksums(view, segments)
     hlen = header_size_for(len(tokens), len(meta_bytes), len(kb), len(table))

@@ -52,10 +52,8 @@ capacity the same way and sets the count right.
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextlib
 import errno
-import functools
 import itertools
 import logging
 import os
@@ -69,7 +67,7 @@ from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequen
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from storage.base import (
     TENANT_PATTERN,
@@ -94,6 +92,10 @@ from storage.errors import ConfigError, StoreFull, StoreUnavailable
 from storage.ledger import LEDGER, QUARANTINE_SCOPE, RootLedger, quarantine_scope
 from storage.options import StoreURL, format_size, parse_bool, parse_mode, parse_seconds, parse_size
 from storage.pagecache import PAGE_CACHE, Residency, is_local
+
+if TYPE_CHECKING:  # the layer above, for the types of what it hands in
+    from gds.chunkio import ChunkIO
+    from gds.errors import ReadError
 
 log = logging.getLogger("kvstash.storage.file")
 
@@ -558,7 +560,7 @@ class FileStore(Store):
         self._used = 0
         self._tmp_bytes = 0  # tmp files of other writers, found by the last scan
         self._real_dirs: set[str] = set()  # fan-out directories checked to be no symlink
-        self._chunk_io: Any = None  # see enable_direct_reads
+        self._chunk_io: ChunkIO | None = None  # see enable_direct_reads
         self._owns_chunk_io = False
         self._open_root()
         # Whether reads of cached chunks may run on an engine's thread (read_resident_into):
@@ -947,6 +949,7 @@ class FileStore(Store):
                 self._touch(key, path, st)
                 file, fd = BlobFile(fd, st.st_size), -1  # the caller closes it now
                 return file
+            blob: memoryview | bytes
             if out is not None and out.nbytes >= st.st_size:
                 blob = out[: read_into_at(fd, out[: st.st_size], 0)]
             else:
@@ -1005,7 +1008,7 @@ class FileStore(Store):
             # An unchanged, already verified file needs its header neither read nor parsed.
             known = self.known_header(key, st)
             header, read = known, False
-            if header is None and st.st_size == HEADER_SIZE + room:
+            if header is None and parts is not None and st.st_size == HEADER_SIZE + room:
                 # A chunk of the asked size with the usual 4 KiB header: header and
                 # payload in one read. A longer header is read again below, and so is
                 # its payload where it still fits `parts`.
@@ -1380,25 +1383,26 @@ class FileStore(Store):
                 "tenants": {scope: p for scope, p in per.items() if scope}}
 
     # -- direct reads: gds.ChunkIO straight into destination tensors (SupportsDirectReads)
+    # The ChunkIO comes from above (`gds.enable_direct_reads` builds one for this directory):
+    # storage never imports gds.
 
-    def enable_direct_reads(self, chunk_io: Any = None, *, max_in_flight: int = 8) -> Any:
-        """Read chunks through a `gds.ChunkIO` from now on (see SupportsDirectReads) and
-        return it: `chunk_io` if given (shared: its owner closes it), else this store's
-        own, built once for its directory and closed with the store."""
-        if chunk_io is not None:
-            if self._chunk_io is not None and self._owns_chunk_io and chunk_io is not self._chunk_io:
-                self._chunk_io.close()
-            self._chunk_io, self._owns_chunk_io = chunk_io, False
-        elif self._chunk_io is None:
-            from gds import ChunkIO, IOConfig
+    def direct_reads_home(self) -> tuple[str, Residency]:
+        """Where a ChunkIO for this store probes the filesystem, and the page-cache oracle
+        that decides which of its reads take O_DIRECT."""
+        return self._root, self.residency
 
-            self._chunk_io = ChunkIO(IOConfig(max_in_flight=max_in_flight), probe_dir=self.root,
-                                     residency=self.residency)
-            self._owns_chunk_io = True
-        return self._chunk_io
+    def enable_direct_reads(self, chunk_io: ChunkIO, *, owned: bool = False) -> ChunkIO:
+        """Read chunks through `chunk_io` from now on (see SupportsDirectReads) and return it;
+        `owned`: this store closes it (with itself, or when another replaces it)."""
+        if chunk_io is self._chunk_io:
+            return chunk_io
+        if self._chunk_io is not None and self._owns_chunk_io:
+            self._chunk_io.close()
+        self._chunk_io, self._owns_chunk_io = chunk_io, owned
+        return chunk_io
 
     @property
-    def chunk_io(self) -> Any:
+    def chunk_io(self) -> ChunkIO | None:
         """The ChunkIO direct reads go through, or None before `enable_direct_reads`."""
         return self._chunk_io
 
@@ -1410,52 +1414,25 @@ class FileStore(Store):
         hit refreshes its LRU place, a corrupt file is quarantined, an absent one forgotten;
         a file this store verified before and that is unchanged since is read without its
         header and checksum (`verify=changed`)."""
-        from gds.filestore import settle
-
         check_batch(keys, dests)
-        io = self.enable_direct_reads()
+        io = self._chunk_io
+        if io is None:
+            raise RuntimeError(f"{self}: direct reads are not enabled (gds.enable_direct_reads)")
         results: list[ChunkHeader | None] = [None] * len(keys)
-        futures: list[concurrent.futures.Future[Any]] = []
-        # Set once `landed` has returned for every key. Waiting for the reads themselves is
-        # not enough: a read's other done-callbacks (an awaiter's) run at once from any
-        # thread that adds them after it finished, while the reading thread may still be
-        # inside `landed` (placing the chunk): the batch would end before its answers.
-        # One future for the batch also wakes this loop once, not once per chunk.
-        settled: concurrent.futures.Future[None] = concurrent.futures.Future()
-        left = [len(keys)]
-        lock = threading.Lock()
 
-        def landed(i: int, fut: concurrent.futures.Future[Any]) -> None:
-            try:
-                if fut.cancelled():
-                    return
-                try:
-                    results[i], why = settle(self, keys[i], fut)
-                except Exception as exc:  # noqa: BLE001 - not a ReadError (a CUDA error): a miss
-                    log.warning("%s: direct read of %s failed: %s", self, keys[i], exc)
-                    results[i], why = None, "io"
-                if on_done is not None and on_done(i, results[i], why) is False:
-                    for later in futures[i + 1 :]:
-                        later.cancel()
-            finally:
-                with lock:
-                    left[0] -= 1
-                    last = left[0] == 0
-                if last:
-                    # Cancelled (at any moment) when the caller gave up waiting: nobody reads it.
-                    with contextlib.suppress(concurrent.futures.InvalidStateError):
-                        settled.set_result(None)
+        def landed(i: int, header: ChunkHeader | None, failure: ReadError | None) -> bool | None:
+            key = keys[i]
+            if failure is None and header is not None:
+                self.record_read(key, header.total_len)
+            elif failure is not None:  # the reasons of gds.errors
+                self.record_read(key, None, error=failure.reason == "io",
+                                 corrupt=failure.detail if failure.reason == "corrupt" else None)
+            results[i] = header
+            why = None if failure is None else failure.reason
+            return on_done(i, header, why) if on_done is not None else None
 
-        try:
-            for key, dest in zip(keys, dests, strict=True):
-                futures.append(io.submit_chunk(self.chunk_path(key), dest, key, trust=self))
-            for i, fut in enumerate(futures):  # once the list is whole: `landed` reads it
-                fut.add_done_callback(functools.partial(landed, i))
-            if keys:
-                await asyncio.wrap_future(settled)
-        finally:
-            for f in futures:
-                f.cancel()  # only those not yet started: no read starts after we give up
+        await io.read_chunks_into([self.chunk_path(k) for k in keys], dests, keys, landed,
+                                  trust=self)
         return results
 
     # -- ranged reads (SupportsRangeReads) --------------------------------------------------
@@ -1756,7 +1733,7 @@ class SegmentFile:
             self._fail(exc)
             return False
 
-    def _fail(self, exc: Exception) -> None:
+    def _fail(self, exc: ChunkError | OSError) -> None:
         self._failed = True
         if isinstance(exc, ChunkError):
             self.store._quarantine(self.key, self._path, str(exc))

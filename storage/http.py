@@ -155,9 +155,11 @@ class _Connection:
         self.fds: list[int] = []
 
     async def sendall(self, data: Any) -> None:
+        assert self.sock is not None
         await self.loop.sock_sendall(self.sock, data)
 
     async def recv_into(self, view: memoryview) -> int:
+        assert self.sock is not None
         return await self.loop.sock_recv_into(self.sock, view)
 
     async def _recv(self, view: memoryview) -> int:
@@ -334,7 +336,12 @@ class _UnixConnection(_Connection):
         assert self.sock is not None
         ready = self.loop.create_future()
         fd = self.sock.fileno()
-        self.loop.add_reader(fd, lambda: ready.done() or ready.set_result(None))
+
+        def wake() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        self.loop.add_reader(fd, wake)
         try:
             await ready
         finally:
@@ -825,10 +832,10 @@ class HttpStore(Store):
             self.counters["errors"] += 1
             self._note_failure(what, key, exc)
 
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: str) -> bytes | bytearray | None:
         check_key(key)
 
-        async def op(conn: _Connection) -> bytes | None:
+        async def op(conn: _Connection) -> bytearray | None:
             answer = await self._get_response(conn, key)
             if answer is None:
                 return None

@@ -4,14 +4,23 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Sequence
+from typing import Protocol
 
 from storage.base import Store
 from storage.errors import ConfigError
 from storage.options import StoreURL
 
+
+class Backend(Protocol):
+    """A backend class: opens its store from a parsed URL (one-line ConfigError if bad)."""
+
+    def from_url(self, u: StoreURL) -> Store: ...
+
+
 # scheme -> "module:Class"; each class has `from_url(StoreURL) -> Store`. Imported lazily so
 # that a server with only file:// never imports aiobotocore, and the core never imports torch.
-BACKENDS = {
+# An entry may also be a Backend itself (a test's throttled file store, say).
+BACKENDS: dict[str, str | Backend] = {
     "memory": "storage.memory:MemoryStore",
     "file": "storage.file:FileStore",
     "s3": "storage.s3:S3Store",
@@ -22,8 +31,10 @@ BACKENDS = {
 FSSPEC_PREFIX = "fsspec+"
 
 
-def _backend_class(scheme: str) -> type:
+def _backend_class(scheme: str) -> Backend:
     target = BACKENDS.get(scheme)
+    if target is not None and not isinstance(target, str):
+        return target
     if target is None and scheme.startswith(FSSPEC_PREFIX):
         target = "storage.fsspec_store:FsspecStore"
     if target is None:

@@ -163,7 +163,7 @@ def _body_readinto(body: Any) -> Callable[[memoryview], int]:
     between: http.client's (under urllib3), whose socket reads land in place; urllib3's
     own `readinto` reads into a fresh buffer and copies."""
     raw = body._raw_stream
-    fp = getattr(raw, "_fp", None)
+    fp: Any = getattr(raw, "_fp", None)  # urllib3's private http.client response, or None
     return fp.readinto if hasattr(fp, "readinto") else raw.readinto
 
 
@@ -280,7 +280,7 @@ def _get_blob_start(client: Any, bucket: str, name: str, rng: str, key: str, ver
         total, first = _object_size(resp), int(resp["ContentLength"])
         if first < total:
             return body, total, first, None
-        fp = getattr(body._raw_stream, "_fp", None)
+        fp: Any = getattr(body._raw_stream, "_fp", None)
         # http.client reads a known length into one new bytes object (read(n) would copy)
         whole = fp.read() if hasattr(fp, "isclosed") else body.read()
         if len(whole) != first:

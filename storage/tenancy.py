@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
-from storage.base import Store, check_tenant
+from storage.base import BlobFile, Store, check_tenant
 from storage.capabilities import SupportsBlobFiles
 from storage.codec import ChunkHeader
 from storage.errors import StoreFull
@@ -79,7 +79,14 @@ class SharedCapacity:
 
 
 class TenantStore(Store):
-    """One tenant's scope of a backend, under the shared capacity and the quota."""
+    """One tenant's scope of a backend, under the shared capacity and the quota. It has the
+    capabilities of its scope that it forwards (`SupportsBlobFiles`) only where the scope
+    has them: `TenantStore(...)` is a `BlobFileTenantStore` over a scope that sends files."""
+
+    def __new__(cls, tenant: str, scope: Store, shared: SharedCapacity) -> TenantStore:
+        if cls is TenantStore and isinstance(scope, SupportsBlobFiles):
+            cls = BlobFileTenantStore
+        return super().__new__(cls)
 
     def __init__(self, tenant: str, scope: Store, shared: SharedCapacity):
         super().__init__()
@@ -108,22 +115,11 @@ class TenantStore(Store):
     def watch(self, callback: Any) -> None:
         self.scope.watch(callback)  # the scope's own changes, evictions for others included
 
-    async def get(self, key: str) -> bytes | None:
+    async def get(self, key: str) -> bytes | bytearray | None:
         return await self.scope.get(key)
 
     async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
         return await self.scope.get_into(key, out)
-
-    async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
-        if isinstance(self.scope, SupportsBlobFiles):
-            return await self.scope.get_blob_into(key, out)
-        blob = await self.scope.get(key)
-        return None if blob is None else memoryview(blob).cast("B")
-
-    async def open_blob(self, key: str, out: Any) -> Any:
-        if isinstance(self.scope, SupportsBlobFiles):
-            return await self.scope.open_blob(key, out)
-        return await self.get_blob_into(key, out)
 
     async def get_into_many(self, keys: Sequence[str], outs: Sequence[Any], **kw: Any,
                             ) -> list[ChunkHeader | None]:
@@ -165,6 +161,22 @@ class TenantStore(Store):
 
     async def close(self) -> None:
         await self.scope.close()
+
+
+class BlobFileTenantStore(TenantStore):
+    """A tenant's scope of a backend that sends verified blobs (`SupportsBlobFiles`)."""
+
+    def __init__(self, tenant: str, scope: Store, shared: SharedCapacity):
+        if not isinstance(scope, SupportsBlobFiles):
+            raise TypeError(f"{scope} does not send blobs (SupportsBlobFiles)")
+        super().__init__(tenant, scope, shared)
+        self.blobs: SupportsBlobFiles = scope
+
+    async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
+        return await self.blobs.get_blob_into(key, out)
+
+    async def open_blob(self, key: str, out: Any) -> memoryview | BlobFile | None:
+        return await self.blobs.open_blob(key, out)
 
 
 def open_tenants(root: Store, tenants: Sequence[str], quota: int | None = None,

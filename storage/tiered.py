@@ -6,14 +6,19 @@ combines tiers, so a prefix split across tiers still counts as one hit.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from storage.base import BlobFile, Store, check_blob
 from storage.capabilities import SupportsBlobFiles, SupportsDirectReads, SupportsRangeReads
 from storage.codec import ChunkHeader
 from storage.errors import StoreError
+
+if TYPE_CHECKING:
+    from gds.chunkio import ChunkIO  # the layer above: the type of what it hands in
+    from storage.pagecache import Residency
 
 log = logging.getLogger("kvstash.storage.tiered")
 
@@ -22,10 +27,14 @@ LIST_BATCH = 1024  # keys of a lower tier checked against the tiers above at a t
 
 
 class TieredStore(Store):
+    """Tiers, fastest first. A tier list has a capability only where its tiers do, and
+    `TieredStore(tiers)` is the class that has those (`tier_class`): it sends blobs and
+    reads directly into device buffers where its first tier can (`SupportsBlobFiles`,
+    `SupportsDirectReads`), and reads ranges where every tier can (`SupportsRangeReads`)."""
+
     def __new__(cls, tiers: Sequence[Store]) -> TieredStore:
-        # A tier list reads directly into device buffers when its first tier can.
-        if cls is TieredStore and tiers and isinstance(tiers[0], SupportsDirectReads):
-            cls = DirectTieredStore
+        if cls is TieredStore:
+            cls = tier_class(tiers)
         return super().__new__(cls)
 
     def __init__(self, tiers: Sequence[Store]):
@@ -66,20 +75,29 @@ class TieredStore(Store):
             for upper in self.tiers[:hit_tier]:
                 self._spawn(upper, key, blob)
 
-    def watch(self, callback: Any) -> None:
+    def watch(self, callback: Callable[[str, str], None]) -> None:
         """A tier list reports what its first tier stores and what its last tier drops (a
         chunk evicted from a faster tier is still in the list below it)."""
         seen = {id(self.tiers[0]), id(self.tiers[-1])}
         if len(seen) == 1:
             self.tiers[0].watch(callback)
             return
-        self.tiers[0].watch(lambda event, key: event == "stored" and callback(event, key))
-        self.tiers[-1].watch(lambda event, key: event == "removed" and callback(event, key))
 
-    async def get(self, key: str) -> bytes | None:
+        def stored(event: str, key: str) -> None:
+            if event == "stored":
+                callback(event, key)
+
+        def removed(event: str, key: str) -> None:
+            if event == "removed":
+                callback(event, key)
+
+        self.tiers[0].watch(stored)
+        self.tiers[-1].watch(removed)
+
+    async def get(self, key: str) -> bytes | bytearray | None:
         return await self._get_from(0, key)
 
-    async def _get_from(self, first: int, key: str) -> bytes | None:
+    async def _get_from(self, first: int, key: str) -> bytes | bytearray | None:
         self.counters["gets"] += 1
         for i in range(first, len(self.tiers)):
             blob = await self.tiers[i].get(key)
@@ -90,27 +108,6 @@ class TieredStore(Store):
                 return blob
         self.counters["misses"] += 1
         return None
-
-    async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
-        return await self._first_tier_blob(key, out, send_file=False)  # type: ignore[return-value]
-
-    async def open_blob(self, key: str, out: Any) -> memoryview | BlobFile | None:
-        """The first tier's answer (a file to send, where it can give one); a miss there
-        reads the lower tiers as `get` does."""
-        return await self._first_tier_blob(key, out, send_file=True)
-
-    async def _first_tier_blob(self, key: str, out: Any,
-                               send_file: bool) -> memoryview | BlobFile | None:
-        first = self.tiers[0]
-        if not isinstance(first, SupportsBlobFiles):
-            blob = await self.get(key)
-            return None if blob is None else memoryview(blob).cast("B")
-        got = await (first.open_blob(key, out) if send_file else first.get_blob_into(key, out))
-        if got is None:
-            blob = await self._get_from(1, key)
-            return None if blob is None else memoryview(blob).cast("B")
-        self._count_get(got.size if isinstance(got, BlobFile) else got.nbytes)
-        return got
 
     async def get_into(self, key: str, out: Any) -> ChunkHeader | None:
         self.counters["gets"] += 1
@@ -131,25 +128,6 @@ class TieredStore(Store):
                 return header
         self.counters["misses"] += 1
         return None
-
-    # -- ranged reads (SupportsRangeReads): from the first tier that has the chunk ---------
-
-    async def read_header(self, key: str) -> ChunkHeader | None:
-        for tier in self.tiers:
-            if isinstance(tier, SupportsRangeReads):
-                header = await tier.read_header(key)
-                if header is not None:
-                    return header
-        return None
-
-    async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
-        # Chunks are immutable: any tier holding the key holds these bytes (the caller's
-        # segment checksum says whether they are).
-        for tier in self.tiers:
-            if isinstance(tier, SupportsRangeReads) and await tier.read_range_into(
-                    key, header, offset, out):
-                return True
-        return False
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
         per_tier = await asyncio.gather(*(t.exists(keys) for t in self.tiers))
@@ -206,17 +184,86 @@ class TieredStore(Store):
             await t.close()
 
 
-class DirectTieredStore(TieredStore):
+class BlobFileTiers(TieredStore):
+    """A tier list whose first tier sends verified blobs (SupportsBlobFiles): its answer
+    where it has the chunk (a file to send, where it can give one), else the lower tiers'
+    as `get` reads them."""
+
+    def __init__(self, tiers: Sequence[Store]):
+        super().__init__(tiers)
+        first = self.tiers[0]
+        if not isinstance(first, SupportsBlobFiles):
+            raise TypeError(f"{first} does not send blobs (SupportsBlobFiles)")
+        self.first_blobs: SupportsBlobFiles = first
+
+    async def get_blob_into(self, key: str, out: Any) -> memoryview | None:
+        got = await self.first_blobs.get_blob_into(key, out)
+        if got is None:
+            return await self._lower_blob(key)
+        self._count_get(got.nbytes)
+        return got
+
+    async def open_blob(self, key: str, out: Any) -> memoryview | BlobFile | None:
+        got = await self.first_blobs.open_blob(key, out)
+        if got is None:
+            return await self._lower_blob(key)
+        self._count_get(got.size if isinstance(got, BlobFile) else got.nbytes)
+        return got
+
+    async def _lower_blob(self, key: str) -> memoryview | None:
+        blob = await self._get_from(1, key)
+        return None if blob is None else memoryview(blob).cast("B")
+
+
+class RangeReadTiers(TieredStore):
+    """A tier list whose every tier reads byte ranges (SupportsRangeReads): from the first
+    tier that has the chunk."""
+
+    def __init__(self, tiers: Sequence[Store]):
+        super().__init__(tiers)
+        self.ranged: list[SupportsRangeReads] = []
+        for tier in self.tiers:
+            if not isinstance(tier, SupportsRangeReads):
+                raise TypeError(f"{tier} does not read ranges (SupportsRangeReads)")
+            self.ranged.append(tier)
+
+    async def read_header(self, key: str) -> ChunkHeader | None:
+        for tier in self.ranged:
+            header = await tier.read_header(key)
+            if header is not None:
+                return header
+        return None
+
+    async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
+        # Chunks are immutable: any tier holding the key holds these bytes (the caller's
+        # segment checksum says whether they are).
+        for tier in self.ranged:
+            if await tier.read_range_into(key, header, offset, out):
+                return True
+        return False
+
+
+class DirectReadTiers(TieredStore):
     """A tier list whose first tier reads directly into device buffers (SupportsDirectReads):
     chunks go there first; what it lacks, or fails to read, is read from the tiers below
     (which promote it) into host memory, and copied to a device destination."""
 
-    def enable_direct_reads(self, chunk_io: Any = None, *, max_in_flight: int = 8) -> Any:
-        return self.tiers[0].enable_direct_reads(chunk_io, max_in_flight=max_in_flight)
+    def __init__(self, tiers: Sequence[Store]):
+        super().__init__(tiers)
+        first = self.tiers[0]
+        if not isinstance(first, SupportsDirectReads):
+            raise TypeError(f"{first} does not read directly (SupportsDirectReads)")
+        self.first_direct: SupportsDirectReads = first
+
+    def direct_reads_home(self) -> tuple[str, Residency]:
+        return self.first_direct.direct_reads_home()
+
+    def enable_direct_reads(self, chunk_io: ChunkIO, *, owned: bool = False) -> ChunkIO:
+        return self.first_direct.enable_direct_reads(chunk_io, owned=owned)
 
     @property
-    def chunk_io(self) -> Any:
-        return self.tiers[0].chunk_io
+    def chunk_io(self) -> ChunkIO | None:
+        return self.first_direct.chunk_io
 
     async def read_chunks_into(
         self, keys: Sequence[str], dests: Sequence[Any], *,
@@ -255,7 +302,7 @@ class DirectTieredStore(TieredStore):
             return on_done(i, header, why) if on_done is not None else None
 
         try:
-            await self.tiers[0].read_chunks_into(keys, dests, on_done=landed)
+            await self.first_direct.read_chunks_into(keys, dests, on_done=landed)
             await asyncio.sleep(0)  # let the hand-offs from the I/O threads start
             while lower:
                 await asyncio.gather(*list(lower), return_exceptions=True)
@@ -268,21 +315,25 @@ class DirectTieredStore(TieredStore):
     async def _lower_into(self, key: str, dest: Any) -> ChunkHeader | None:
         """`key` read through the tiers below the first (promoting it) into `dest`; a CUDA
         destination is filled from pinned host memory, as for any S3 or HTTP store."""
-        from gds.buffers import host_view, is_cuda
+        io = self.chunk_io
+        if io is None:
+            raise RuntimeError(f"{self}: direct reads are not enabled (gds.enable_direct_reads)")
+        return await io.fill_through_host(dest, lambda host: self._get_into_from(1, key, host))
 
-        if not is_cuda(dest):
-            return await self._get_into_from(1, key, host_view(dest))
-        import torch
 
-        size = dest.numel() * dest.element_size()
-        staging = torch.empty(size, dtype=torch.uint8, pin_memory=True)
-        header = await self._get_into_from(1, key, host_view(staging))
-        if header is None:
-            return None
-        flat = dest.detach().reshape(-1).view(torch.uint8)
-        flat[: header.payload_len].copy_(staging[: header.payload_len], non_blocking=True)
-        done = torch.cuda.Event()
-        done.record(torch.cuda.current_stream(dest.device))
-        while not done.query():  # the caller places it next: the copy must be done
-            await asyncio.sleep(0.0002)
-        return header
+@functools.cache  # one class per set of capabilities
+def _combined(caps: tuple[type[TieredStore], ...]) -> type[TieredStore]:
+    if len(caps) == 1:
+        return caps[0]
+    name = "".join(c.__name__.removesuffix("Tiers") for c in caps) + "Tiers"
+    return cast("type[TieredStore]", type(name, caps, {}))
+
+
+def tier_class(tiers: Sequence[Store]) -> type[TieredStore]:
+    """The TieredStore class with the capabilities `tiers` give a tier list."""
+    caps = tuple(c for c, has in (
+        (DirectReadTiers, bool(tiers) and isinstance(tiers[0], SupportsDirectReads)),
+        (BlobFileTiers, bool(tiers) and isinstance(tiers[0], SupportsBlobFiles)),
+        (RangeReadTiers, bool(tiers) and all(isinstance(t, SupportsRangeReads) for t in tiers)),
+    ) if has)
+    return _combined(caps) if caps else TieredStore

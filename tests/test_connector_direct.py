@@ -19,6 +19,7 @@ from gds import ChunkIO, IOConfig
 from storage.file import FileStore
 from tests.store_helpers import backdate
 from tests.test_connector_core import LAYOUT, TOKENS, ListEngine, namespace, payload_of, saved
+from tests.throttle import SlowChunkIO
 
 N = len(TOKENS) // LAYOUT.chunk_tokens
 
@@ -246,7 +247,9 @@ def test_a_batch_of_direct_reads_ends_only_after_every_answer_has_been_handled(
     import asyncio
     import threading
 
-    conn = saved(file_connector(tmp_path))
+    # Each read lands 10 ms late: still reading when the batch registers its on_done callbacks.
+    slow = SlowChunkIO(0.01, IOConfig(), probe_dir=tmp_path)
+    conn = saved(file_connector(tmp_path, direct_io=slow))
     store, keys = conn.store, keys_of(conn)[:4]  # all read at once (8 in flight)
     dests = [np.empty(LAYOUT.payload_nbytes, dtype=np.uint8) for _ in keys]
     real_wrap = asyncio.wrap_future
@@ -257,13 +260,6 @@ def test_a_batch_of_direct_reads_ends_only_after_every_answer_has_been_handled(
             time.sleep(0.05)  # the reads finish meanwhile; their on_done calls start
         return real_wrap(fut, **kwargs)
 
-    real_read = ChunkIO._read_chunk_sync
-
-    def slow_read(self, *args, **kwargs):
-        time.sleep(0.01)  # still reading when the batch registers its on_done callbacks
-        return real_read(self, *args, **kwargs)
-
-    monkeypatch.setattr(ChunkIO, "_read_chunk_sync", slow_read)
     handled: list[int] = []
     lock = threading.Lock()
 
@@ -285,6 +281,7 @@ def test_a_batch_of_direct_reads_ends_only_after_every_answer_has_been_handled(
     assert answered == list(range(len(keys)))
     assert all(h is not None for h in headers)
     conn.close()
+    slow.close()  # shared with the store: its owner closes it
 
 
 def test_a_batch_given_up_on_while_a_chunk_is_handled_ends_without_a_callback_error(

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from gds import aligned_empty
+from gds import aligned_empty, enable_direct_reads
 from gds.buffers import ALIGN, address, host_view
 from gds.errors import CORRUPT, TOO_SMALL, ReadError
 from gds.hostio import OpenFile
@@ -300,10 +300,10 @@ def test_a_chunk_dropped_by_the_kernel_is_read_with_o_direct(tmp_path, ns):
 def test_a_file_stores_direct_reads_ask_its_residency_oracle(tmp_path):
     residency = DeclaredResidency()
     store = FileStore(tmp_path, residency=residency)
-    assert store.enable_direct_reads().support.residency is residency
+    assert enable_direct_reads(store).support.residency is residency
     asyncio.run(store.close())
     kernel = FileStore(tmp_path)
-    assert kernel.enable_direct_reads().support.residency is PAGE_CACHE
+    assert enable_direct_reads(kernel).support.residency is PAGE_CACHE
     asyncio.run(kernel.close())
 
 

@@ -91,6 +91,28 @@ def test_a_verified_chunk_file_is_sent_by_sendfile_exact_whole_and_ranged(tmp_pa
         assert "Traceback" not in server.log()
 
 
+def test_a_tenants_verified_chunk_file_is_sent_by_sendfile(tmp_path: Path, ns):
+    """A tenant's scope of a file:// root sends files as the root does (its wrapper forwards
+    the file store's `open_blob`), and each tenant gets only its own chunk."""
+    tokens = tmp_path / "tokens"
+    tokens.write_text("alice alice-token-0123456789abcdef\nbob bob-token-0123456789abcdef\n")
+    tokens.chmod(0o600)
+    alice = {"Authorization": "Bearer alice-token-0123456789abcdef"}
+    bob = {"Authorization": "Bearer bob-token-0123456789abcdef"}
+    (key, _, blob), = make_chunks(ns, 1, payload_size=(1 << 20) + 7)
+    with running_kvserver("--store", f"file://{tmp_path}/root?{TRUST_AT_ONCE}",
+                          "--auth-tokens", str(tokens)) as server:
+        url = f"{server.url}/v1/chunks/{key}"
+        assert httpx.put(url, content=blob, headers={**OCTETS, **alice}).status_code == 201
+        assert httpx.get(url, headers=alice).content == blob  # read and hashed
+        assert sendfile_bytes(server.url) == 0
+        r = httpx.get(url, headers=alice)
+        assert r.status_code == 200 and r.content == blob
+        assert sendfile_bytes(server.url) == len(blob)
+        assert httpx.get(url, headers=bob).status_code == 404
+        assert "Traceback" not in server.log()
+
+
 def test_a_chunk_file_changed_after_verification_is_read_again_and_quarantined(tmp_path: Path, ns):
     (key, _, blob), = make_chunks(ns, 1, payload_size=1 << 20)
     with running_kvserver("--store", f"file://{tmp_path}?{TRUST_AT_ONCE}") as server:

@@ -278,6 +278,35 @@ def test_each_backend_declares_its_capabilities(tmp_path):
     assert caps("http://127.0.0.1:9") == set()
 
 
+def test_wrappers_declare_a_capability_only_where_what_they_wrap_has_it(tmp_path):
+    """Tenant scopes and tier lists are `SupportsBlobFiles` (what kvserver sends files
+    from) only over a store that is; a tier list reads ranges only where every tier does.
+    Opening an s3:// store makes no network call: nothing listens on the endpoint."""
+    from storage.capabilities import SupportsBlobFiles, SupportsDirectReads, SupportsRangeReads
+    from storage.tenancy import open_tenants
+
+    s3 = "s3://bucket/p?endpoint=http://127.0.0.1:9&region=us-east-1"
+
+    def caps(store):
+        return {c.__name__ for c in (SupportsBlobFiles, SupportsRangeReads, SupportsDirectReads)
+                if isinstance(store, c)}
+
+    assert caps(open_tenants(open_store(s3), ["a"])["a"]) == set()
+    assert caps(open_tenants(open_store(f"file://{tmp_path}/f"), ["a"])["a"]) == {
+        "SupportsBlobFiles"}
+    assert caps(open_tenants(open_store("memory://"), ["a"])["a"]) == {"SupportsBlobFiles"}
+    assert caps(open_store([s3, f"file://{tmp_path}/t"])) == {"SupportsRangeReads"}
+    assert caps(open_store([s3, f"file://{tmp_path}/t"]).scoped("a")) == {"SupportsRangeReads"}
+    assert caps(open_tenants(open_store([s3, "memory://"]), ["a"])["a"]) == set()
+    assert caps(open_store([f"file://{tmp_path}/u", s3])) == {
+        "SupportsBlobFiles", "SupportsRangeReads", "SupportsDirectReads"}
+    assert caps(open_tenants(open_store([f"file://{tmp_path}/v", s3]), ["a"])["a"]) == {
+        "SupportsBlobFiles"}
+    # fsspec reads no ranges: a tier list over it reads none either
+    assert caps(open_store([f"file://{tmp_path}/w", f"fsspec+file://{tmp_path}/x"])) == {
+        "SupportsBlobFiles", "SupportsDirectReads"}
+
+
 def _ranged(store):
     from storage.capabilities import SupportsRangeReads
 

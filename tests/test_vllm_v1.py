@@ -1467,20 +1467,15 @@ def store_with_prompt(tmp_path) -> str:
 
 
 def slow_network_lookups(monkeypatch, seconds: float) -> None:
-    """Every file:// lookup takes `seconds` longer, on the store's loop: the store takes
-    its directory for a network mount, which is never looked up on the caller's thread."""
-    import time
-
+    """Every file:// store opened from now on takes `seconds` longer a lookup, on the
+    store's loop: it is served through a wrapper (tests/throttle.py), as a network store
+    is, so it is never looked up on the caller's thread."""
     from storage.file import FileStore
+    from storage.registry import BACKENDS
+    from tests.throttle import ThrottledBackend
 
-    real = FileStore._exists_sync
-
-    def slow_exists(self, *args, **kwargs):
-        time.sleep(seconds)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(FileStore, "_exists_sync", slow_exists)
-    monkeypatch.setattr("storage.file.is_local", lambda dev: False)
+    monkeypatch.setitem(BACKENDS, "file", ThrottledBackend(
+        FileStore, {"exists": seconds, "prefix_len": seconds}))
 
 
 def test_a_store_answering_within_lookup_wait_ms_hits_in_the_first_step(tmp_path, monkeypatch):
@@ -1585,22 +1580,19 @@ def test_a_lookup_slower_than_recomputing_its_prefix_is_not_waited_for():
         assert counters["lookups_given_up"] == 2 and counters["lookup_timeouts"] == 0
 
 
-def slow_chunk_reads(monkeypatch, seconds: float) -> None:
-    """Every direct chunk read of a file:// store takes `seconds` longer."""
-    import time
+def slow_chunk_reads(engine: V1Engine, seconds: float) -> None:
+    """From now on every direct chunk read of `engine`'s file:// store lands `seconds` late:
+    the store reads through a SlowChunkIO (tests/throttle.py), which it owns and closes."""
+    from gds import IOConfig
+    from tests.throttle import SlowChunkIO
 
-    from gds import ChunkIO
-
-    real = ChunkIO._read_chunk_sync
-
-    def slow(self, *args, **kwargs):
-        time.sleep(seconds)
-        return real(self, *args, **kwargs)
-
-    monkeypatch.setattr(ChunkIO, "_read_chunk_sync", slow)
+    store = engine.worker.core.store
+    root, residency = store.direct_reads_home()
+    store.enable_direct_reads(SlowChunkIO(seconds, IOConfig(), probe_dir=root,
+                                          residency=residency), owned=True)
 
 
-def saved_then_slow_reader(tmp_path, monkeypatch, seconds: float) -> tuple[V1Engine, V1Engine]:
+def saved_then_slow_reader(tmp_path, seconds: float) -> tuple[V1Engine, V1Engine]:
     """A writer that saved PROMPT's chunks to a file:// store, and a reader (waiting up to
     30 s in idle steps) whose chunk reads (through ChunkIO: none from the page cache on
     the engine's thread) from now on take `seconds` longer."""
@@ -1608,7 +1600,7 @@ def saved_then_slow_reader(tmp_path, monkeypatch, seconds: float) -> tuple[V1Eng
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, load_wait_ms=30_000, resident_reads=False)
     write_prompt(writer, list(range(1, 8)))
-    slow_chunk_reads(monkeypatch, seconds)
+    slow_chunk_reads(reader, seconds)
     return writer, reader
 
 
@@ -1619,10 +1611,10 @@ def start_read(engine: V1Engine):
     return req
 
 
-def test_a_step_with_nothing_to_compute_waits_for_its_loads_and_reports_them(tmp_path, monkeypatch):
+def test_a_step_with_nothing_to_compute_waits_for_its_loads_and_reports_them(tmp_path):
     """An idle step (every request waits for its load) waits up to `load_wait_ms` for the
     loads in flight, so a hit is reported in the step its load started."""
-    writer, reader = saved_then_slow_reader(tmp_path, monkeypatch, 0.1)
+    writer, reader = saved_then_slow_reader(tmp_path, 0.1)
     try:
         req = start_read(reader)
         meta, recving, errors = reader.step()
@@ -1633,10 +1625,10 @@ def test_a_step_with_nothing_to_compute_waits_for_its_loads_and_reports_them(tmp
     assert recving == {req.request_id} and errors == set()
 
 
-def test_a_step_with_work_never_waits_for_loads(tmp_path, monkeypatch):
+def test_a_step_with_work_never_waits_for_loads(tmp_path):
     """A step that computes other requests reports what has finished and goes on: the load
     (half a second per chunk here) is reported in a later step."""
-    writer, reader = saved_then_slow_reader(tmp_path, monkeypatch, 0.5)
+    writer, reader = saved_then_slow_reader(tmp_path, 0.5)
     try:
         req = start_read(reader)
         meta, recving, _ = reader.step(scheduled={"another-request": 8})
@@ -1995,13 +1987,13 @@ def test_a_pd_prefill_whose_chunks_another_request_writes_waits_for_that_write(t
 
 @pytest.mark.parametrize("first_ends", ["loaded", "aborted"])
 def test_a_request_whose_prefix_another_request_is_loading_waits_for_that_load(
-        tmp_path, monkeypatch, first_ends):
+        tmp_path, first_ends):
     """Two requests of one stored prompt: the second asks again (None) while the first's
     async load is bringing the chunks in, as vLLM's prefix cache holds them once it ends;
     before, each read every chunk from the store. Once that load is reported (or the first
     request has ended), the second looks up as before. A request of another prompt is not
     held."""
-    writer, reader = saved_then_slow_reader(tmp_path, monkeypatch, 0.3)
+    writer, reader = saved_then_slow_reader(tmp_path, 0.3)
     try:
         first = start_read(reader)
         second, other = make_request(PROMPT), make_request(list(range(3000, 3100)))
