@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -209,14 +210,25 @@ def test_running_kvserver_reports_version_limits_and_readiness(tmp_path):
     tokens.chmod(0o600)
     with running_kvserver("--store", f"file://{tmp_path}/kv?capacity=64MiB",
                           "--auth-tokens", str(tokens), "--max-chunk-bytes", "8MiB") as srv:
-        code, findings = doctor("--server", srv.url, "--token", "admin-token-0123456789")
-        _, anonymous = doctor("--server", srv.url)
+        # A generous --timeout: the server shares the machine with the rest of the suite.
+        code, findings = doctor("--server", srv.url, "--token", "admin-token-0123456789",
+                                "--timeout", "60")
+        _, anonymous = doctor("--server", srv.url, "--timeout", "60")
     assert code == 0, findings
     assert find(findings, "server.ready")["level"] == "ok"
     assert find(findings, "server.version")["level"] == "ok"
     assert "max chunk 8.0 MiB" in find(findings, "server.limits")["message"]
     assert find(findings, "server.auth")["level"] == "ok"
     assert find(anonymous, "server.version")["level"] == "warn"  # asks for a token
+
+
+def test_a_kvserver_that_never_answers_is_a_finding_within_the_timeout():
+    with socket.create_server(("127.0.0.1", 0)) as silent:  # accepts, never answers
+        port = silent.getsockname()[1]
+        code, findings = doctor("--server", f"http://127.0.0.1:{port}", "--timeout", "0.5")
+    assert code == 1
+    health = find(findings, "server.health")
+    assert health["level"] == "unsafe" and "--timeout" in health["fix"]
 
 
 def test_unreachable_kvserver_is_unsafe():

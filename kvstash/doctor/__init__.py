@@ -30,6 +30,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", help="bearer token for --server (an admin token sees all)")
     p.add_argument("--auth-tokens", metavar="FILE", type=Path,
                    help="a kvserver tokens file to check")
+    p.add_argument("--timeout", type=float, default=5.0, metavar="SECONDS",
+                   help="how long one request to --server may take (default 5)")
     p.add_argument("--json", action="store_true", help="print the findings as JSON")
     p.add_argument("--strict", action="store_true", help="exit 1 on warnings too")
 
@@ -46,7 +48,7 @@ def check_file_store(url: str) -> list[Finding]:
             *fs.check_space(root, capacity)]
 
 
-def check_store(url: str, token: str | None) -> list[Finding]:
+def check_store(url: str, token: str | None, timeout: float = 5.0) -> list[Finding]:
     scheme = StoreURL(url).scheme
     if scheme == "file":
         return check_file_store(url)
@@ -57,7 +59,7 @@ def check_store(url: str, token: str | None) -> list[Finding]:
     if scheme in ("http", "https"):
         from kvstash.doctor.server import check_server
 
-        return check_server(url, token)
+        return check_server(url, token, timeout)
     return [Finding("store", Level.INFO, f"{StoreURL(url).redacted()}: no checks for "
                     f"{scheme}:// stores")]
 
@@ -67,7 +69,7 @@ def diagnose(args: argparse.Namespace) -> list[Finding]:
     findings: list[Finding] = []
     for url in args.store:
         try:
-            findings += check_store(url, token)
+            findings += check_store(url, token, args.timeout)
         except ConfigError as exc:
             findings.append(unsafe("store.url", str(exc), "fix the store URL"))
     if args.auth_tokens is not None:
@@ -77,7 +79,7 @@ def diagnose(args: argparse.Namespace) -> list[Finding]:
     for url in args.server:
         from kvstash.doctor.server import check_server
 
-        findings += check_server(url, token)
+        findings += check_server(url, token, args.timeout)
     return findings
 
 

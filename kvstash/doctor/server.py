@@ -62,33 +62,44 @@ def server_url(url: str, token: str | None) -> tuple[str, str | None]:
     return f"{parts.scheme}://{parts.netloc}", token or query_token
 
 
-def check_server(url: str, token: str | None = None) -> list[Finding]:
+def check_server(url: str, token: str | None = None, timeout: float = TIMEOUT_S) -> list[Finding]:
+    """What a running kvserver says of itself: health, readiness, version, limits, breakers.
+    A request that fails or takes longer than `timeout` seconds is a finding, never an
+    exception."""
     base, token = server_url(url, token)
     headers = {"authorization": f"Bearer {token}"} if token else {}
-    out: list[Finding] = []
-    with httpx.Client(base_url=base, timeout=TIMEOUT_S, headers=headers) as client:
+    with httpx.Client(base_url=base, timeout=timeout, headers=headers) as client:
         try:
-            client.get("/healthz").raise_for_status()
+            return _ask_server(client, base)
+        except httpx.TimeoutException as exc:
+            return [unsafe("server.health", f"{base}: no answer within {timeout:g} s "
+                           f"({type(exc).__name__})",
+                           "check the server's load and its backend; --timeout to wait longer")]
         except httpx.HTTPError as exc:
             return [unsafe("server.health", f"{base}: not answering ({exc})",
                            "start it, or check the address and the firewall")]
-        ready = client.get("/readyz")
-        if ready.status_code == 200:
-            out.append(ok("server.ready", f"{base}: ready"))
-        else:
-            why = _error(ready)
-            out.append(unsafe("server.ready", f"{base}: not ready ({ready.status_code}: {why})",
-                              "see the store findings; `kvstash doctor --store` on its backend"))
-        status = client.get("/status.json")
-        if status.status_code == 404:
-            out.append(warn("server.version", f"{base}: no /status.json (kvstash before the "
-                            "status page): version and limits unknown", "upgrade the server"))
-            return out
-        if status.status_code == 401:
-            out.append(warn("server.version", f"{base}: /status.json wants a token",
-                            "pass --token (an admin token sees every tenant)"))
-            return out
-        out += _status_findings(base, status.json())
+
+
+def _ask_server(client: httpx.Client, base: str) -> list[Finding]:
+    out: list[Finding] = []
+    client.get("/healthz").raise_for_status()
+    ready = client.get("/readyz")
+    if ready.status_code == 200:
+        out.append(ok("server.ready", f"{base}: ready"))
+    else:
+        why = _error(ready)
+        out.append(unsafe("server.ready", f"{base}: not ready ({ready.status_code}: {why})",
+                          "see the store findings; `kvstash doctor --store` on its backend"))
+    status = client.get("/status.json")
+    if status.status_code == 404:
+        out.append(warn("server.version", f"{base}: no /status.json (kvstash before the "
+                        "status page): version and limits unknown", "upgrade the server"))
+        return out
+    if status.status_code == 401:
+        out.append(warn("server.version", f"{base}: /status.json wants a token",
+                        "pass --token (an admin token sees every tenant)"))
+        return out
+    out += _status_findings(base, status.json())
     return out
 
 
