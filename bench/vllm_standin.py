@@ -52,6 +52,10 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
         return self._connector_metadata is not None
 
 
+class SupportsHMA:
+    pass
+
+
 @dataclass
 class KVConnectorStats:
     data: dict[str, Any] = field(default_factory=dict)
@@ -131,7 +135,7 @@ MODULES = {
     "vllm.distributed.kv_transfer.kv_connector.v1": {},
     "vllm.distributed.kv_transfer.kv_connector.v1.base": {
         "KVConnectorBase_V1": KVConnectorBase_V1, "KVConnectorMetadata": KVConnectorMetadata,
-        "KVConnectorRole": KVConnectorRole,
+        "KVConnectorRole": KVConnectorRole, "SupportsHMA": SupportsHMA,
     },
     "vllm.distributed.kv_transfer.kv_connector.v1.metrics": {
         "KVConnectorPromMetrics": KVConnectorPromMetrics, "KVConnectorStats": KVConnectorStats,

@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 from connector.core import KVConnector
@@ -94,8 +95,9 @@ __all__ = [
 ]
 
 
-class KvstashConnector(KVConnectorBase_V1):
-    """kvstash for vLLM's KV connector API. `kv_connector_extra_config`: `store` (URL or
+class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvstash for vLLM's KV connector API, with vLLM's hybrid KV cache manager
+    (`SupportsHMA`: block ids per KV cache group, connector/vllm_groups.py). `kv_connector_extra_config`: `store` (URL or
     list of URLs), `model` (when vLLM has no model config), `chunk_tokens` (tokens per
     stored chunk, rounded up to whole vLLM blocks, default 256), `salt`,
     `load_mode` (default "auto": on vLLM's CPU build, a hit whose chunks are all in this
@@ -137,7 +139,7 @@ class KvstashConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
-        settings = VllmSettings.of(vllm_config)
+        settings = VllmSettings.of(vllm_config, kv_cache_config)
         self.settings = settings
         self._cache_hit_source = hit_source(settings.store)
         _route_kvstash_warnings()
@@ -147,6 +149,11 @@ class KvstashConnector(KVConnectorBase_V1):
             self.connector_worker = KvstashWorker(vllm_config, settings, kv_cache_config)
         else:
             self.connector_scheduler = KvstashScheduler(vllm_config, settings)
+            if settings.groups.refusal is not None:
+                model = getattr(vllm_config.model_config, "model", "this model")
+                log.warning("kvstash is off for %s: %s; the engine runs as without "
+                            "kvstash (nothing is loaded or saved)", model,
+                            settings.groups.refusal)
         # vLLM seeds its block hashes from PYTHONHASHSEED where it is set, whatever the
         # algorithm: an instance shares chunks only with instances that set the same value
         # (or, for sha256, none).
@@ -244,6 +251,13 @@ class KvstashConnector(KVConnectorBase_V1):
         self, request: Request, block_ids: list[int],
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...],
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid manager ends a request here, with its blocks of every group:
+        saves copy their blocks out inside the step, so they free at once."""
+        return self._scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._scheduler.take_events()
