@@ -57,6 +57,13 @@ class SupportsHMA:
 
 
 @dataclass
+class KVConnectorTransferResults:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
+@dataclass
 class KVConnectorStats:
     data: dict[str, Any] = field(default_factory=dict)
 
@@ -136,6 +143,7 @@ MODULES = {
     "vllm.distributed.kv_transfer.kv_connector.v1.base": {
         "KVConnectorBase_V1": KVConnectorBase_V1, "KVConnectorMetadata": KVConnectorMetadata,
         "KVConnectorRole": KVConnectorRole, "SupportsHMA": SupportsHMA,
+        "KVConnectorTransferResults": KVConnectorTransferResults,
     },
     "vllm.distributed.kv_transfer.kv_connector.v1.metrics": {
         "KVConnectorPromMetrics": KVConnectorPromMetrics, "KVConnectorStats": KVConnectorStats,

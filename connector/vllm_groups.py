@@ -63,6 +63,17 @@ class GroupLayout:
         return len(self.kinds) > 1
 
     @property
+    def fails_whole_requests(self) -> bool:
+        """Whether a chunk that fails to load fails its whole request (vLLM then
+        recomputes it from its own cache, or from the start: a miss) rather than its
+        blocks from that chunk on: vLLM takes block-level load errors with one KV cache
+        group only, and in a sliding group the window before a failed chunk may be the
+        null block (outside the window at the hit's end: never loaded), which a
+        recompute from that chunk would read. Loads are then between steps (async),
+        where vLLM takes a request's failure."""
+        return self.hybrid or bool(self.sliding_groups)
+
+    @property
     def sliding_groups(self) -> list[int]:
         return [g for g, kind in enumerate(self.kinds) if kind == "sliding"]
 

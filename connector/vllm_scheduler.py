@@ -316,6 +316,8 @@ class KvstashScheduler:
         st.sync = self.load_mode == "layerwise" or (self.auto_layerwise and plan.chunks > 0 and (
             all(st.cached[wanted]) if st.cached is not None
             else self.core.resident([k for keys in st.keys for k in keys[wanted]])))
+        if self.settings.groups.fails_whole_requests:
+            st.sync = False  # vLLM takes a failed load of such a model between steps only
         return st.hit_chunks
 
     def get_num_new_matched_tokens(
@@ -531,6 +533,9 @@ class KvstashScheduler:
             if (st := self._reqs.get(req_id)) is not None:
                 st.loading = False
                 self._loaded(st)
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            if (st := self._reqs.get(req_id)) is not None:
+                self._load_failed(st, st.loaded_tokens)
         events = connector_output.kv_cache_events
         if isinstance(events, KvstashKVEvents):
             if self._collected is None:
@@ -555,19 +560,24 @@ class KvstashScheduler:
                 continue
             loaded_end = st.num_computed + st.loaded_tokens
             valid = max(first_bad * self.block_size, st.num_computed)
-            failed = max(0, loaded_end - valid) - st.failed_tokens
-            if failed <= 0:
-                continue
-            st.failed_tokens += failed
-            self.core.count(failed_load_tokens=failed)
-            st.saved_chunks = min(st.saved_chunks, valid // self.chunk_tokens)
-            stats = getattr(st.request, "prefill_stats", None)
-            if stats is not None and stats.num_prompt_tokens:
-                stats.set(
-                    num_prompt_tokens=stats.num_prompt_tokens,
-                    num_local_cached_tokens=stats.num_local_cached_tokens,
-                    num_external_cached_tokens=max(0, stats.num_external_cached_tokens - failed),
-                )
+            self._load_failed(st, max(0, loaded_end - valid), valid)
+
+    def _load_failed(self, st: _Req, failed: int, valid: int = 0) -> None:
+        """`failed` of the tokens the request loaded are recomputed from token `valid` on
+        (a failed request: vLLM recomputes it whole, past its own cache)."""
+        failed -= st.failed_tokens
+        if failed <= 0:
+            return
+        st.failed_tokens += failed
+        self.core.count(failed_load_tokens=failed)
+        st.saved_chunks = min(st.saved_chunks, valid // self.chunk_tokens)
+        stats = getattr(st.request, "prefill_stats", None)
+        if stats is not None and stats.num_prompt_tokens:
+            stats.set(
+                num_prompt_tokens=stats.num_prompt_tokens,
+                num_local_cached_tokens=stats.num_local_cached_tokens,
+                num_external_cached_tokens=max(0, stats.num_external_cached_tokens - failed),
+            )
 
     def request_finished(
         self, request: Request, block_ids: list[int],

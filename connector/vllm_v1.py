@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -295,6 +296,14 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(self._metadata())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`, and the requests whose load failed as a whole (a model with
+        several KV cache groups or a sliding window: `GroupLayout.fails_whole_requests`)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=self._worker.take_failed_loads())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()

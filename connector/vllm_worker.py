@@ -165,6 +165,7 @@ class KvstashWorker:
         self.cache: PagedKv | None = None  # the KV cache, once vLLM registers it
         self._loading: dict[str, tuple[ReqChunks, LoadHandle, _ChunkTarget]] = {}
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # requests whose load failed as a whole
         self._layer_loads: list[tuple[ReqChunks, SegmentLoad, _ChunkTarget]] = []
         # Chunk staging buffers, kept between loads (connector.buffers), by kind.
         self._load_buffers: dict[str, BufferPool] = {}
@@ -335,6 +336,12 @@ class KvstashWorker:
         if fetches:
             concurrent.futures.wait(fetches, timeout=self.load_wait_s)
 
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose async load failed as a whole (`GroupLayout.fails_whole_requests`),
+        since the last call: vLLM's `failed_recving`, asked with `get_finished`'s answer."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         # vLLM asks right after get_finished in the same step, so a request's failed
         # blocks are reported no later than the step that reports it done.
@@ -351,6 +358,11 @@ class KvstashWorker:
             segments = self.cache.segments
             needed = [layers for layers, good in zip(target.layers, ok, strict=True) if good]
             self.core.count(hit_needed_bytes=sum(segments[i] for ls in needed for i in ls))
+        if self.settings.groups.fails_whole_requests:
+            if not all(ok):
+                self._failed_loads.add(req.req_id)
+            self._report_gone(req, handle, ok)
+            return
         self._load_errors |= {
             b for chunk, good in zip(req.chunks, ok, strict=True) if not good
             for ids in chunk.groups or [chunk.block_ids]

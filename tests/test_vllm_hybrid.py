@@ -205,3 +205,59 @@ def test_the_group_layout_names_the_key_space():
               space(hybrid_kv_cache_config(40, sliding=(1,))), space(None)]
     assert len(set(spaces)) == 4
     assert space(full) == space(None) == connector_namespace(cfg, 0, 1, CHUNK_TOKENS).id
+
+
+def test_a_corrupt_chunk_fails_the_whole_hybrid_request_never_its_blocks(tmp_path):
+    """vLLM takes block-level load errors with one KV cache group only (with several it
+    raises), and a recompute from a failed chunk would read the sliding window before it,
+    which a hit leaves as the null block: a chunk of a hybrid model that fails to load
+    fails its request (vLLM's `failed_recving`; it recomputes it, a miss), with no block
+    reported, and the scheduler counts every loaded token as recomputed."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    root = tmp_path / "kv"
+    config = hybrid_kv_cache_config(window=40)
+    writer = V1Engine(f"file://{root}", kv_cache_config=config, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(f"file://{root}", kv_cache_config=config, chunk_tokens=CHUNK_TOKENS,
+                      load_mode="layerwise")  # taken as async: vLLM's failures need it
+    try:
+        write_hybrid_prompt(writer, [1, 2, 3, 4, 5, 6], [11, 12, 13, 14, 15, 16])
+        for path in root.rglob("*.kv"):
+            data = bytearray(path.read_bytes())
+            data[-1] ^= 0xFF
+            path.chmod(0o644)
+            path.write_bytes(bytes(data))
+        req = make_request(PROMPT)
+        assert reader.lookup(req) == (96, True)
+        reader.scheduler.update_state_after_alloc(
+            req, group_blocks([0, 0, 0, 7, 8, 9], [21, 22, 23, 24, 25, 26]), 96)
+        meta = reader.scheduler.build_connector_meta(_empty_step())
+        assert [r.sync for r in meta.loads] == [False]
+        reader.worker.bind_connector_metadata(meta)
+        reader.worker.start_load_kv(None)
+        results = []
+
+        def step() -> bool:
+            results.append(reader.worker.get_transfer_results(set()))
+            return req.request_id in results[-1].finished_recving
+
+        wait_until(step)
+        errors = reader.worker.get_block_ids_with_load_errors()
+        reader.scheduler.update_connector_output(KVConnectorOutput(
+            finished_recving={req.request_id}, failed_recving=results[-1].failed_recving))
+        counters = reader.scheduler.counters
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert results[-1].failed_recving == {req.request_id} and errors == set()
+    assert counters["failed_load_tokens"] == 96
+
+
+def _empty_step():
+    from vllm.v1.core.sched.output import CachedRequestData, SchedulerOutput
+
+    return SchedulerOutput(
+        scheduled_new_reqs=[], scheduled_cached_reqs=CachedRequestData.make_empty(),
+        num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+        scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+        finished_req_ids=set(), free_encoder_mm_hashes=[])
