@@ -27,7 +27,8 @@ breaker that bypasses a failing store, verified loads, counters, write-behind sa
   paged KV cache, and the copies into and out of it);
 - connector/vllm_meta.py: what travels between them (metadata, counters as vLLM stats
   and Prometheus metrics, KV events); connector/vllm_config.py: the options, chunk
-  geometry and key spaces both read.
+  geometry and key spaces both read; connector/vllm_groups.py: vLLM's KV cache groups
+  (hybrid models: each layer's group and window, what a hit needs, what is refused).
 """
 
 from __future__ import annotations
