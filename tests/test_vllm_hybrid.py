@@ -61,6 +61,27 @@ def test_a_hit_needs_a_sliding_layer_only_in_the_chunks_its_window_overlaps(chun
     assert layers_needed(chunks, CHUNK_TOKENS, [window, None], first) == needed
 
 
+@pytest.mark.parametrize("block_size, chunk_blocks", [(16, 2), (128, 2), (16, 1)])
+def test_the_layers_a_hit_needs_are_the_blocks_vllms_sliding_window_manager_keeps(
+        block_size, chunk_blocks):
+    """For every window and hit length, a sliding layer is needed in exactly the chunks
+    holding a block vLLM's own SlidingWindowManager keeps for a request of that hit (the
+    others it skips: its null block)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core.single_type_kv_cache_manager import SlidingWindowManager
+
+    chunk_tokens = block_size * chunk_blocks
+    for window in range(1, 5 * chunk_tokens, 7):
+        manager = SimpleNamespace(sliding_window=window, extra_retained_tokens=0)
+        for chunks in range(1, 6):
+            skipped = SlidingWindowManager.get_num_skipped_tokens(manager, chunks * chunk_tokens)
+            kept = [any((b + 1) * block_size > skipped for b in range(
+                c * chunk_blocks, (c + 1) * chunk_blocks)) for c in range(chunks)]
+            needed = layers_needed(chunks, chunk_tokens, [window])
+            assert [layers == [0] for layers in needed] == kept, (window, chunks)
+
+
 def write_hybrid_prompt(engine: V1Engine, sliding: list[int], full: list[int]):
     """The engine computes PROMPT from scratch into its blocks of each group (distinct
     values per layer and block) and saves its 3 chunks."""
