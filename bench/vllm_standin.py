@@ -52,6 +52,17 @@ class KVConnectorBase_V1:  # noqa: N801 - vLLM's name
         return self._connector_metadata is not None
 
 
+class SupportsHMA:
+    pass
+
+
+@dataclass
+class KVConnectorTransferResults:
+    finished_sending: set[str] = field(default_factory=set)
+    finished_recving: set[str] = field(default_factory=set)
+    failed_recving: set[str] = field(default_factory=set)
+
+
 @dataclass
 class KVConnectorStats:
     data: dict[str, Any] = field(default_factory=dict)
@@ -131,7 +142,8 @@ MODULES: dict[str, dict[str, Any]] = {
     "vllm.distributed.kv_transfer.kv_connector.v1": {},
     "vllm.distributed.kv_transfer.kv_connector.v1.base": {
         "KVConnectorBase_V1": KVConnectorBase_V1, "KVConnectorMetadata": KVConnectorMetadata,
-        "KVConnectorRole": KVConnectorRole,
+        "KVConnectorRole": KVConnectorRole, "SupportsHMA": SupportsHMA,
+        "KVConnectorTransferResults": KVConnectorTransferResults,
     },
     "vllm.distributed.kv_transfer.kv_connector.v1.metrics": {
         "KVConnectorPromMetrics": KVConnectorPromMetrics, "KVConnectorStats": KVConnectorStats,

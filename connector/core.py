@@ -86,6 +86,9 @@ COUNTERS = {
     "layered_chunks": "Chunks read a layer at a time on the layers thread while the engine computed.",
     "hit_tokens": "Prompt tokens loaded from the store instead of computed.",
     "hit_bytes": "Payload bytes loaded from the store.",
+    "hit_needed_bytes": ("Payload bytes of the chunks loaded that their hits need: of a "
+                         "sliding-window layer only its part inside the window at the "
+                         "hit's end (vLLM)."),
     "load_seconds": "Wall time of loads, from start to the last chunk placed.",
     "declined_tokens": "Stored tokens not loaded because recomputing them was faster.",
     "failed_chunks": "Chunks a load planned but did not place (missing, corrupt, unreadable, late).",

@@ -2,9 +2,17 @@
 
 The loaded prefix becomes a `DynamicCache` (transformers 5.x: `DynamicCache(ddp_cache_data=
 [(k, v) per layer], config=...)`, positions follow from the cache length); the model then
-runs only on the suffix. Supported: decoder-only models whose layers are all full
-attention with one K/V head size (Llama family incl. GQA, Qwen2, Mistral without a
-sliding window), any dtype in `connector.layout.DTYPE_BYTES`, batch size 1.
+runs only on the suffix. Supported: decoder-only models whose layers are full-attention or
+sliding-window attention with one K/V head size (Llama family incl. GQA, Qwen2, Mistral
+with or without its window, Gemma 3), any dtype in `connector.layout.DTYPE_BYTES`, batch
+size 1.
+
+A chunk holds every layer's K/V of its tokens, sliding layers included. transformers keeps
+only the last `sliding_window - 1` positions of a sliding layer, so the forward runs on a
+cache whose sliding layers record every position until it ends (`recording_cache`); the
+new chunks are taken from there and the layers are then cut back to their window. A hit
+gives a sliding layer only the positions inside the window at the hit's end, as the
+model's own cache would hold them.
 
 Exactness, precisely (checked with torch 2.13.0+cpu and transformers 5.19.0 and 5.23.0):
 1. the K/V a hit loads are bit-identical to the K/V the model computed for those tokens
@@ -55,9 +63,36 @@ def recompute_tolerance(logits: Any) -> float:
     return RECOMPUTE_ULPS * torch.finfo(logits.dtype).eps * max(1.0, logits.abs().max().item())
 
 
+def recording_cache(model: Any) -> DynamicCache:
+    """An empty `DynamicCache` for `model` whose sliding-window layers keep every position
+    until `end_recording` (transformers' `activate_past_recording`): the K/V of a whole
+    prompt, which a plain cache keeps of full-attention layers alone. A forward on it
+    computes exactly what it computes on a plain one."""
+    cache = DynamicCache(config=model.config)
+    for layer in cache.layers:
+        if getattr(layer, "is_sliding", False):
+            layer.activate_past_recording()
+    return cache
+
+
+def end_recording(cache: Any) -> None:
+    """Cut a recording cache's sliding layers back to their window, as a plain cache holds
+    them after the same forward, and stop recording."""
+    for layer in getattr(cache, "layers", ()):
+        if getattr(layer, "record_past", False):
+            layer.crop(0)
+            layer.record_past = False
+
+
+def _first_position(layer: Any) -> int:
+    """The position of a cache layer's first K/V row (a sliding layer drops earlier ones)."""
+    return getattr(layer, "cumulative_length", layer.keys.shape[-2]) - layer.keys.shape[-2]
+
+
 def prefix_cache(model: Any, cache: Any, tokens: int) -> DynamicCache:
     """A new `DynamicCache` holding the first `tokens` positions of `cache` (not copied;
-    `cache` stays as it is: DynamicCache replaces its tensors on update)."""
+    `cache` stays as it is: DynamicCache replaces its tensors on update). A sliding layer of
+    `cache` must hold them all (a `recording_cache`'s); the new cache keeps its window."""
     kv = [(layer.keys[:, :, :tokens], layer.values[:, :, :tokens]) for layer in cache.layers]
     return DynamicCache(ddp_cache_data=kv, config=model.config)
 
@@ -77,8 +112,9 @@ def kv_layout(model: Any, chunk_tokens: int) -> ChunkLayout:
     """The chunk layout of `model`'s KV cache; ValueError for unsupported attention types."""
     cfg = model.config.get_text_config(decoder=True)
     kinds = set(getattr(cfg, "layer_types", None) or ["full_attention"])
-    if kinds != {"full_attention"} or getattr(cfg, "use_sliding_window", False):
-        raise ValueError(f"only full-attention layers are supported, model has {sorted(kinds)}")
+    if not kinds <= {"full_attention", "sliding_attention"}:
+        raise ValueError("only full-attention and sliding-window layers are supported, "
+                         f"model has {sorted(kinds)}")
     heads = cfg.num_attention_heads
     return ChunkLayout(
         layers=cfg.num_hidden_layers,
@@ -194,7 +230,15 @@ class _StagedPrefix:
         cache = cls(ddp_cache_data=[(layer[0][:, :, :0], layer[1][:, :, :0]) for layer in kv],
                     config=config, **extra)
         for layer, loaded in zip(cache.layers, kv, strict=True):
-            layer.keys, layer.values = loaded[0], loaded[1]
+            if getattr(layer, "is_sliding", False):
+                # The window at the hit's end, as the model's own cache keeps it; recorded
+                # from there on, so that the new chunks' K/V are there to save.
+                keep = min(tokens, layer.sliding_window - 1)
+                layer.keys, layer.values = loaded[0][:, :, tokens - keep :], loaded[1][:, :, tokens - keep :]
+                layer.cumulative_length = tokens
+                layer.activate_past_recording()
+            else:
+                layer.keys, layer.values = loaded[0], loaded[1]
         return cache
 
 
@@ -219,16 +263,19 @@ class _LayerwiseCache(DynamicCache):
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
 
-def _chunk_payload(layout: ChunkLayout, keys: list[torch.Tensor], values: list[torch.Tensor]):
-    """A function chunk index -> payload bytes, reading the given per-layer K/V tensors."""
+def _chunk_payload(layout: ChunkLayout, keys: list[torch.Tensor], values: list[torch.Tensor],
+                   first: list[int] | None = None):
+    """A function chunk index -> payload bytes, reading the given per-layer K/V tensors
+    (`first`: per layer, the position of its first row; 0 for all by default)."""
     dtype = getattr(torch, layout.dtype)
     n = layout.chunk_tokens
+    first = first or [0] * len(keys)
 
     def payload(i: int) -> Any:
         out = torch.empty(layout.shape, dtype=dtype)
-        for layer, k, v in zip(out, keys, values, strict=True):
-            layer[0].copy_(k[0, :, i * n : (i + 1) * n])
-            layer[1].copy_(v[0, :, i * n : (i + 1) * n])
+        for layer, k, v, f in zip(out, keys, values, first, strict=True):
+            layer[0].copy_(k[0, :, i * n - f : (i + 1) * n - f])
+            layer[1].copy_(v[0, :, i * n - f : (i + 1) * n - f])
         return out.view(torch.uint8).numpy()
 
     return payload
@@ -261,6 +308,10 @@ class CachedPrefill:
         self.layerwise = layerwise
         self.layout = kv_layout(model, connector.chunk_tokens)
         connector.bind_layout(self.layout)
+        # whether transformers' cache keeps a window of some layer (Mistral names its
+        # window without `layer_types`)
+        self.sliding = any(getattr(layer, "is_sliding", False)
+                           for layer in DynamicCache(config=model.config).layers)
         self._buffers: _PrefixBuffers | None = None
         self._layer_load: Any = None
         self.last_hit_tokens = 0
@@ -320,6 +371,8 @@ class CachedPrefill:
             log.exception("cache load failed; computing the whole prompt")
             hit, cache = 0, None
         t1 = time.perf_counter()
+        if cache is None and self.sliding:
+            cache = recording_cache(self.model)
         timer = PrefillTimer(total - hit, ids.device)
         out = self.model(ids[:, hit:], past_key_values=cache, use_cache=True,
                          **_suffix_kwargs(kwargs, hit))
@@ -330,9 +383,9 @@ class CachedPrefill:
             # prefix. Recompute the whole prompt (the staging may still be written: dropped).
             log.warning("layerwise load fell short; computing the whole prompt")
             self._drop_staging()
-            hit, cache = 0, None
+            hit, cache = 0, recording_cache(self.model) if self.sliding else None
             timer = PrefillTimer(total, ids.device)
-            out = self.model(ids, use_cache=True, **kwargs)
+            out = self.model(ids, past_key_values=cache, use_cache=True, **kwargs)
             timer.stop()
         t2 = time.perf_counter()
         if cache is not None and self._buffers is not None:
@@ -342,6 +395,7 @@ class CachedPrefill:
         self.connector.prefill_timed(timer)
         self.last_hit_tokens = hit
         self._save(tokens, out.past_key_values, hit)
+        end_recording(out.past_key_values)
         self.last_timings = {"cache": t1 - t0, "compute": t2 - t1, "save": time.perf_counter() - t2}
         return out
 
@@ -358,6 +412,7 @@ class CachedPrefill:
             # stay valid while the engine keeps decoding and the writer serializes later.
             keys = [layer.keys for layer in cache.layers]
             values = [layer.values for layer in cache.layers]
-            self.connector.save(tokens, _chunk_payload(self.layout, keys, values), hit)
+            first = [_first_position(layer) for layer in cache.layers]
+            self.connector.save(tokens, _chunk_payload(self.layout, keys, values, first), hit)
         except Exception:  # noqa: BLE001 - a lost save costs a future hit, never this request
             log.exception("queueing the prompt's chunks for saving failed")

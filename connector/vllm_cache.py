@@ -22,6 +22,7 @@ import xxhash
 
 from connector.layout import EngineLayout
 from connector.vllm_config import FORMAT
+from connector.vllm_groups import GroupLayout
 from connector.vllm_meta import NULL_BLOCK_ID, ChunkRef
 from gds.streams import SideStreams
 
@@ -54,6 +55,23 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
 def _real_blocks(block_ids: list[int], first: int) -> list[int]:
     """Positions from `first` on of the blocks that are not vLLM's null block."""
     return [j for j in range(first, len(block_ids)) if block_ids[j] != NULL_BLOCK_ID]
+
+
+@dataclass
+class _Targets:
+    """Where a chunk's part of one KV cache group goes: the positions in the chunk of its
+    blocks to place (`real`: from `first` on, not vLLM's null block), their ids, and
+    whether they are one run to the chunk's end."""
+
+    real: list[int]
+    ids: list[int]
+    run: bool
+
+    @classmethod
+    def of(cls, block_ids: list[int], first: int) -> _Targets:
+        real = _real_blocks(block_ids, first)
+        return cls(real, [block_ids[j] for j in real],
+                   bool(real) and len(real) == len(block_ids) - real[0])
 
 
 def place_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], src: torch.Tensor) -> None:
@@ -115,12 +133,15 @@ def gather_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], dst: t
 
 class PagedKv:
     """The KV cache vLLM registered with a worker (`register_kv_caches`): `kv` by layer
-    name, `chunk_blocks` blocks a chunk."""
+    name, `chunk_blocks` blocks a chunk; each layer takes the blocks of its KV cache group
+    (`groups`; a model with one group: a chunk's `block_ids` for every layer)."""
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None,
-                 chunk_blocks: int):
+                 chunk_blocks: int, groups: GroupLayout | None = None):
         self.kv = dict(kv_caches)
         self.chunk_blocks = chunk_blocks
+        # per layer (in `layers` order), its KV cache group
+        self.layer_group = [groups.group_of(name) if groups else 0 for name in self.kv]
         self.layers: list[_LayerLayout] = []
         for name, kv in self.kv.items():
             # vLLM >= 0.9 hands [num_blocks, ...] per layer; older FlashAttention
@@ -164,18 +185,25 @@ class PagedKv:
                 yield layer, self.kv[layer.name], view.narrow(layer.block_dim, 0, n_blocks)
             off += nbytes
 
-    def destination(self, block_ids: list[int], only: int | None = None
-                     ) -> list[memoryview] | None:
+    def destination(self, block_ids: list[int], only: int | None = None,
+                    groups: list[list[int]] | None = None) -> list[memoryview] | None:
         """Byte views of `block_ids` in every layer (`only`: that layer) of a CPU KV cache,
         in a chunk payload's order (per layer, per index before the block dimension, per
-        run of consecutive blocks); None on a GPU or for a cache that is not one contiguous
+        run of consecutive blocks); `groups`: every KV cache group's blocks, each layer
+        taking its group's. None on a GPU or for a cache that is not one contiguous
         tensor a layer."""
         if self.block_bytes is None:
             return None
-        layers = (self.block_bytes if only is None
-                  else self.block_bytes[slice(*self.layer_parts[only])])
-        runs = list(_runs(block_ids))
-        return [whole[b * size : (b + n) * size] for whole, size in layers for _, b, n in runs]
+        runs: dict[int, list[tuple[int, int, int]]] = {}
+        out: list[memoryview] = []
+        for i in range(len(self.layers)) if only is None else (only,):
+            g = self.layer_group[i] if groups else 0
+            if g not in runs:
+                runs[g] = list(_runs(groups[g] if groups else block_ids))
+            out.extend(whole[b * size : (b + n) * size]
+                       for whole, size in self.block_bytes[slice(*self.layer_parts[i])]
+                       for _, b, n in runs[g])
+        return out
 
     def cpu_block_bytes(self) -> list[tuple[memoryview, int]] | None:
         """(flat byte view, bytes per block) of every layer's share of the KV cache per
@@ -205,37 +233,43 @@ class PagedKv:
         it on `stream` (the engine's). Returns once copied (on a GPU: once queued on
         `stream` ahead of anything the engine queues after)."""
         k = len(chunk.block_ids)
-        real = _real_blocks(chunk.block_ids, chunk.first)
-        if not real:
+        targets = {g: _Targets.of(chunk.ids(g), chunk.first)
+                   for g in sorted(set(self.layer_group))}
+        if not any(t.real for t in targets.values()):
             return
-        ids = [chunk.block_ids[j] for j in real]
-        run = len(real) == k - real[0]  # one run to the chunk's end
         device = self.device
         if device.type == "cuda" and only is None:
-            self.gpu.run(device, after,
-                          lambda: self._place_on_gpu(device, buf, k, real, ids, run))
+            self.gpu.run(device, after, lambda: self._place_on_gpu(device, buf, k, targets))
             return
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             for layer, kv, view in self.views(buf, k, only):
-                src = (view.narrow(layer.block_dim, real[0], k - real[0]) if run
+                t = targets[self.layer_group[self.layer_index[layer.name]]]
+                if not t.real:  # a sliding layer's blocks outside the window
+                    continue
+                src = (view.narrow(layer.block_dim, t.real[0], k - t.real[0]) if t.run
                        else view.index_select(layer.block_dim,
-                                              torch.tensor(real, device=view.device)))
-                place_blocks(kv, layer.block_dim, ids, src)
+                                              torch.tensor(t.real, device=view.device)))
+                place_blocks(kv, layer.block_dim, t.ids, src)
 
-    def _place_on_gpu(self, device: torch.device, buf: torch.Tensor, k: int, real: list[int],
-                      ids: list[int], run: bool) -> None:
+    def _place_on_gpu(self, device: torch.device, buf: torch.Tensor, k: int,
+                      targets: dict[int, _Targets]) -> None:
         """A whole chunk into a GPU cache, on the current (side) stream: host staging goes
         over in one copy, then each layer is one `index_copy_` on the device: a copy and
         an index per layer, as `place_blocks` makes them, took about twice as long
         (docs/benchmarks/2026-11-27-vllm-gpu-worker.md)."""
         if not buf.is_cuda:
             buf = buf.to(device, non_blocking=True)
-        idx = device_index(ids, device)
-        pos = None if run else device_index(real, device)
+        idx = {g: device_index(t.ids, device) for g, t in targets.items() if t.real}
+        pos = {g: device_index(t.real, device) for g, t in targets.items()
+               if t.real and not t.run}
         for layer, kv, view in self.views(buf, k):
-            src = (view.narrow(layer.block_dim, real[0], k - real[0]) if pos is None
-                   else view.index_select(layer.block_dim, pos))
-            kv.index_copy_(layer.block_dim, idx, src)
+            g = self.layer_group[self.layer_index[layer.name]]
+            t = targets[g]
+            if not t.real:
+                continue
+            src = (view.narrow(layer.block_dim, t.real[0], k - t.real[0]) if g not in pos
+                   else view.index_select(layer.block_dim, pos[g]))
+            kv.index_copy_(layer.block_dim, idx[g], src)
 
     def copy_out(self, buf: torch.Tensor, block_ids: list[int], layer: int) -> bool:
         """A whole chunk's share of one layer of a CPU KV cache copied into its place in

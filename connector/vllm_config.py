@@ -20,6 +20,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from connector.core import KVConnector
 from connector.options import CORE_OPTIONS, CoreOptions, check_known
 from connector.policy import LoadPolicy
+from connector.vllm_groups import GroupLayout
 from hashing import Namespace
 from storage.options import StoreURL, parse_bool
 from storage.registry import FSSPEC_PREFIX
@@ -103,10 +104,14 @@ def _positive_int(extra: dict[str, Any], name: str, default: int | None = None) 
 
 def connector_namespace(
     vllm_config: VllmConfig, rank: int, world_size: int, chunk_tokens: int | None = None,
+    groups: GroupLayout | None = None,
 ) -> Namespace:
-    """The key space of one worker rank: model, cache dtype, block and chunk size, hash, and
+    """The key space of one worker rank: model, cache dtype, block and chunk size, hash,
     the engine settings that change the K/V a model computes for the same tokens where an
-    engine sets them (`_model_variant`)."""
+    engine sets them (`_model_variant`), and the layout of its KV cache groups where it
+    has more than one full-attention group (`GroupLayout.describe`: which layer is in
+    which group, and its window), so no chunk is loaded into another arrangement of
+    layers."""
     extra = vllm_config.kv_transfer_config.kv_connector_extra_config
     model_config = vllm_config.model_config
     cache = vllm_config.cache_config
@@ -120,6 +125,9 @@ def connector_namespace(
         chunk_tokens, _ = chunk_geometry(vllm_config)
     layout = f"{FORMAT};block={cache.block_size};hash={cache.prefix_caching_hash_algo}"
     layout += "".join(f";{part}" for part in _model_variant(model_config))
+    described = groups.describe() if groups is not None else ""
+    if described:
+        layout += f";{described}"
     return Namespace(
         model=model, dtype=str(dtype), layout=layout,
         chunk_tokens=chunk_tokens, rank=rank, world_size=world_size,
@@ -286,9 +294,12 @@ class VllmSettings:
     adaptive: bool
     direct_io: Any
     resident_reads: bool
+    groups: GroupLayout = GroupLayout()
 
     @classmethod
-    def of(cls, vllm_config: VllmConfig) -> VllmSettings:
+    def of(cls, vllm_config: VllmConfig, kv_cache_config: Any = None) -> VllmSettings:
+        """`kv_cache_config`: vLLM's KV cache groups (`GroupLayout.of`); a model kvstash
+        cannot store (`GroupLayout.refusal`) neither loads nor saves."""
         transfer = vllm_config.kv_transfer_config
         extra = transfer.kv_connector_extra_config
         options = check_options(extra)
@@ -304,12 +315,14 @@ class VllmSettings:
                              + ", ".join(repr(m) for m in LOAD_MODES))
         role = getattr(transfer, "kv_role", "kv_both") or "kv_both"
         events = getattr(vllm_config, "kv_events_config", None)
+        groups = GroupLayout.of(kv_cache_config)
+        stores = groups.refusal is None
         return cls(
             store=store, options=options, block_size=vllm_config.cache_config.block_size,
             chunk_tokens=chunk_tokens, chunk_blocks=chunk_blocks,
             rank=par.rank, world_size=par.world_size,
             key_spaces=KeySpaces(tuple(
-                connector_namespace(vllm_config, r, par.world_size, chunk_tokens)
+                connector_namespace(vllm_config, r, par.world_size, chunk_tokens, groups)
                 for r in by_rank), tuple(by_rank)),
             lookup_wait_s=float(extra.get("lookup_wait_ms", 5.0)) / 1000,
             lookup_idle_wait_s=float(extra.get("lookup_idle_wait_ms", 50.0)) / 1000,
@@ -322,7 +335,7 @@ class VllmSettings:
             # than an async load followed by the forward, and it holds up the batch
             # (docs/benchmarks/2026-11-27-vllm-gpu-worker.md).
             load_mode=mode, auto_layerwise=mode == "auto" and _cpu_platform(),
-            loads=role != "kv_producer", saves=role != "kv_consumer",
+            loads=stores and role != "kv_producer", saves=stores and role != "kv_consumer",
             producer=role == "kv_producer",
             handoff_timeout_s=float(extra.get("handoff_timeout_s", HANDOFF_TIMEOUT_S)),
             # The tokens a request generates are saved too, a chunk as soon as its K/V is
@@ -335,6 +348,7 @@ class VllmSettings:
             adaptive=_flag(extra.get("adaptive", True)),
             direct_io=extra.get("direct_io", True),
             resident_reads=_flag(extra.get("resident_reads", True)),
+            groups=groups,
         )
 
     @property

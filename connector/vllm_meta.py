@@ -143,8 +143,12 @@ class ChunkRef:
 
     block_hash: bytes
     token_bytes: bytes
-    block_ids: list[int]
+    block_ids: list[int]  # of KV cache group 0 (the only one of a full-attention model)
     first: int = 0
+    # Of a model with several KV cache groups (vLLM's hybrid manager: sliding-window
+    # beside full-attention layers), every group's blocks of the chunk, group 0's first;
+    # empty with one group.
+    groups: list[list[int]] = field(default_factory=list)
     # For KV events only (else empty): vLLM's hashes of every block of the chunk, and of
     # the block before it, and the rest of what vLLM's own BlockStored says of them
     # (`event_fields`).
@@ -155,6 +159,14 @@ class ChunkRef:
     @property
     def token_ids(self) -> np.ndarray:
         return np.frombuffer(self.token_bytes, dtype="<u4")
+
+    def ids(self, group: int) -> list[int]:
+        """The chunk's blocks in KV cache group `group`."""
+        return self.groups[group] if self.groups else self.block_ids
+
+    def all_ids(self) -> list[int]:
+        """The chunk's blocks in every group."""
+        return [b for ids in self.groups for b in ids] if self.groups else self.block_ids
 
 
 @dataclass

@@ -75,7 +75,7 @@ class _Req:
     sync: bool = False  # load within the step (layerwise), not between steps
     num_computed: int = 0
     load_planned: bool = False
-    block_ids: list[int] = field(default_factory=list)
+    block_ids: list[list[int]] = field(default_factory=list)  # per KV cache group
     saved_chunks: int = 0
     stored: int | None = None  # leading chunks the store held at the lookup (None: none ran)
     loaded_tokens: int = 0  # the hit vLLM was told of (0 when nothing was loaded)
@@ -243,11 +243,13 @@ class KvstashScheduler:
     def _chunk_refs(self, st: _Req, start: int, stop: int, first_block: int = 0) -> list[ChunkRef]:
         req, k = st.request, self.chunk_blocks
         hashes, n = req.block_hashes, self.chunk_tokens
+        hybrid = len(st.block_ids) > 1
         return [
             ChunkRef(
                 block_hash=bytes(hashes[(c + 1) * k - 1]),
                 token_bytes=st.token_ids(c * n, (c + 1) * n).tobytes(),
-                block_ids=st.block_ids[c * k : (c + 1) * k],
+                block_ids=st.block_ids[0][c * k : (c + 1) * k] if st.block_ids else [],
+                groups=[ids[c * k : (c + 1) * k] for ids in st.block_ids] if hybrid else [],
                 first=max(0, first_block - c * k),
                 block_hashes=[external_hash(h) for h in hashes[c * k : (c + 1) * k]]
                 if self.kv_events else [],
@@ -314,6 +316,8 @@ class KvstashScheduler:
         st.sync = self.load_mode == "layerwise" or (self.auto_layerwise and plan.chunks > 0 and (
             all(st.cached[wanted]) if st.cached is not None
             else self.core.resident([k for keys in st.keys for k in keys[wanted]])))
+        if self.settings.groups.fails_whole_requests:
+            st.sync = False  # vLLM takes a failed load of such a model between steps only
         return st.hit_chunks
 
     def get_num_new_matched_tokens(
@@ -397,7 +401,7 @@ class KvstashScheduler:
         st = self._reqs.get(request.request_id)
         if st is None or num_external_tokens == 0 or st.load_planned:
             return
-        st.block_ids = list(blocks.get_block_ids()[0])
+        st.block_ids = [list(ids) for ids in blocks.get_block_ids()]
         first_block = st.num_computed // self.block_size
         end_chunk = (st.num_computed + num_external_tokens) // self.chunk_tokens
         chunks = self._chunk_refs(st, first_block // self.chunk_blocks, end_chunk, first_block)
@@ -417,7 +421,8 @@ class KvstashScheduler:
         known = st.named_tokens() if self.save_decode else req.num_prompt_tokens
         limit = min(done_tokens, known,
                     len(req.block_hashes) * self.block_size) // self.chunk_tokens
-        limit = min(limit, len(st.block_ids) // self.chunk_blocks)
+        held = min((len(ids) for ids in st.block_ids), default=0)
+        limit = min(limit, held // self.chunk_blocks)
         if limit > st.saved_chunks:
             # Chunks from the end of the stored prefix on were missing at the lookup; after
             # a failed load (saved_chunks cut below it) write-behind asks the store again,
@@ -425,14 +430,45 @@ class KvstashScheduler:
             # generated the same reply).
             absent = (st.stored is not None and st.saved_chunks >= st.stored
                       and limit * self.chunk_tokens <= req.num_prompt_tokens)
-            # A chunk holding vLLM's null block has blocks whose K/V is gone (outside a
-            # sliding window, before this step): it is not saved.
+            # A chunk holding vLLM's null block in any group has blocks whose K/V is gone
+            # (outside a sliding window, before this step; or freed and handed to another
+            # request: `_forget_reused`): it is not saved, as a hit needs every layer of
+            # it (a sliding layer's part inside the window at that hit's end).
             chunks = [c for c in self._chunk_refs(st, st.saved_chunks, limit)
-                      if NULL_BLOCK_ID not in c.block_ids]
+                      if NULL_BLOCK_ID not in c.all_ids()]
             if chunks:
                 out.append(ReqChunks(req.request_id, chunks, absent=absent, handoff=st.handoff))
             st.saves_planned += len(chunks)
             st.saved_chunks = limit
+
+    def _forget_reused(self, scheduler_output: SchedulerOutput) -> None:
+        """A sliding-window group's block outside the window is freed by vLLM (its place in
+        the request's list becomes the null block in vLLM's copy, not in the one this side
+        keeps from the scheduler's outputs) and may be handed to any request, whose
+        forward then writes it. A block id this step hands out is marked the null block
+        wherever an unsaved chunk of a sliding group still names it, so that chunk is not
+        saved with another request's K/V (as vLLM's OffloadingConnector does)."""
+        sliding = self.settings.groups.sliding_groups
+        if not sliding or not self._reqs:
+            return
+        handed: set[int] = set()
+        for new in scheduler_output.scheduled_new_reqs:
+            handed.update(b for ids in new.block_ids for b in ids)
+        for new_ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            handed.update(b for ids in new_ids or () for b in ids)
+        for copy in getattr(scheduler_output, "kv_cache_block_copies", None) or ():
+            handed.add(copy.dst_block_id)
+        handed.discard(NULL_BLOCK_ID)
+        if not handed:
+            return
+        for st in self._reqs.values():
+            start = st.saved_chunks * self.chunk_blocks
+            for g in sliding:
+                if g < len(st.block_ids):
+                    ids = st.block_ids[g]
+                    for j in range(start, len(ids)):
+                        if ids[j] in handed:
+                            ids[j] = NULL_BLOCK_ID
 
     def _hand_off_when_done(self, st: _Req, done_tokens: int, out: list[str]) -> None:
         """A P/D prefill's step that completes its prompt waits for all its saves (those
@@ -452,10 +488,11 @@ class KvstashScheduler:
         def prompt_part(st: _Req, computed: int, n: int) -> int:
             return max(0, min(n, st.request.num_prompt_tokens - computed))
 
+        self._forget_reused(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             st = self._reqs.get(new.req_id)
             if st is not None:
-                st.block_ids = list(new.block_ids[0])
+                st.block_ids = [list(ids) for ids in new.block_ids]
                 n = scheduled.get(new.req_id, 0)
                 prefill += prompt_part(st, new.num_computed_tokens, n)
                 self._plan_save(st, new.num_computed_tokens + n, saves)
@@ -467,9 +504,12 @@ class KvstashScheduler:
                 continue
             new_ids = cached.new_block_ids[i]
             if req_id in cached.resumed_req_ids:
-                st.block_ids = list(new_ids[0]) if new_ids else []
+                st.block_ids = [list(ids) for ids in new_ids] if new_ids else []
             elif new_ids:
-                st.block_ids.extend(new_ids[0])
+                if not st.block_ids:
+                    st.block_ids = [[] for _ in new_ids]
+                for ids, more in zip(st.block_ids, new_ids, strict=True):
+                    ids.extend(more)
             n = scheduled.get(req_id, 0)
             prefill += prompt_part(st, cached.num_computed_tokens[i], n)
             self._plan_save(st, cached.num_computed_tokens[i] + n, saves)
@@ -493,6 +533,9 @@ class KvstashScheduler:
             if (st := self._reqs.get(req_id)) is not None:
                 st.loading = False
                 self._loaded(st)
+        for req_id in getattr(connector_output, "failed_recving", None) or ():
+            if (st := self._reqs.get(req_id)) is not None:
+                self._load_failed(st, st.loaded_tokens)
         events = connector_output.kv_cache_events
         if isinstance(events, KvstashKVEvents):
             if self._collected is None:
@@ -511,24 +554,30 @@ class KvstashScheduler:
         for st in self._reqs.values():
             if not st.loaded_tokens:
                 continue
-            first_bad = next((i for i, b in enumerate(st.block_ids) if b in bad), None)
+            first_bad = min((i for ids in st.block_ids for i, b in enumerate(ids) if b in bad),
+                            default=None)
             if first_bad is None:
                 continue
             loaded_end = st.num_computed + st.loaded_tokens
             valid = max(first_bad * self.block_size, st.num_computed)
-            failed = max(0, loaded_end - valid) - st.failed_tokens
-            if failed <= 0:
-                continue
-            st.failed_tokens += failed
-            self.core.count(failed_load_tokens=failed)
-            st.saved_chunks = min(st.saved_chunks, valid // self.chunk_tokens)
-            stats = getattr(st.request, "prefill_stats", None)
-            if stats is not None and stats.num_prompt_tokens:
-                stats.set(
-                    num_prompt_tokens=stats.num_prompt_tokens,
-                    num_local_cached_tokens=stats.num_local_cached_tokens,
-                    num_external_cached_tokens=max(0, stats.num_external_cached_tokens - failed),
-                )
+            self._load_failed(st, max(0, loaded_end - valid), valid)
+
+    def _load_failed(self, st: _Req, failed: int, valid: int = 0) -> None:
+        """`failed` of the tokens the request loaded are recomputed from token `valid` on
+        (a failed request: vLLM recomputes it whole, past its own cache)."""
+        failed -= st.failed_tokens
+        if failed <= 0:
+            return
+        st.failed_tokens += failed
+        self.core.count(failed_load_tokens=failed)
+        st.saved_chunks = min(st.saved_chunks, valid // self.chunk_tokens)
+        stats = getattr(st.request, "prefill_stats", None)
+        if stats is not None and stats.num_prompt_tokens:
+            stats.set(
+                num_prompt_tokens=stats.num_prompt_tokens,
+                num_local_cached_tokens=stats.num_local_cached_tokens,
+                num_external_cached_tokens=max(0, stats.num_external_cached_tokens - failed),
+            )
 
     def request_finished(
         self, request: Request, block_ids: list[int],

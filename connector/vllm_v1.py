@@ -27,7 +27,8 @@ breaker that bypasses a failing store, verified loads, counters, write-behind sa
   paged KV cache, and the copies into and out of it);
 - connector/vllm_meta.py: what travels between them (metadata, counters as vLLM stats
   and Prometheus metrics, KV events); connector/vllm_config.py: the options, chunk
-  geometry and key spaces both read.
+  geometry and key spaces both read; connector/vllm_groups.py: vLLM's KV cache groups
+  (hybrid models: each layer's group and window, what a hit needs, what is refused).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
 )
 
 from connector.core import KVConnector
@@ -94,8 +97,9 @@ __all__ = [
 ]
 
 
-class KvstashConnector(KVConnectorBase_V1):
-    """kvstash for vLLM's KV connector API. `kv_connector_extra_config`: `store` (URL or
+class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
+    """kvstash for vLLM's KV connector API, with vLLM's hybrid KV cache manager
+    (`SupportsHMA`: block ids per KV cache group, connector/vllm_groups.py). `kv_connector_extra_config`: `store` (URL or
     list of URLs), `model` (when vLLM has no model config), `chunk_tokens` (tokens per
     stored chunk, rounded up to whole vLLM blocks, default 256), `salt`,
     `load_mode` (default "auto": on vLLM's CPU build, a hit whose chunks are all in this
@@ -137,7 +141,7 @@ class KvstashConnector(KVConnectorBase_V1):
         kv_cache_config: KVCacheConfig | None = None,
     ):
         super().__init__(vllm_config, role, kv_cache_config)
-        settings = VllmSettings.of(vllm_config)
+        settings = VllmSettings.of(vllm_config, kv_cache_config)
         self.settings = settings
         self._cache_hit_source = hit_source(settings.store)
         _route_kvstash_warnings()
@@ -147,6 +151,11 @@ class KvstashConnector(KVConnectorBase_V1):
             self.connector_worker = KvstashWorker(vllm_config, settings, kv_cache_config)
         else:
             self.connector_scheduler = KvstashScheduler(vllm_config, settings)
+            if settings.groups.refusal is not None:
+                model = getattr(vllm_config.model_config, "model", "this model")
+                log.warning("kvstash is off for %s: %s; the engine runs as without "
+                            "kvstash (nothing is loaded or saved)", model,
+                            settings.groups.refusal)
         # vLLM seeds its block hashes from PYTHONHASHSEED where it is set, whatever the
         # algorithm: an instance shares chunks only with instances that set the same value
         # (or, for sha256, none).
@@ -245,6 +254,13 @@ class KvstashConnector(KVConnectorBase_V1):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self._scheduler.request_finished(request, block_ids)
 
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...],
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """vLLM's hybrid manager ends a request here, with its blocks of every group:
+        saves copy their blocks out inside the step, so they free at once."""
+        return self._scheduler.request_finished(request, list(block_ids[0]) if block_ids else [])
+
     def take_events(self) -> Iterable[KVCacheEvent]:
         return self._scheduler.take_events()
 
@@ -281,6 +297,14 @@ class KvstashConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return self._worker.get_finished(self._metadata())
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """`get_finished`, and the requests whose load failed as a whole (a model with
+        several KV cache groups or a sliding window: `GroupLayout.fails_whole_requests`)."""
+        sending, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(finished_sending=set(sending or ()),
+                                          finished_recving=set(recving or ()),
+                                          failed_recving=self._worker.take_failed_loads())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.get_block_ids_with_load_errors()

@@ -37,6 +37,7 @@ from connector.exit_flush import ExitFlush
 from connector.policy import PrefillTimer
 from connector.vllm_cache import PagedKv, device_index, gather_blocks
 from connector.vllm_config import VllmSettings, _cpu_cores_moved_by_connector
+from connector.vllm_groups import layers_needed
 from connector.vllm_meta import (
     MAX_WAITING_EVENTS,
     MEDIUM,
@@ -86,6 +87,10 @@ class _ChunkTarget:
     def __init__(self, worker: KvstashWorker, chunks: list[ChunkRef], kind: str | None = None):
         self.worker = worker
         self.chunks = chunks
+        # Per chunk, the layers (payload order) the hit needs (`layers_needed`): a
+        # sliding-window layer's part of a chunk outside the window at the hit's end is
+        # placed nowhere (its blocks are vLLM's null block).
+        self.layers = worker.layers_needed(len(chunks))
         self.kind = kind or worker.core.staging_kind(worker._device())
         self.bufs: dict[int, torch.Tensor] = {}
         self.after = worker._step_began  # on a GPU: placements wait for work queued before
@@ -118,9 +123,9 @@ class _ChunkTarget:
     def _blocks(self, i: int, only: int | None) -> list[memoryview] | None:
         chunk = self.chunks[i]
         if (chunk.first or len(chunk.block_ids) != self.worker.chunk_blocks
-                or NULL_BLOCK_ID in chunk.block_ids):
+                or NULL_BLOCK_ID in chunk.all_ids()):
             return None
-        return self.worker._paged().destination(chunk.block_ids, only)
+        return self.worker._paged().destination(chunk.block_ids, only, chunk.groups)
 
     def place_segment(self, i: int, s: int) -> None:  # layerwise: layer s of chunk i
         self.worker._paged().place(self.chunks[i], self.bufs[i], only=s, stream=self.stream)
@@ -160,11 +165,12 @@ class KvstashWorker:
         self.cache: PagedKv | None = None  # the KV cache, once vLLM registers it
         self._loading: dict[str, tuple[ReqChunks, LoadHandle, _ChunkTarget]] = {}
         self._load_errors: set[int] = set()
+        self._failed_loads: set[str] = set()  # requests whose load failed as a whole
         self._layer_loads: list[tuple[ReqChunks, SegmentLoad, _ChunkTarget]] = []
         # Chunk staging buffers, kept between loads (connector.buffers), by kind.
         self._load_buffers: dict[str, BufferPool] = {}
         self._save_buffers: list[torch.Tensor] = []
-        self._save_index: list[torch.Tensor | None] = []  # `_gather`'s, this step
+        self._save_index: list[dict[int, torch.Tensor]] = []  # `_gather`'s, this step
         # Save staging buffers come back once write-behind has encoded their chunks (on the
         # store's loop thread), kept up to the most one step has used.
         self._save_pool_max = 0
@@ -198,13 +204,23 @@ class KvstashWorker:
     def get_kv_connector_stats(self) -> KvstashConnectorStats | None:
         return self.stats.take()
 
+    def layers_needed(self, chunks: int) -> list[list[int]]:
+        """Per chunk of a load of `chunks` chunks that ends the hit, the layers (payload
+        order) the hit needs (connector/vllm_groups.py `layers_needed`)."""
+        if self.cache is None:
+            return [[] for _ in range(chunks)]
+        names = [layer.name for layer in self.cache.layers]
+        return layers_needed(chunks, self.chunk_tokens, self.settings.groups.layer_windows(names))
+
     def keys(self, chunks: list[ChunkRef], rank: int) -> list[str]:
         """Store keys of `chunks` in `rank`'s key space."""
         return keys_from_block_hashes([c.block_hash for c in chunks], self.key_spaces.ns_by_rank[rank])
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.settings.groups.refusal is not None:
+            return  # kvstash is off for this model (the scheduler said why, at start)
         self.cache = PagedKv(kv_caches, getattr(self.kv_cache_config, "num_blocks", None),
-                             self.chunk_blocks)
+                             self.chunk_blocks, self.settings.groups)
         self.core.bind_layout(self.cache.layout())
 
     @property
@@ -292,7 +308,7 @@ class KvstashWorker:
                 if not handle.wait_segment(s, max(handle.deadline - time.monotonic(), 0.0)):
                     handle.stalled = True
                     handle.cancel()
-            self._answered(req, handle, [f.done() and f.result() for f in handle.chunks])
+            self._answered(req, handle, target, [f.done() and f.result() for f in handle.chunks])
             # Range reads of a failed chunk may still be landing: reuse only when all ended.
             target.release(reuse=handle.done() and not handle.stalled)
 
@@ -304,7 +320,7 @@ class KvstashWorker:
         done = {req_id for req_id, (_, handle, _) in self._loading.items() if handle.done()}
         for req_id in done:
             req, handle, target = self._loading.pop(req_id)
-            self._answered(req, handle, handle.result())
+            self._answered(req, handle, target, handle.result())
             target.release(reuse=not handle.stalled)
         return None, done or None
 
@@ -320,6 +336,12 @@ class KvstashWorker:
         if fetches:
             concurrent.futures.wait(fetches, timeout=self.load_wait_s)
 
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose async load failed as a whole (`GroupLayout.fails_whole_requests`),
+        since the last call: vLLM's `failed_recving`, asked with `get_finished`'s answer."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         # vLLM asks right after get_finished in the same step, so a request's failed
         # blocks are reported no later than the step that reports it done.
@@ -328,12 +350,23 @@ class KvstashWorker:
 
     # -- KV events (cache-aware routers) --------------------------------------------------
 
-    def _answered(self, req: ReqChunks, handle: LoadHandle, ok: list[bool]) -> None:
+    def _answered(self, req: ReqChunks, handle: LoadHandle, target: _ChunkTarget,
+                  ok: list[bool]) -> None:
         """A load's answer: the blocks of chunks not placed go to
         `get_block_ids_with_load_errors` (vLLM recomputes them)."""
+        if self.cache is not None:
+            segments = self.cache.segments
+            needed = [layers for layers, good in zip(target.layers, ok, strict=True) if good]
+            self.core.count(hit_needed_bytes=sum(segments[i] for ls in needed for i in ls))
+        if self.settings.groups.fails_whole_requests:
+            if not all(ok):
+                self._failed_loads.add(req.req_id)
+            self._report_gone(req, handle, ok)
+            return
         self._load_errors |= {
             b for chunk, good in zip(req.chunks, ok, strict=True) if not good
-            for b in chunk.block_ids[chunk.first :] if b != NULL_BLOCK_ID
+            for ids in chunk.groups or [chunk.block_ids]
+            for b in ids[chunk.first :] if b != NULL_BLOCK_ID
         }
         self._report_gone(req, handle, ok)
 
@@ -385,16 +418,19 @@ class KvstashWorker:
         chunks = [c for req in saves for c in req.chunks]
         if not self._save_buffers:
             self._save_buffers = [self._take_save_buffer(kv_layer.is_cuda) for _ in chunks]
-            # On a GPU, each chunk's block ids on the device, made once a step.
-            self._save_index = [device_index(c.block_ids, kv_layer.device) if kv_layer.is_cuda
-                                else None for c in chunks]
+            self._save_index = [{} for _ in chunks]
         cache = self._paged()
         only = cache.layer_index[layer_name]
+        group = cache.layer_group[only]
         for buf, chunk, index in zip(self._save_buffers, chunks, self._save_index, strict=True):
-            if cache.copy_out(buf, chunk.block_ids, only):
+            ids = chunk.ids(group)
+            if cache.copy_out(buf, ids, only):
                 continue
-            for layer, _, view in cache.views(buf, len(chunk.block_ids), only):
-                gather_blocks(kv_layer, layer.block_dim, chunk.block_ids, view, index)
+            if kv_layer.is_cuda and group not in index:
+                # On a GPU, each chunk's block ids of a group on the device, made once a step.
+                index[group] = device_index(ids, kv_layer.device)
+            for layer, _, view in cache.views(buf, len(ids), only):
+                gather_blocks(kv_layer, layer.block_dim, ids, view, index.get(group))
         self._saved_layers.add(layer_name)
 
     def _take_save_buffer(self, pin: bool) -> torch.Tensor:

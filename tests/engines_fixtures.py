@@ -138,9 +138,14 @@ class V1Engine:
     Loads are async (between steps) unless `load_mode` says otherwise: the default "auto"
     would load chunks just written (all in the page cache) within the step instead. Block 0
     is vLLM's null block, as in a real engine: tests hand requests blocks from 1 on, or 0
-    where a block is outside a sliding window."""
+    where a block is outside a sliding window.
 
-    def __init__(self, store: str | list[str], num_blocks: int = 32, **extra: Any):
+    `kv_cache_config`: vLLM's KV cache groups (`hybrid_kv_cache_config`), as vLLM hands
+    them to both halves with its hybrid manager on; then `step`'s block ids of a request
+    are a tuple of per-group lists."""
+
+    def __init__(self, store: str | list[str], num_blocks: int = 32,
+                 kv_cache_config: Any = None, **extra: Any):
         import torch
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
@@ -148,8 +153,8 @@ class V1Engine:
 
         extra.setdefault("load_mode", "async")
         cfg = vllm_config(store, **extra)
-        self.scheduler = KvstashConnector(cfg, KVConnectorRole.SCHEDULER, None)
-        self.worker = KvstashConnector(cfg, KVConnectorRole.WORKER, None)
+        self.scheduler = KvstashConnector(cfg, KVConnectorRole.SCHEDULER, kv_cache_config)
+        self.worker = KvstashConnector(cfg, KVConnectorRole.WORKER, kv_cache_config)
         self.kv = {
             f"layers.{i}.attn": torch.zeros(num_blocks, 2, BLOCK_SIZE, 16, dtype=torch.bfloat16)
             for i in range(2)
@@ -179,11 +184,12 @@ class V1Engine:
         cached = cached or []
         out = SchedulerOutput(
             scheduled_new_reqs=[
-                NewRequestData.from_request(r, (block_ids[r.request_id],)) for r in new_requests
+                NewRequestData.from_request(r, _groups(block_ids[r.request_id]))
+                for r in new_requests
             ],
             scheduled_cached_reqs=CachedRequestData(
                 req_ids=[r.request_id for r, _, _ in cached], resumed_req_ids=set(),
-                new_token_ids=[], all_token_ids={}, new_block_ids=[(ids,) for _, ids, _ in cached],
+                new_token_ids=[], all_token_ids={}, new_block_ids=[_groups(ids) for _, ids, _ in cached],
                 num_computed_tokens=[n for _, _, n in cached],
                 num_output_tokens=[0 for _ in cached],
             ),
@@ -220,6 +226,39 @@ class V1Engine:
     def shutdown(self) -> None:
         self.worker.shutdown()
         self.scheduler.shutdown()
+
+
+def _groups(ids: Any) -> tuple[list[int], ...]:
+    """A request's block ids as vLLM's scheduler outputs carry them: one list per group."""
+    return ids if isinstance(ids, tuple) else (ids,)
+
+
+def hybrid_kv_cache_config(window: int, num_blocks: int = 32, layers: int = 2,
+                           sliding: tuple[int, ...] = (0,)) -> Any:
+    """vLLM's `KVCacheConfig` of `V1Engine`'s layers with the hybrid manager on: the
+    layers in `sliding` (a `window`-token sliding window) in group 0, the others (full
+    attention) in group 1; or a Mamba group (`window` 0) in place of the sliding one."""
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
+
+    attn = {"block_size": BLOCK_SIZE, "num_kv_heads": 2, "head_size": 8,
+            "dtype": torch.bfloat16}
+    names = [f"layers.{i}.attn" for i in range(layers)]
+    first = ([KVCacheGroupSpec([names[i] for i in sliding],
+                               SlidingWindowSpec(**attn, sliding_window=window))]
+             if window else
+             [KVCacheGroupSpec([names[i] for i in sliding], MambaSpec(
+                 block_size=BLOCK_SIZE, shapes=((4, 8), (2, 8, 8)),
+                 dtypes=(torch.bfloat16, torch.float32)))])
+    full = [n for i, n in enumerate(names) if i not in sliding]
+    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                         kv_cache_groups=[*first, KVCacheGroupSpec(full, FullAttentionSpec(**attn))])
 
 
 def engine_store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:

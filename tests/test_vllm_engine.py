@@ -51,6 +51,8 @@ from tests.vllm_engine_fixtures import (  # noqa: E402
     RESET_LOCAL,
     VOCAB,
     SlowWrites,
+    build_tiny_gemma3,
+    build_tiny_granite4,
     build_tiny_llama,
     build_tiny_mla,
     build_tiny_sliding_window,
@@ -642,3 +644,57 @@ def test_pd_a_decode_instance_loads_what_the_prefill_instance_stored_before_its_
         assert loaded["cached_tokens"] == whole
         assert loaded["first_token"] == own["first_token"]
     assert "P/D prefill saves" not in (tmp_path / "prefill.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def gemma3(tmp_path_factory: pytest.TempPathFactory):
+    """A Gemma-3-shaped model (3 layers with a 128-token window, 1 full-attention layer;
+    vLLM's hybrid manager keeps them in 4 KV cache groups), one engine at a time: A computes
+    FULL (saves its 3 chunks), FULL again (from its own prefix cache: the reference of a
+    hit) and CORRUPT (saves it: the reference of a miss); CORRUPT's second chunk is
+    damaged; fresh processes B (FULL) and C (CORRUPT) read them."""
+    root = tmp_path_factory.mktemp("gemma3")
+    model, store = build_tiny_gemma3(root / "model"), f"file://{root}/kv"
+    a = run_engine(model, store, [FULL, FULL, CORRUPT], chunk_tokens=CHUNK)
+    damage_second_chunk_of_corrupt(root / "kv")
+    b = run_engine(model, store, [FULL], chunk_tokens=CHUNK)
+    c = run_engine(model, store, [CORRUPT], chunk_tokens=CHUNK)
+    return SimpleNamespace(a=a, b=b, c=c, store=store)
+
+
+def test_a_gemma3_shaped_model_keeps_vllms_hybrid_manager_and_hits_across_processes(gemma3):
+    """vLLM's hybrid KV cache manager stays on with kvstash (the engine's config says so).
+    A fresh process loads FULL's 3 chunks and continues exactly like A's own prefix
+    cache. A hit needs a sliding layer only inside the window at its end (the last
+    block, in chunk 2): 3 full-attention parts and 3 sliding parts of 12."""
+    a, b = gemma3.a, gemma3.b
+    assert a.hybrid_manager and b.hybrid_manager
+    assert [g.num_cached_tokens for g in a.generations[:2]] == [0, 3 * CHUNK]
+    assert b.generations[0].num_cached_tokens == 3 * CHUNK, b.log[-4000:]
+    same_output(a.generations[1], b.generations[0])
+    part = CHUNK * 2 * 2 * 64 * 2  # tokens, K|V, KV heads, head dim, bf16
+    assert b.metrics["vllm:kvstash_hit_bytes"] == 3 * 4 * part
+    assert b.metrics["vllm:kvstash_hit_needed_bytes"] == 6 * part
+    assert "quarantined" not in b.log and len(stored_chunks(gemma3.store)) == 6
+
+
+def test_a_corrupt_chunk_of_a_gemma3_shaped_model_is_a_miss_with_the_right_output(gemma3):
+    """CORRUPT's second chunk fails verification: its request is recomputed (vLLM takes a
+    failed load of a hybrid model per request) and generates exactly what A's full
+    computation did; the damaged chunk is stored again, verified."""
+    a, c = gemma3.a, gemma3.c
+    same_output(a.generations[2], c.generations[0])
+    assert c.metrics["vllm:kvstash_verify_failures"] >= 1
+    assert c.metrics["vllm:kvstash_failed_load_tokens"] == 3 * CHUNK
+    assert all(stored_chunks(gemma3.store).values())
+
+
+def test_a_mamba2_hybrid_starts_with_kvstash_off_and_says_why(tmp_path):
+    """A Granite-4-shaped Mamba-2 hybrid: its SSM state is not stored, so kvstash stays
+    out of its way: the engine starts with vLLM's hybrid manager on, says in one line
+    that kvstash is off for the model and why, and saves nothing."""
+    model = build_tiny_granite4(tmp_path / "model")
+    run = run_engine(model, f"file://{tmp_path}/kv", [_tokens(100)], chunk_tokens=CHUNK)
+    assert run.hybrid_manager and len(run.generations[0].token_ids) == 8
+    assert run.log.count("kvstash is off for") == 1 and "MambaSpec" in run.log
+    assert not list(tmp_path.rglob("*.kv"))

@@ -77,6 +77,44 @@ def build_tiny_sliding_window(path: Path, window: int = 128) -> Path:
     return path
 
 
+def build_tiny_gemma3(path: Path, window: int = 128) -> Path:
+    """A random-weight bf16 Gemma 3 text model: 3 sliding-window layers (`window` tokens)
+    and 1 full-attention layer, which vLLM's hybrid manager keeps in 4 KV cache groups."""
+    import torch
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=MAX_MODEL_LEN, sliding_window=window,
+        layer_types=["sliding_attention"] * 3 + ["full_attention"],
+        bos_token_id=1, eos_token_id=2, tie_word_embeddings=False,
+    )
+    Gemma3ForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
+def build_tiny_granite4(path: Path) -> Path:
+    """A random-weight bf16 Granite-4-shaped Mamba-2 hybrid (dense): Mamba-2 layers 0 and
+    2, attention layers 1 and 3."""
+    import torch
+    from transformers import GraniteMoeHybridConfig, GraniteMoeHybridForCausalLM
+
+    torch.manual_seed(0)
+    config = GraniteMoeHybridConfig(
+        vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=MAX_MODEL_LEN,
+        layer_types=["mamba", "attention", "mamba", "attention"], num_local_experts=0,
+        shared_intermediate_size=512, mamba_n_heads=8, mamba_d_head=64, mamba_n_groups=1,
+        mamba_d_state=16, mamba_expand=2, mamba_chunk_size=128,
+        position_embedding_type="rope", bos_token_id=1, eos_token_id=2,
+        tie_word_embeddings=False,
+    )
+    GraniteMoeHybridForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    return path
+
+
 def build_tiny_mla(path: Path) -> Path:
     """A random-weight bf16 DeepSeek-V3 of 2 dense layers (no experts): multi-head latent
     attention, whose KV cache holds one 576-wide latent per token (512 + 64 rotary; the
@@ -138,7 +176,8 @@ class EngineRun:
     # its external hits, and its cached tokens by source (`...by_source:<source>`)
     log: str
     scheduler: str  # the class name of the engine core's scheduler
-    resets: list[bool]  # what each `RESET_*` item's `LLM.reset_prefix_cache` returned
+    resets: list[bool]
+    hybrid_manager: bool = False  # vLLM's hybrid KV cache manager was on (its config)  # what each `RESET_*` item's `LLM.reset_prefix_cache` returned
 
 
 # Items of `run_engine`'s prompts that are none: vLLM's `LLM.reset_prefix_cache` between
@@ -220,7 +259,8 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
                    g["num_cached_tokens"], g["seconds"], g["prompt_token_ids"])
         for g in out["generations"]
     ]
-    return EngineRun(gens, out["metrics"], log, out["scheduler"], out["resets"])
+    return EngineRun(gens, out["metrics"], log, out["scheduler"], out["resets"],
+                     out["hybrid_manager"])
 
 
 T = TypeVar("T")
@@ -316,10 +356,11 @@ def _main(spec: dict[str, Any]) -> None:
             metrics[m.name] = m.value
         elif m.name == "vllm:prompt_tokens_cached_by_source":  # one per source
             metrics[f"{m.name}:{m.labels['source']}"] = m.value
-    scheduler = llm.llm_engine.vllm_config.scheduler_config.get_scheduler_cls().__name__
+    scheduler_config = llm.llm_engine.vllm_config.scheduler_config
     Path(spec["result"]).write_text(json.dumps(
-        {"generations": generations, "metrics": metrics, "scheduler": scheduler,
-         "resets": resets}))
+        {"generations": generations, "metrics": metrics,
+         "scheduler": scheduler_config.get_scheduler_cls().__name__, "resets": resets,
+         "hybrid_manager": scheduler_config.disable_hybrid_kv_cache_manager is False}))
 
 
 def _inputs(prompt: list[int] | dict, params: Any, generations: list[dict]) -> tuple:
