@@ -137,7 +137,7 @@ class _PrefixBuffers:
         if self.raw is None or self.raw.shape[0] < n_chunks:
             self.raw = self._staging(n_chunks)
         if self.kv is None or self.kv.shape[4] < n_chunks * self.layout.chunk_tokens:
-            L, _, H, n, D = self.layout.shape
+            L, H, _, n, D = self.layout.shape
             self.kv = torch.empty((L, 2, 1, H, n_chunks * n, D), dtype=self.dtype,
                                   device=self.device)
         return _StagedPrefix(self.layout, self.raw, self.kv)
@@ -171,14 +171,16 @@ class _StagedPrefix:
 
     def place(self, i: int) -> None:
         n = self.layout.chunk_tokens
-        chunk = self.raw[i].view(self.dtype).view(self.layout.shape)
-        self.kv[:, :, 0, :, i * n : (i + 1) * n, :].copy_(chunk, non_blocking=True)
+        chunk = self.raw[i].view(self.dtype).view(self.layout.shape)  # [L, H, 2, T, D]
+        self.kv[:, :, 0, :, i * n : (i + 1) * n, :].copy_(chunk.transpose(1, 2),
+                                                          non_blocking=True)
 
     def place_segment(self, i: int, s: int) -> None:
         """Layer s of chunk i (layerwise loads: one verified layer range at a time)."""
         n = self.layout.chunk_tokens
-        layer = self.raw[i].view(self.dtype).view(self.layout.shape)[s]
-        self.kv[s, :, 0, :, i * n : (i + 1) * n, :].copy_(layer, non_blocking=True)
+        layer = self.raw[i].view(self.dtype).view(self.layout.shape)[s]  # [H, 2, T, D]
+        self.kv[s, :, 0, :, i * n : (i + 1) * n, :].copy_(layer.transpose(0, 1),
+                                                          non_blocking=True)
 
     def cache(self, tokens: int, config: Any) -> DynamicCache:
         """A `DynamicCache` over the first `tokens` positions, holding views of the K/V buffer.
@@ -225,10 +227,10 @@ def _chunk_payload(layout: ChunkLayout, keys: list[torch.Tensor], values: list[t
     n = layout.chunk_tokens
 
     def payload(i: int) -> Any:
-        out = torch.empty(layout.shape, dtype=dtype)
+        out = torch.empty(layout.shape, dtype=dtype)  # [L, H, 2, T, D]: head-major
         for layer, k, v in zip(out, keys, values, strict=True):
-            layer[0].copy_(k[0, :, i * n : (i + 1) * n])
-            layer[1].copy_(v[0, :, i * n : (i + 1) * n])
+            layer[:, 0].copy_(k[0, :, i * n : (i + 1) * n])
+            layer[:, 1].copy_(v[0, :, i * n : (i + 1) * n])
         return out.view(torch.uint8).numpy()
 
     return payload
