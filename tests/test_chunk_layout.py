@@ -5,7 +5,8 @@ The vLLM side (`HeadMajorKv`) is driven here over CPU tensors shaped as vLLM 0.3
 them to a worker (`[blocks, heads, block_size, cell]`, in its CPU backend's and
 FlashAttention's K/V splits); two worker-side objects holding heads 0-1 and 2-3 of one
 cache stand for two tensor-parallel ranks in one process (the real engines at TP=2 are in
-tests/test_vllm_tp.py). Stores are real: memory://, and file:// on a temporary directory.
+tests/test_vllm_tp.py). Stores are real: memory://, file:// on a temporary directory, s3:// (moto) and http:// (a
+kvserver subprocess), all on loopback.
 """
 
 from __future__ import annotations
@@ -59,9 +60,26 @@ class Staging:
         pass
 
 
-@pytest.fixture(params=["memory", "file"])
-def store_url(request, tmp_path: Path) -> str:
-    return "memory://" if request.param == "memory" else f"file://{tmp_path}/kv"
+pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url
+
+
+@pytest.fixture(params=["memory", "file", "s3", "http"])
+def store_url(request, tmp_path: Path):
+    """memory://, file://, s3:// (moto on loopback: ranged GETs) and http:// (a kvserver
+    over a directory: Range requests)."""
+    if request.param == "memory":
+        yield "memory://"
+    elif request.param == "file":
+        yield f"file://{tmp_path}/kv"
+    elif request.param == "s3":
+        from tests.s3_fixtures import with_prefix
+
+        yield with_prefix(request.getfixturevalue("moto_s3_url"))
+    else:
+        from tests.kvserver_fixtures import running_kvserver
+
+        with running_kvserver("--store", f"file://{tmp_path}/served") as server:
+            yield server.url
 
 
 def test_the_payload_is_head_major_with_one_segment_per_layer_and_head():
@@ -85,13 +103,13 @@ def test_a_rank_reads_its_heads_of_every_layer_and_nothing_else(store_url):
     reader_layout = CANONICAL.reader([(2, 2)] * LAYERS)
     assert reader_layout.partial and reader_layout.staging_nbytes * 2 == CANONICAL.payload_nbytes
 
-    with KVConnector(store_url, ns, layout=CANONICAL.reader()) as writer:
+    keys = chunk_keys(TOKENS, ns)
+    tokens = [TOKENS[i * CHUNK : (i + 1) * CHUNK] for i in range(len(keys))]
+    with (KVConnector(store_url, ns, layout=CANONICAL.reader()) as writer,
+          KVConnector(store_url, ns, layout=reader_layout) as reader):  # one store
         writer.save(TOKENS, payload)
         assert writer.flush(10)
-        keys = chunk_keys(TOKENS, ns)
-        reader = KVConnector(writer.store, ns, layout=reader_layout)
         target = Staging(len(keys), reader_layout.staging_nbytes)
-        tokens = [TOKENS[i * CHUNK : (i + 1) * CHUNK] for i in range(len(keys))]
         assert reader.load_async(keys, tokens, target).result(10) == [True] * 3
         for i, buf in enumerate(target.bufs):
             assert buf.tobytes() == b"".join(head_range(i, layer, 2, 2) for layer in range(LAYERS))
