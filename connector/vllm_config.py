@@ -133,9 +133,13 @@ def connector_namespace(
 def canonical(vllm_config: VllmConfig) -> bool:
     """Whether chunks hold the canonical payload (docs/chunk-format.md): every KV head of
     the model, whatever the tensor-parallel degree, in a key space that names no rank.
-    Wherever vLLM has a model (a real engine); the stand-in configs of the tests have none,
-    and keep each rank's own blocks in its own key space."""
-    return getattr(vllm_config, "model_config", None) is not None
+    Wherever vLLM has a model (a real engine), except with decode or prefill context
+    parallelism (which split a chunk's tokens across ranks: each rank keeps its own in its
+    own key space, as do the stand-in configs of the tests, which have no model)."""
+    par = getattr(vllm_config, "parallel_config", None)
+    return (getattr(vllm_config, "model_config", None) is not None
+            and getattr(par, "decode_context_parallel_size", 1) == 1
+            and getattr(par, "prefill_context_parallel_size", 1) == 1)
 
 
 def key_ranks(vllm_config: VllmConfig) -> list[int]:

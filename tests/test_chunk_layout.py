@@ -236,6 +236,17 @@ def test_two_ranks_heads_assemble_the_chunk_one_rank_of_every_head_saves(split):
     assert whole.numpy().tobytes() == canonical_of(cache, split, blocks)
 
 
+def test_ranks_that_replicate_a_head_assemble_each_head_once():
+    """TP=8 over 4 KV heads: vLLM gives ranks 2h and 2h+1 head h each; the writer takes
+    each head once, from the first rank holding it."""
+    cache = vllm_cache("block", seed=7)
+    blocks = [0, 7]
+    ranks = [head_major(rank_kv(cache, r // 2, 1), "block", first=r // 2) for r in range(8)]
+    whole = torch.empty(CANONICAL.payload_nbytes, dtype=torch.uint8)
+    assemble_heads(ranks[0], [gather(r, blocks) for r in ranks], whole)
+    assert whole.numpy().tobytes() == canonical_of(cache, "block", blocks)
+
+
 @pytest.mark.parametrize("split", list(SPLITS))
 def test_a_chunk_loads_into_a_rank_of_another_tp_degree_bit_for_bit(split, tmp_path):
     """A chunk saved whole (TP=1) is read by rank 1 of TP=2 (its two heads' range of each
@@ -273,3 +284,38 @@ def test_a_chunk_loads_into_a_rank_of_another_tp_degree_bit_for_bit(split, tmp_p
         for name, t in reader_cache.items():
             assert torch.equal(t[[6, 1]], writer_cache[name][blocks][:, 2:4])
             assert not t[[0, 2, 3, 4, 5, 7]].any()
+
+
+def test_the_hf_adapter_stores_and_loads_the_canonical_payload(tmp_path: Path):
+    """A transformers model's chunk holds, per layer and KV head, K then V of its tokens
+    as the model computed them (the same format the vLLM connector writes); a fresh
+    prefill loads it and continues like the model's own forward."""
+    from connector.hf import CachedPrefill
+    from tests.connector_fixtures import CHUNK as HF_CHUNK
+    from tests.connector_fixtures import plain_forward, prompt, test_namespace, tiny_model
+
+    model = tiny_model()
+    ns = test_namespace(model)
+    ids = prompt(HF_CHUNK + 5)
+    url = f"file://{tmp_path}/kv"
+    with KVConnector(url, ns) as conn:
+        CachedPrefill(model, conn)(ids)
+        assert conn.flush(10)
+    (path,) = (tmp_path / "kv").rglob("*.kv")
+    chunk = decode_chunk(path.read_bytes())
+    assert chunk.meta == {"layout": CANON, "dtype": "float32", "tokens": HF_CHUNK,
+                          "layers": [[2, 2, 64]] * 2}
+    full = plain_forward(model, ids).past_key_values
+    payload = np.frombuffer(bytes(chunk.payload), dtype=np.float32).reshape(2, 2, 2, HF_CHUNK, 64)
+    for layer in range(2):
+        keys, values = full.layers[layer].keys, full.layers[layer].values  # [1, heads, T, D]
+        for h in range(2):
+            assert np.array_equal(payload[layer, h, 0], keys[0, h, :HF_CHUNK].numpy())
+            assert np.array_equal(payload[layer, h, 1], values[0, h, :HF_CHUNK].numpy())
+    with KVConnector(url, ns) as conn:
+        prefill = CachedPrefill(model, conn)
+        out = prefill(ids)
+        assert prefill.last_hit_tokens == HF_CHUNK
+    # against a full forward: within the kernels' reduction-order noise (contract (3))
+    assert np.allclose(out.logits[0, -1].numpy(), plain_forward(model, ids).logits[0, -1].numpy(),
+                       atol=1e-4)

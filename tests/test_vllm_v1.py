@@ -768,6 +768,7 @@ def test_with_several_ranks_tokens_are_counted_by_rank_0_alone(rank):
     (2, 1, 1, False, [0, 0]),  # K/V split by heads: the first rank writes every head
     (4, 2, 1, False, [0, 0, 0, 0, 4, 4, 4, 4]),
     (2, 1, 2, True, [0, 1]),  # decode context parallel: tokens split across the ranks
+    (2, 1, 2, False, [0, 1]),
     (1, 1, 1, True, [0]),
 ])
 def test_a_tensor_parallel_groups_chunks_live_in_its_first_ranks_key_space(
