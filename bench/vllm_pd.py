@@ -19,8 +19,8 @@ at D (e.g. 2:1, and the reverse 1:2): chunks hold every KV head whatever the deg
 (docs/chunk-format.md), so the decode instance loads what a prefill of another degree
 stored, each of its ranks reading its heads' share. The JSON then also has, per store,
 the bytes on the store per chunk and the bytes the decode instance's ranks read per
-loaded chunk, in all and per rank (the ranks' counters are summed by vLLM: per rank is
-that sum over the decode degree, each rank reading an equal share).
+loaded chunk, per rank and in all (vLLM sums the ranks' counters: bytes read over chunks
+loaded is a rank's, as every rank loads every chunk).
 """
 
 from __future__ import annotations
@@ -112,8 +112,8 @@ def measure(args: argparse.Namespace, engines: dict[str, Engine], stores: list,
                 engines[f"{s.scheme}-decode"].info["kvstash"] = then["kvstash"]
                 loaded = (then["kvstash"].get("loaded_chunks", 0)
                           - before.get("loaded_chunks", 0))
-                if loaded:
-                    got[f"decode_{tag}_read_bytes_per_chunk"] = (
+                if loaded:  # both summed over the ranks, each of which loads every chunk
+                    got[f"decode_{tag}_rank_read_bytes_per_chunk"] = (
                         then["kvstash"].get("hit_bytes", 0) - before.get("hit_bytes", 0)) / loaded
                 got[f"prefill_{tag}_s"] = first["ttft_s"]
                 got[f"decode_{tag}_s"] = then["ttft_s"]
@@ -226,18 +226,18 @@ def run(args: argparse.Namespace) -> int:
         print(format_table(s.scheme, summary))
         print(f"  decode at TP={args.tp[1]} after a prefill at TP={args.tp[0]}: "
               + ", ".join(f"{k} {v:,.0f}" for k, v in result["stores"][s.scheme].items()
-                          if k.endswith("_bytes") or k.endswith("_per_rank")))
+                          if "bytes" in k or k == "store_chunks"))
     write_json(args.json, result)
     return 0
 
 
 def _read_bytes(series: dict[str, list[float]], decode_tp: int) -> dict[str, float]:
-    """The bytes the decode instance read per loaded chunk, in all and per rank."""
-    read = series.get("decode_handoff_read_bytes_per_chunk")
+    """The bytes the decode instance read per loaded chunk, per rank and in all."""
+    read = series.get("decode_handoff_rank_read_bytes_per_chunk")
     if not read:
         return {}
-    return {"decode_read_bytes_per_chunk": statistics.median(read),
-            "decode_read_bytes_per_chunk_per_rank": statistics.median(read) / decode_tp}
+    return {"decode_read_bytes_per_chunk_per_rank": statistics.median(read),
+            "decode_read_bytes_per_chunk": statistics.median(read) * decode_tp}
 
 
 def _store_bytes(store: Any) -> dict[str, float]:
