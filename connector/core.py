@@ -339,6 +339,7 @@ class KVConnector:
         breaker_failures: int = CoreOptions.breaker_failures,
         breaker_cooldown: float = CoreOptions.breaker_cooldown,
         breaker_max_cooldown: float = CoreOptions.breaker_max_cooldown,
+        partial_reads: str = CoreOptions.partial_reads,
         direct_io: bool | str | ChunkIO = True,
         segment_checksums: bool = True,
         resident_reads: bool = True,
@@ -395,8 +396,10 @@ class KVConnector:
                                 else self._whole)
         # A reader of some of each chunk (a tensor-parallel rank's heads): ranged reads, or
         # whole chunks read aside and its ranges copied out where the store has none.
-        self._spans: ChunkReads = (RangeReads(store, reads) if isinstance(store, SupportsRangeReads)
-                                   else PlainGets(store, reads))
+        self._spans: ChunkReads = (
+            RangeReads(store, reads) if isinstance(store, SupportsRangeReads)
+            and partial_reads == "ranges" else PlainGets(store, reads))
+        self._spans_whole = not isinstance(self._spans, RangeReads)  # reads every byte
         if self.io_cpus:  # off the engine's compute cores: the loop, its executor, ChunkIO
             self.io.run_on(self.io_cpus)
             if self.chunk_io is not None:
@@ -970,7 +973,9 @@ class KVConnector:
         """Counters and the policy's store speed, once a load has its answer."""
         layout = self._require_layout()
         elapsed = time.monotonic() - handle.started
-        nbytes = placed * layout.staging_nbytes  # what this reader read of each chunk
+        # what this reader read of each chunk: its ranges, or all of it where read whole
+        nbytes = placed * (layout.payload_nbytes if self._spans_whole and layout.partial
+                           else layout.staging_nbytes)
         if placed == planned or handle.stalled:
             self.policy.observe_load(nbytes, elapsed)
         self._count(hit_tokens=placed * self.chunk_tokens, hit_bytes=nbytes,

@@ -421,8 +421,26 @@ class PlainGets:
     async def fetch_segments(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
                              handle: SegmentLoad, layout: Layout, target: SegmentTarget,
                              place_all: Callable[[int], None], first: int) -> None:
-        """Each chunk read whole, verified and placed at once (no ranged reads here)."""
+        """Each chunk read whole, verified and placed at once (no ranged reads here; a
+        reader of part of it keeps its ranges: `_read_spans`)."""
         gate = asyncio.Semaphore(self.ctx.max_in_flight)
+        if layout.partial:
+            spans = staged_spans(layout)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    ok = handle.alive(i) and await self._read_spans(keys[i], tokens[i], dests[i],
+                                                                    layout, spans)
+                if ok:
+                    await asyncio.to_thread(place_all, i)
+                else:
+                    handle.fail(i)
+
+            async def every() -> None:
+                await asyncio.gather(*(one(i) for i in range(first, len(keys))))
+
+            await self._segments(handle, keys, every())
+            return
         await self._segments(handle, keys, self._whole_chunks(
             keys, tokens, dests, handle, layout, place_all, range(first, len(keys)), gate))
 

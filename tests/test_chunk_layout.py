@@ -116,6 +116,34 @@ def test_a_rank_reads_its_heads_of_every_layer_and_nothing_else(store_url):
         assert reader.counters()["hit_bytes"] == 3 * reader_layout.staging_nbytes
 
 
+@pytest.mark.parametrize("layered", [False, True])
+def test_a_rank_may_read_whole_chunks_and_keep_its_heads(moto_s3_url, layered):
+    """`partial_reads="whole"` (for stores whose requests cost more than their bytes): one
+    read per chunk, of which the reader keeps its heads' ranges; an async and a layered
+    load alike."""
+    from tests.s3_fixtures import with_prefix
+
+    url = with_prefix(moto_s3_url)
+    ns = namespace()
+    layout = CANONICAL.reader([(2, 2)] * LAYERS)
+    keys = chunk_keys(TOKENS, ns)
+    tokens = [TOKENS[i * CHUNK : (i + 1) * CHUNK] for i in range(len(keys))]
+    with (KVConnector(url, ns, layout=CANONICAL.reader()) as writer,
+          KVConnector(url, ns, layout=layout, partial_reads="whole") as reader):
+        writer.save(TOKENS, payload)
+        assert writer.flush(10)
+        target = Staging(len(keys), layout.staging_nbytes)
+        if layered:
+            target.place_segment = lambda i, s: None
+            handle = reader.load_segments_async(keys, tokens, target)
+        else:
+            handle = reader.load_async(keys, tokens, target)
+        assert handle.result(10) == [True] * 3
+        for i, buf in enumerate(target.bufs):
+            assert buf.tobytes() == b"".join(head_range(i, layer, 2, 2) for layer in range(LAYERS))
+        assert reader.counters()["hit_bytes"] == 3 * CANONICAL.payload_nbytes  # all read
+
+
 def test_a_corrupt_head_fails_the_readers_of_it_and_no_other(tmp_path: Path):
     """One byte of layer 1, head 0 flipped in every chunk file: the readers of heads 0-1
     miss every chunk (they verify that segment), the readers of heads 2-3 load them all
