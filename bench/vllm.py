@@ -119,6 +119,9 @@ def _engine_child(spec: dict[str, Any]) -> int:
         kwargs["max_num_batched_tokens"] = spec["max_num_batched_tokens"]
     if spec.get("kv_cache_bytes"):
         kwargs["kv_cache_memory_bytes"] = spec["kv_cache_bytes"]
+    if spec.get("tensor_parallel_size", 1) > 1:  # one worker process per rank
+        kwargs["tensor_parallel_size"] = spec["tensor_parallel_size"]
+        kwargs["distributed_executor_backend"] = "mp"
     if spec.get("noop_connector"):
         from vllm.config import KVTransferConfig
 
@@ -219,6 +222,13 @@ class Engine:
         else:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes most RAM
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", RESERVED_CPUS)
+        tp = self.spec.get("tensor_parallel_size", 1)
+        if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vllm-cpu's OpenMP threads of rank i on core i mod the cores (a 2-core host
+            # has no core to spare for each rank beside the reserved one)
+            cores = os.cpu_count() or 1
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % cores) for i in range(tp))
+            env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
         log = open(self.log_path, "wb")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "bench.vllm", "--engine-child", json.dumps(self.spec)],

@@ -113,8 +113,10 @@ def _load_seconds(url: str, keys: list[str], nbytes: int, in_flight: int) -> flo
 
 
 def _ranged_load_seconds(url: str, keys: list[str], in_flight: int) -> float:
-    """Read `keys` as a layerwise load does: every header, then every segment's range,
-    segment-major, at most `in_flight` at once, each checked against its checksum. Seconds."""
+    """Read `keys` as a layerwise load of a reader of every head does: every header, then
+    every layer part's range, layer-major, at most `in_flight` at once, each checked
+    against the segments it covers. Seconds."""
+    from connector.layout import CanonLayout
     from storage import open_store
     from storage.capabilities import SupportsRangeReads
 
@@ -134,15 +136,18 @@ def _ranged_load_seconds(url: str, keys: list[str], in_flight: int) -> float:
             if any(h is None or not h.segments for h in headers):
                 raise RuntimeError("a chunk without segment checksums or missing")
             bufs = [np.empty(h.payload_len, dtype=np.uint8) for h in headers]
+            meta = headers[0].meta
+            spans = CanonLayout(tuple(tuple(x) for x in meta["layers"]), meta["tokens"],
+                                meta["dtype"]).reader().read_spans
 
             async def one(i: int, s: int) -> None:
-                offset, length, _ = headers[i].segments[s]
+                offset, length = spans[s]
                 view = bufs[i].data[offset : offset + length]
                 if not await bounded(store.read_range_into(keys[i], headers[i], offset, view)):
                     raise RuntimeError(f"range {s} of {keys[i]} missing")
-                headers[i].verify_segment(s, view)
+                headers[i].verify_span(offset, view)
 
-            await asyncio.gather(*(one(i, s) for s in range(len(headers[0].segments))
+            await asyncio.gather(*(one(i, s) for s in range(len(spans))
                                    for i in range(len(keys))))
             return time.perf_counter() - started
         finally:

@@ -13,6 +13,14 @@ Printed per store: the prefill's TTFT with and without the wait for its saves, t
 the decode instance loaded and its TTFT after each, their sum (the proxy's time to the
 first decoded token, less its own hops), and the ratios against the write-behind prefill
 and against no cache.
+
+`--tp P:D` runs the prefill instances at tensor-parallel degree P and the decode instance
+at D (e.g. 2:1, and the reverse 1:2): chunks hold every KV head whatever the degree
+(docs/chunk-format.md), so the decode instance loads what a prefill of another degree
+stored, each of its ranks reading its heads' share. The JSON then also has, per store,
+the bytes on the store per chunk and the bytes the decode instance's ranks read per
+loaded chunk, per rank and in all (vLLM sums the ranks' counters: bytes read over chunks
+loaded is a rank's, as every rank loads every chunk).
 """
 
 from __future__ import annotations
@@ -44,6 +52,17 @@ from bench.vllm import (
 ROLES = ("prefill", "prefill-behind", "decode")
 
 
+def parse_tp(text: str) -> tuple[int, int]:
+    """`--tp P:D`: the prefill's and the decode's tensor-parallel degrees."""
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--tp {text!r}: expected P:D, e.g. 2:1") from None
+    if p < 1 or d < 1:
+        raise argparse.ArgumentTypeError(f"--tp {text!r}: degrees are at least 1")
+    return p, d
+
+
 def _engines(args: argparse.Namespace, model_dir: Path, stores: list, logs: Path,
              max_model_len: int) -> dict[str, Engine]:
     need = 4 * max_model_len * _kv_bytes_per_token(model_dir, args.dtype)
@@ -53,11 +72,15 @@ def _engines(args: argparse.Namespace, model_dir: Path, stores: list, logs: Path
                 max_num_batched_tokens=args.max_num_batched_tokens)
     engines = {"no-cache": Engine("no-cache", {**spec, "prefix_caching": False, "store": None},
                                   logs / "engine-no-cache.log")}
+    prefill_tp, decode_tp = args.tp
     for s in stores:
-        for role, extra in (("prefill", {"kv_role": "kv_producer"}),
+        for role, extra in (("prefill", {"kv_role": "kv_producer",
+                                         "tensor_parallel_size": prefill_tp}),
                             ("prefill-behind", {"kv_role": "kv_producer",
+                                                "tensor_parallel_size": prefill_tp,
                                                 "connector": {"handoff_timeout_s": 0}}),
-                            ("decode", {"kv_role": "kv_consumer"})):
+                            ("decode", {"kv_role": "kv_consumer",
+                                        "tensor_parallel_size": decode_tp})):
             name = f"{s.scheme}-{role}"
             engines[name] = Engine(name, {**spec, "store": s.url, **extra},
                                    logs / f"engine-{name}.log")
@@ -65,8 +88,9 @@ def _engines(args: argparse.Namespace, model_dir: Path, stores: list, logs: Path
 
 
 def _one(engine: Engine, prompt: np.ndarray) -> dict[str, Any]:
-    (answer,) = engine.generate([prompt])["requests"]
-    return answer
+    reply = engine.generate([prompt])
+    (answer,) = reply["requests"]
+    return {**answer, "kvstash": reply.get("kvstash", {})}
 
 
 def measure(args: argparse.Namespace, engines: dict[str, Engine], stores: list,
@@ -83,7 +107,14 @@ def measure(args: argparse.Namespace, engines: dict[str, Engine], stores: list,
                                  (f"{s.scheme}-prefill-behind", "behind")):
                 prompt = rng.integers(FIRST_TOKEN_ID, vocab, args.cached_tokens + 1)
                 first = _one(engines[prefill], prompt)
+                before = engines[f"{s.scheme}-decode"].info.get("kvstash", {})
                 then = _one(engines[f"{s.scheme}-decode"], prompt)  # at once, as a proxy
+                engines[f"{s.scheme}-decode"].info["kvstash"] = then["kvstash"]
+                loaded = (then["kvstash"].get("loaded_chunks", 0)
+                          - before.get("loaded_chunks", 0))
+                if loaded:  # both summed over the ranks, each of which loads every chunk
+                    got[f"decode_{tag}_rank_read_bytes_per_chunk"] = (
+                        then["kvstash"].get("hit_bytes", 0) - before.get("hit_bytes", 0)) / loaded
                 got[f"prefill_{tag}_s"] = first["ttft_s"]
                 got[f"decode_{tag}_s"] = then["ttft_s"]
                 got[f"decode_{tag}_cached"] = then["cached_tokens"]
@@ -155,6 +186,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--settle-s", type=float, default=0.5,
                    help="pause after each prompt pair, for write-behind saves (default 0.5)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tp", type=parse_tp, default=(1, 1), metavar="P:D",
+                   help="tensor-parallel degrees of the prefill and the decode instances "
+                        "(default 1:1; e.g. 2:1, 1:2)")
     p.add_argument("--json", metavar="PATH", help="write machine-readable results here")
 
 
@@ -175,6 +209,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"starting {len(engines)} vLLM engines ({model_desc}) ...", flush=True)
         with running(engines):
             series = measure(args, engines, stores, vocab)
+        on_store = {s.scheme: _store_bytes(s) for s in stores}
     budget = engines["no-cache"].info.get("max_num_batched_tokens")
     print(f"{_vllm_version()}, {model_desc}, {args.dtype}; prompts {args.cached_tokens}+1 "
           f"tokens, chunks of {args.chunk_tokens}, at most {budget} tokens a step; medians "
@@ -182,12 +217,39 @@ def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {"command": "vllm-pd", "args": vars(args), "model": model_desc,
                               "vllm": _vllm_version(), "max_num_batched_tokens": budget,
                               "stores": {}}
+    result["tp"] = {"prefill": args.tp[0], "decode": args.tp[1]}
     for s in stores:
         summary = summarize(series[s.scheme])
-        result["stores"][s.scheme] = {"series": series[s.scheme], **summary}
+        result["stores"][s.scheme] = {"series": series[s.scheme], **summary,
+                                      **_read_bytes(series[s.scheme], args.tp[1]),
+                                      **on_store[s.scheme]}
         print(format_table(s.scheme, summary))
+        print(f"  decode at TP={args.tp[1]} after a prefill at TP={args.tp[0]}: "
+              + ", ".join(f"{k} {v:,.0f}" for k, v in result["stores"][s.scheme].items()
+                          if "bytes" in k or k == "store_chunks"))
     write_json(args.json, result)
     return 0
+
+
+def _read_bytes(series: dict[str, list[float]], decode_tp: int) -> dict[str, float]:
+    """The bytes the decode instance read per loaded chunk, per rank and in all."""
+    read = series.get("decode_handoff_rank_read_bytes_per_chunk")
+    if not read:
+        return {}
+    return {"decode_read_bytes_per_chunk_per_rank": statistics.median(read),
+            "decode_read_bytes_per_chunk": statistics.median(read) * decode_tp}
+
+
+def _store_bytes(store: Any) -> dict[str, float]:
+    """Bytes on the store per chunk and the chunks stored (a local directory's files)."""
+    out: dict[str, float] = {}
+    root = Path(store.url.removeprefix("file://")) if store.url.startswith("file://") else None
+    if root is not None and root.is_dir():
+        sizes = [p.stat().st_size for p in root.rglob("*.kv")]
+        if sizes:
+            out["store_bytes_per_chunk"] = statistics.median(sizes)
+            out["store_chunks"] = len(sizes)
+    return out
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar, cast, runtime_checkabl
 import numpy as np
 
 from connector.engine_io import StoreLoop
-from connector.layout import ChunkLayout, EngineLayout
+from connector.layout import CANON, ChunkLayout, EngineLayout
 from connector.lookup import LookupPoll
 from connector.options import CoreOptions
 from connector.policy import LoadPlan, LoadPolicy, PrefillTimer
@@ -123,7 +123,8 @@ class LoadTarget(Protocol):
     `load_segments_async`)."""
 
     def staging(self, i: int) -> Any:
-        """Writable, contiguous memory of exactly `layout.payload_nbytes` bytes for chunk i:
+        """Writable, contiguous memory of exactly `layout.staging_nbytes` bytes for chunk i
+        (the payload, or the ranges of it this reader reads, packed: `EngineLayout.spans`):
         host memory (a buffer, numpy array or CPU tensor), or a tensor on any device when
         the connector `reads_direct`. Called on the thread that starts the load, for every
         chunk before any read starts (a `load_segments_async(here=True)` asks for a chunk's
@@ -342,6 +343,7 @@ class KVConnector:
         breaker_failures: int = CoreOptions.breaker_failures,
         breaker_cooldown: float = CoreOptions.breaker_cooldown,
         breaker_max_cooldown: float = CoreOptions.breaker_max_cooldown,
+        partial_reads: str = CoreOptions.partial_reads,
         direct_io: bool | str | ChunkIO = True,
         segment_checksums: bool = True,
         resident_reads: bool = True,
@@ -396,6 +398,12 @@ class KVConnector:
             self._whole = PlainGets(store, reads)
             self._by_segment = (RangeReads(store, reads) if isinstance(store, SupportsRangeReads)
                                 else self._whole)
+        # A reader of some of each chunk (a tensor-parallel rank's heads): ranged reads, or
+        # whole chunks read aside and its ranges copied out where the store has none.
+        self._spans: ChunkReads = (
+            RangeReads(store, reads) if isinstance(store, SupportsRangeReads)
+            and partial_reads == "ranges" else PlainGets(store, reads))
+        self._spans_whole = not isinstance(self._spans, RangeReads)  # reads every byte
         if self.io_cpus:  # off the engine's compute cores: the loop, its executor, ChunkIO
             self.io.run_on(self.io_cpus)
             if self.chunk_io is not None:
@@ -456,6 +464,8 @@ class KVConnector:
             return "host"
         if getattr(device, "type", device) != "cuda":
             return "direct"
+        if self.layout is not None and self.layout.partial:  # ranged reads land in host memory
+            return "host"
         return "device" if self.chunk_io.cuda_backend in ("torch-gds", "kvikio") else "host"
 
     # -- counters ------------------------------------------------------------------------
@@ -663,7 +673,7 @@ class KVConnector:
         """How much of a cached prefix is worth loading now (see `connector.policy`);
         `chunk_nbytes` defaults to the bound layout's payload size."""
         if chunk_nbytes is None:
-            chunk_nbytes = self._require_layout().payload_nbytes
+            chunk_nbytes = self._require_layout().staging_nbytes
         plan = self.policy.plan(cached_tokens // self.chunk_tokens, self.chunk_tokens, chunk_nbytes)
         declined = cached_tokens // self.chunk_tokens - plan.chunks
         if declined > 0:
@@ -837,9 +847,9 @@ class KVConnector:
         as before). A chunk that fails stops being read; the deadline fails what is
         left."""
         layout = self._require_layout()
-        handle = SegmentLoad(len(keys), max(len(layout.segments), 1), time.monotonic())
+        n_segments = len(layout.read_spans)
+        handle = SegmentLoad(len(keys), n_segments, time.monotonic())
         keys, tokens = list(keys), list(tokens)
-        n_segments = len(layout.segments) or 1
 
         def place_all(i: int) -> None:
             for s in range(n_segments):
@@ -866,8 +876,9 @@ class KVConnector:
                 ok = [f.result() for f in handle.chunks]
                 self._account(handle, sum(ok), len(ok))
                 return None
-            return self._by_segment.fetch_segments(keys, tokens, dests, handle, layout, target,
-                                                   place_all, first)
+            plan = self._spans if layout.partial else self._by_segment
+            return plan.fetch_segments(keys, tokens, dests, handle, layout, target,
+                                       place_all, first)
 
         return self._start(handle, target, deadline_s, self.chunk_io is None, fetch, lazy=here)
 
@@ -892,7 +903,8 @@ class KVConnector:
                     ok = [f.result() for f in handle.chunks]
                     self._account(handle, sum(ok), len(ok))
                 return None
-            return self._whole.fetch(keys, tokens, dests, handle, layout, placer, first)
+            plan = self._spans if layout.partial else self._whole
+            return plan.fetch(keys, tokens, dests, handle, layout, placer, first)
 
         return self._start(handle, target, deadline_s, self.chunk_io is None, fetch)
 
@@ -915,7 +927,7 @@ class KVConnector:
         """`ResidentReads.read_here` of the leading chunks, for host staging (one target's
         staging is all for the GPU, or none); 0 where there is no such plan."""
         resident = self._here()
-        if resident is None or not keys or for_gpu(dests[0]):
+        if resident is None or not keys or layout.partial or for_gpu(dests[0]):
             return 0
         return resident.read_here(keys, tokens, dests, layout, place, settle, target, placed)
 
@@ -965,7 +977,9 @@ class KVConnector:
         """Counters and the policy's store speed, once a load has its answer."""
         layout = self._require_layout()
         elapsed = time.monotonic() - handle.started
-        nbytes = placed * layout.payload_nbytes
+        # what this reader read of each chunk: its ranges, or all of it where read whole
+        nbytes = placed * (layout.payload_nbytes if self._spans_whole and layout.partial
+                           else layout.staging_nbytes)
         if placed == planned or handle.stalled:
             self.policy.observe_load(nbytes, elapsed)
         self._count(hit_tokens=placed * self.chunk_tokens, hit_bytes=nbytes,
@@ -1048,7 +1062,9 @@ class KVConnector:
         return SaveJob(
             keys=list(keys), tokens=[token_array(t) for t in tokens], first=first,
             payload=payload, chunk_nbytes=layout.payload_nbytes, meta=layout.meta(),
-            segments=tuple(layout.segments) if self.segment_checksums else (),
+            # A canonical payload always carries its segments: readers of some heads need them.
+            segments=(tuple(layout.segments) if self.segment_checksums
+                      or layout.meta().get("layout") == CANON else ()),
         )
 
     def flush(self, timeout: float | None = None) -> bool:

@@ -173,7 +173,7 @@ class _PrefixBuffers:
         if self.raw is None or self.raw.shape[0] < n_chunks:
             self.raw = self._staging(n_chunks)
         if self.kv is None or self.kv.shape[4] < n_chunks * self.layout.chunk_tokens:
-            L, _, H, n, D = self.layout.shape
+            L, H, _, n, D = self.layout.shape
             self.kv = torch.empty((L, 2, 1, H, n_chunks * n, D), dtype=self.dtype,
                                   device=self.device)
         return _StagedPrefix(self.layout, self.raw, self.kv)
@@ -207,14 +207,16 @@ class _StagedPrefix:
 
     def place(self, i: int) -> None:
         n = self.layout.chunk_tokens
-        chunk = self.raw[i].view(self.dtype).view(self.layout.shape)
-        self.kv[:, :, 0, :, i * n : (i + 1) * n, :].copy_(chunk, non_blocking=True)
+        chunk = self.raw[i].view(self.dtype).view(self.layout.shape)  # [L, H, 2, T, D]
+        self.kv[:, :, 0, :, i * n : (i + 1) * n, :].copy_(chunk.transpose(1, 2),
+                                                          non_blocking=True)
 
     def place_segment(self, i: int, s: int) -> None:
         """Layer s of chunk i (layerwise loads: one verified layer range at a time)."""
         n = self.layout.chunk_tokens
-        layer = self.raw[i].view(self.dtype).view(self.layout.shape)[s]
-        self.kv[s, :, 0, :, i * n : (i + 1) * n, :].copy_(layer, non_blocking=True)
+        layer = self.raw[i].view(self.dtype).view(self.layout.shape)[s]  # [H, 2, T, D]
+        self.kv[s, :, 0, :, i * n : (i + 1) * n, :].copy_(layer.transpose(0, 1),
+                                                          non_blocking=True)
 
     def cache(self, tokens: int, config: Any) -> DynamicCache:
         """A `DynamicCache` over the first `tokens` positions, holding views of the K/V buffer.
@@ -272,10 +274,10 @@ def _chunk_payload(layout: ChunkLayout, keys: list[torch.Tensor], values: list[t
     first = first or [0] * len(keys)
 
     def payload(i: int) -> Any:
-        out = torch.empty(layout.shape, dtype=dtype)
+        out = torch.empty(layout.shape, dtype=dtype)  # [L, H, 2, T, D]: head-major
         for layer, k, v, f in zip(out, keys, values, first, strict=True):
-            layer[0].copy_(k[0, :, i * n - f : (i + 1) * n - f])
-            layer[1].copy_(v[0, :, i * n - f : (i + 1) * n - f])
+            layer[:, 0].copy_(k[0, :, i * n - f : (i + 1) * n - f])
+            layer[:, 1].copy_(v[0, :, i * n - f : (i + 1) * n - f])
         return out.view(torch.uint8).numpy()
 
     return payload

@@ -11,6 +11,10 @@ itself (the HF adapter's) read the same names, with the same defaults and meanin
 - `max_in_flight` (8): chunk reads (and ChunkIO requests) one load keeps in flight.
 - `breaker_failures` (1), `breaker_cooldown` (1 s), `breaker_max_cooldown` (30 s): the
   circuit breaker that bypasses a failing store (storage/breaker.py).
+- `partial_reads` ("ranges"): how a reader of part of each chunk (a tensor-parallel
+  rank's heads) reads it: "ranges", the header and one ranged read per layer (it reads
+  its share); "whole", each chunk in one read, keeping its share (fewer requests, every
+  byte read: for stores whose requests cost more than their bytes, e.g. S3).
 
 A bad value fails the engine's start with one line naming the setting (`OptionError`, a
 ValueError), never a default in its place.
@@ -41,6 +45,7 @@ class CoreOptions:
     breaker_failures: int = 1
     breaker_cooldown: float = 1.0
     breaker_max_cooldown: float = 30.0
+    partial_reads: str = "ranges"
 
     @classmethod
     def parse(cls, options: Mapping[str, Any], where: str,
@@ -69,6 +74,7 @@ class CoreOptions:
                                             where, zero=True),
             breaker_max_cooldown=positive_float(given, "breaker_max_cooldown",
                                                 cls.breaker_max_cooldown, where, zero=True),
+            partial_reads=one_of(given, "partial_reads", PARTIAL_READS, where),
         )
 
     def core_kwargs(self) -> dict[str, Any]:
@@ -77,6 +83,16 @@ class CoreOptions:
 
 
 CORE_OPTIONS = frozenset(CoreOptions.__dataclass_fields__)
+PARTIAL_READS = ("ranges", "whole")
+
+
+def one_of(options: Mapping[str, Any], name: str, choices: tuple[str, ...], where: str) -> str:
+    """`options[name]` (or the first of `choices`), which must be one of `choices`."""
+    value = options.get(name, choices[0])
+    if value not in choices:
+        raise OptionError(f"{where}: {name}={value!r} must be one of "
+                          + ", ".join(repr(c) for c in choices))
+    return str(value)
 
 
 def check_known(options: Mapping[str, Any], known: Collection[str], where: str) -> None:

@@ -39,7 +39,7 @@ from storage.capabilities import (
     SupportsRangeReads,
     SupportsResidentReads,
 )
-from storage.codec import ChunkError, ChunkHeader
+from storage.codec import ChunkError, ChunkHeader, decode_header
 
 if TYPE_CHECKING:
     from connector.core import LoadHandle, LoadTarget, SegmentLoad, SegmentTarget
@@ -190,22 +190,24 @@ class LayerFileReads:
         between its operations, so this thread makes as few calls as it can
         (docs/benchmarks/2026-11-27-vllm-layers-thread.md)."""
         ctx = self.ctx
-        spans = segment_spans(layout)
+        spans = staged_spans(layout)
+        wanted = [(off, size) for off, size, _ in spans]
+        contiguous = not layout.partial  # the spans are the payload, in order
         in_place = callable(getattr(target, "segment_destination", None))
         whole = in_place and not wait  # no forward waits for layer 0 before the rest
         files: list[Any] = [None] * len(keys)
         by_segment: list[int] = []  # chunks read a segment at a time
 
         def staged(i: int, s: int) -> list[memoryview]:
-            off, size = spans[s]
-            return [host_view(dests[i])[off : off + size]]
+            _, size, at = spans[s]
+            return [host_view(dests[i])[at : at + size]]
 
         def landed(i: int, s: int, ok: Any, parts: list[memoryview] | None) -> None:
             # No destination, or not all cached: staging, then placed.
             if ok is NOT_RESIDENT and (wait or files[i].resident):
-                parts, ok = None, files[i].read(s, staged(i, s))
+                parts, ok = None, files[i].read_span(spans[s][0], staged(i, s))
                 if ok is NOT_RESIDENT and wait:  # evicted: `resident` is off, this read waits
-                    ok = files[i].read(s, staged(i, s))
+                    ok = files[i].read_span(spans[s][0], staged(i, s))
             if ok is not True:
                 ctx.count(**{"load_misses" if ok is NOT_RESIDENT else "verify_failures": 1})
                 handle.fail(i)
@@ -228,7 +230,8 @@ class LayerFileReads:
                 if whole:  # every layer's blocks, then header and layers in one read
                     segments = [target.segment_destination(i, s)  # type: ignore[attr-defined]
                                 for s in range(len(spans))]
-                    got = f.read_all(segments) if None not in segments else False
+                    got = (f.read_all(segments) if contiguous and None not in segments
+                           else False)
                     if got is None:
                         ctx.count(verify_failures=1)
                         handle.fail(i)
@@ -242,7 +245,7 @@ class LayerFileReads:
                 by_segment.append(i)
                 parts = (target.segment_destination(i, 0)  # type: ignore[attr-defined]
                          if in_place else None)
-                header = f.head(parts or staged(i, 0), wait)
+                header = f.head(parts or staged(i, 0), wait, spans[0][0])
                 if header is NOT_RESIDENT:
                     ctx.count(load_misses=1)
                     handle.fail(i)
@@ -251,16 +254,19 @@ class LayerFileReads:
                     handle.fail(i)
                 elif not ctx.accept(key, tokens[i], None, layout, header):
                     handle.fail(i)
-                elif [seg[:2] for seg in header.segments] != spans:
-                    # Saved without segment checksums: read, checked and placed whole.
-                    if f.read_payload(host_view(dests[i])) and handle.alive(i):
+                elif not header.aligned(wanted):
+                    # Saved without segment checksums: read, checked and placed whole (a
+                    # reader of part of it cannot check it: a miss).
+                    if (contiguous and f.read_payload(host_view(dests[i]))
+                            and handle.alive(i)):
                         place_all(i)
                     else:
                         ctx.count(verify_failures=1)
                         handle.fail(i)
                 else:
                     parts = parts if f.resident else None
-                    landed(i, 0, f.read(0, parts) if parts is not None else NOT_RESIDENT, parts)
+                    landed(i, 0, f.read_span(spans[0][0], parts) if parts is not None
+                           else NOT_RESIDENT, parts)
             for s in range(1, len(spans)):
                 for i in by_segment:
                     f = files[i]
@@ -268,7 +274,8 @@ class LayerFileReads:
                         continue
                     parts = (target.segment_destination(i, s)  # type: ignore[attr-defined]
                              if in_place and f.resident else None)
-                    landed(i, s, f.read(s, parts) if parts is not None else NOT_RESIDENT, parts)
+                    landed(i, s, f.read_span(spans[s][0], parts) if parts is not None
+                           else NOT_RESIDENT, parts)
             ctx.count(layered_chunks=sum(f is not None for f in files))
         except Exception as exc:  # noqa: BLE001 - any failure is a miss
             ctx.count(load_errors=1)
@@ -316,6 +323,9 @@ class PlainGets:
         that cannot be used no further read is started. The deadline resolves what is left
         as failed."""
         done = handle.chunks
+        if layout.partial:
+            await self._fetch_spans(keys, tokens, dests, handle, layout, placer, first)
+            return
 
         def landed(j: int, header: ChunkHeader | None, why: str | None = None) -> bool:
             i = first + j
@@ -337,6 +347,72 @@ class PlainGets:
                 ok = [f.result() for f in done]
                 self.ctx.account(handle, sum(ok), len(ok))
 
+    async def _fetch_spans(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
+                           handle: LoadHandle, layout: Layout, placer: LoadTarget | None,
+                           first: int) -> None:
+        """A reader of part of each chunk (`layout.partial`: a tensor-parallel rank's
+        heads): per chunk its header, then its ranges (`_read_spans`), each checked
+        against the segments it covers, packed into staging and placed. Chunks after
+        the first that cannot be used are not read."""
+        done = handle.chunks
+        spans = staged_spans(layout)
+        gate = asyncio.Semaphore(self.ctx.max_in_flight)
+        failed = [len(keys)]  # the first chunk that could not be used
+
+        async def one(i: int) -> None:
+            ok = False
+            async with gate:
+                if i < failed[0] and not done[i].done():
+                    ok = await self._read_spans(keys[i], tokens[i], dests[i], layout, spans)
+            if ok and placer is not None:
+                ok = await asyncio.to_thread(self._place, keys[i], placer, i)
+            if not ok:
+                failed[0] = min(failed[0], i)
+            resolve(done[i], ok)
+
+        async def every() -> None:
+            await asyncio.gather(*(one(i) for i in range(first, len(keys))))
+
+        try:
+            await self._within(handle, every(), "ranged get")
+        finally:
+            for f in done:
+                resolve(f, False)
+            if placer is not None:
+                ok = [f.result() for f in done]
+                self.ctx.account(handle, sum(ok), len(ok))
+
+    def _place(self, key: str, placer: LoadTarget, i: int) -> bool:
+        try:
+            placer.place(i)
+            return True
+        except Exception as exc:  # noqa: BLE001 - a placement failure is a miss
+            self.ctx.count(load_errors=1)
+            log.warning("chunk %s from %s: %s", key, self.ctx.store, exc)
+            return False
+
+    async def _read_spans(self, key: str, tokens: Any, dest: Any, layout: Layout,
+                          spans: list[tuple[int, int, int]]) -> bool:
+        """`key`'s chunk read whole, checked, and `spans` of its payload copied into `dest`
+        (a store without ranged reads); False on a miss."""
+        blob = await self.store.get(key)
+        if blob is None:
+            self.ctx.count(load_misses=1)
+            return False
+        view = memoryview(blob).cast("B")
+        try:
+            header = decode_header(view, key)
+        except ChunkError:
+            self.ctx.count(verify_failures=1)
+            return False
+        if not self.ctx.accept(key, tokens, view[header.header_len :], layout, header):
+            return False
+        payload = view[header.header_len :]
+        out = host_view(dest)
+        for off, size, at in spans:
+            out[at : at + size] = payload[off : off + size]
+        return True
+
     async def _read_whole(self, keys: list[str], dests: list[Any],
                           landed: Callable[..., bool]) -> None:
         await self.store.get_into_many(keys, dests, max_in_flight=self.ctx.max_in_flight,
@@ -345,8 +421,26 @@ class PlainGets:
     async def fetch_segments(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
                              handle: SegmentLoad, layout: Layout, target: SegmentTarget,
                              place_all: Callable[[int], None], first: int) -> None:
-        """Each chunk read whole, verified and placed at once (no ranged reads here)."""
+        """Each chunk read whole, verified and placed at once (no ranged reads here; a
+        reader of part of it keeps its ranges: `_read_spans`)."""
         gate = asyncio.Semaphore(self.ctx.max_in_flight)
+        if layout.partial:
+            spans = staged_spans(layout)
+
+            async def one(i: int) -> None:
+                async with gate:
+                    ok = handle.alive(i) and await self._read_spans(keys[i], tokens[i], dests[i],
+                                                                    layout, spans)
+                if ok:
+                    await asyncio.to_thread(place_all, i)
+                else:
+                    handle.fail(i)
+
+            async def every() -> None:
+                await asyncio.gather(*(one(i) for i in range(first, len(keys))))
+
+            await self._segments(handle, keys, every())
+            return
         await self._segments(handle, keys, self._whole_chunks(
             keys, tokens, dests, handle, layout, place_all, range(first, len(keys)), gate))
 
@@ -411,15 +505,46 @@ class RangeReads(PlainGets):
         super().__init__(store, ctx)
         self.ranges = store
 
+    async def _read_spans(self, key: str, tokens: Any, dest: Any, layout: Layout,
+                          spans: list[tuple[int, int, int]]) -> bool:
+        """The header, then each of `spans` ranged into its place in `dest`, each checked
+        against the segments it covers (nothing else of the chunk is read)."""
+        ctx = self.ctx
+        header = await self.ranges.read_header(key)
+        if not ctx.accept(key, tokens, None, layout, header):
+            return False
+        assert header is not None
+        if not header.aligned([(off, size) for off, size, _ in spans]):
+            ctx.count(verify_failures=1)
+            log.warning("chunk %s from %s rejected: no segment checksums for its ranges",
+                        key, ctx.store)
+            return False
+        out = host_view(dest)
+        got = await asyncio.gather(*(
+            self.ranges.read_range_into(key, header, off, out[at : at + size])
+            for off, size, at in spans))
+        if not all(got):
+            ctx.count(load_misses=1)
+            return False
+        try:
+            for off, size, at in spans:
+                header.verify_span(off, out[at : at + size])
+        except ChunkError as exc:
+            ctx.count(verify_failures=1)
+            log.warning("chunk %s from %s rejected: %s", key, ctx.store, exc)
+            return False
+        return True
+
     async def fetch_segments(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
                              handle: SegmentLoad, layout: Layout, target: SegmentTarget,
                              place_all: Callable[[int], None], first: int) -> None:
-        if not layout.segments:  # one segment: nothing to read by range
+        if len(layout.read_spans) == 1 and not layout.partial:  # nothing to read by range
             await super().fetch_segments(keys, tokens, dests, handle, layout, target,
                                          place_all, first)
             return
         ctx, ranges = self.ctx, self.ranges
-        expected = segment_spans(layout)
+        spans = staged_spans(layout)
+        expected = [(off, size) for off, size, _ in spans]
         gate = asyncio.Semaphore(ctx.max_in_flight)
         tasks: list[asyncio.Future[Any]] = []
         todo = range(first, len(keys))
@@ -433,9 +558,9 @@ class RangeReads(PlainGets):
             return header
 
         def check_and_place(i: int, s: int, header: ChunkHeader) -> bool:
-            off, size = expected[s]
+            off, size, at = spans[s]
             try:
-                header.verify_segment(s, dests[i][off : off + size])
+                header.verify_span(off, dests[i][at : at + size])
             except ChunkError as exc:
                 ctx.count(verify_failures=1)
                 log.warning("chunk %s from %s rejected: %s", keys[i], ctx.store, exc)
@@ -449,9 +574,9 @@ class RangeReads(PlainGets):
             async with gate:
                 if not handle.alive(i):
                     return
-                off, size = expected[s]
+                off, size, at = spans[s]
                 ok = await ranges.read_range_into(keys[i], header, off,
-                                                  dests[i][off : off + size])
+                                                  dests[i][at : at + size])
             if not ok:
                 ctx.count(load_misses=1)
                 handle.fail(i)
@@ -462,10 +587,14 @@ class RangeReads(PlainGets):
             headers: list[ChunkHeader | None] = [None] * first
             headers += await asyncio.gather(*(head(i) for i in todo))
             for i, h in enumerate(headers):
-                if h is not None and [(o, n) for o, n, _ in h.segments] != expected:
+                if h is not None and not h.aligned(expected):
+                    headers[i] = None
+                    if layout.partial:  # no checksum for what this reader reads: a miss
+                        ctx.count(verify_failures=1)
+                        handle.fail(i)
+                        continue
                     tasks.append(asyncio.ensure_future(self._whole_chunk(  # no segment checksums
                         keys, tokens, dests, handle, layout, place_all, i, gate)))
-                    headers[i] = None
             for s in range(len(expected)):  # segment-major: layer 0 of every chunk first
                 for i, h in enumerate(headers):
                     if h is not None:
@@ -509,11 +638,14 @@ class DirectReads(PlainGets):
         await self._segments(handle, keys, read())
 
 
-def segment_spans(layout: Layout) -> list[tuple[int, int]]:
-    """(offset, length) of each segment of a chunk's payload (one for the whole payload
-    where the layout has none)."""
-    sizes = list(layout.segments) or [layout.payload_nbytes]
-    return [(sum(sizes[:s]), size) for s, size in enumerate(sizes)]
+def staged_spans(layout: Layout) -> list[tuple[int, int, int]]:
+    """(payload offset, length, staging offset) of each range a reader of `layout` reads
+    (`read_spans`, packed one after the other in its staging)."""
+    out, at = [], 0
+    for off, size in layout.read_spans:
+        out.append((off, size, at))
+        at += size
+    return out
 
 
 def resolve(f: concurrent.futures.Future[bool], ok: bool) -> None:

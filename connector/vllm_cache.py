@@ -1,8 +1,14 @@
 """`PagedKv`: one vLLM worker's paged KV cache as chunks see it, and the copies in and out.
 
 Where each block's bytes sit in every layer's tensor, how a chunk's payload lays the
-layers out (its `EngineLayout`, fingerprinted so a chunk saved with other shapes is never
-placed), and the copies: a verified chunk into its blocks (`place`: a CPU cache by runs of
+layers out, and the copies. With a model (`HeadMajorKv`, a real engine) the payload is
+the canonical one (connector/layout.py, docs/chunk-format.md): per layer
+`[kv_heads, kv, chunk_tokens, head_dim]` of every KV head of the model, of which this
+rank holds and reads its heads' range; `KV_SPLITS` says, per attention backend, where K
+and V sit in vLLM's per-layer `[blocks, heads, block_size, cell]` view. Without one (the
+stand-in configs of the tests) the payload is each layer's share of the blocks as this
+worker holds them, fingerprinted so a chunk saved with other shapes is never placed. The
+copies: a verified chunk into its blocks (`place`: a CPU cache by runs of
 consecutive blocks, a GPU cache on a side stream through `GpuPlacement`), a chunk's
 blocks out into a save buffer (`copy_out`, `gather_blocks`), or straight views of the
 blocks a page-cached chunk is read into (`destination`).
@@ -20,7 +26,7 @@ import numpy as np
 import torch
 import xxhash
 
-from connector.layout import EngineLayout
+from connector.layout import CanonLayout, EngineLayout
 from connector.vllm_config import FORMAT
 from connector.vllm_groups import GroupLayout
 from connector.vllm_meta import NULL_BLOCK_ID, ChunkRef
@@ -131,10 +137,45 @@ def gather_blocks(kv: torch.Tensor, block_dim: int, block_ids: list[int], dst: t
         out[(*lead, slice(j, j + n))] = src[(*lead, slice(b, b + n))]
 
 
+# Where K and V sit in vLLM's per-layer view `[blocks, heads, block_size, cell]` (vLLM's
+# logical `[B, H, N, C]`, vllm/v1/kv_cache_interface.py; its stride order, the
+# `KVCacheLayout`, changes only where the bytes lie), by attention backend, as each
+# backend's kernels split it (checked in vLLM 0.32's sources):
+# - "block": per (block, head), `block_size` rows of K then `block_size` rows of V
+#   (CPU_ATTN views its cell as `[blocks, heads, 2 * block_size, head_dim]` and
+#   `chunk(2, dim=2)`s it);
+# - "token": per (block, head, token), `head_dim` of K then of V (FLASH_ATTN, TRITON_ATTN,
+#   FLEX_ATTENTION: `split(head_size, dim=-1)`; HND or NHD, as the layout's strides say);
+# - "latent": MLA's one latent per token (every MLA backend), stored as one "head".
+KV_SPLITS = {"CPU_ATTN": "block", "FLASH_ATTN": "token", "TRITON_ATTN": "token",
+             "FLEX_ATTENTION": "token"}
+
+
+@dataclass(frozen=True)
+class HeadShare:
+    """This rank's part of the canonical payload: the model's KV heads (1 for MLA), the
+    first of them this rank holds (it holds as many as its cache has), and per layer
+    name how its backend splits K and V (`KV_SPLITS`)."""
+
+    total_heads: int
+    first_head: int
+    splits: dict[str, str]
+
+
 class PagedKv:
     """The KV cache vLLM registered with a worker (`register_kv_caches`): `kv` by layer
     name, `chunk_blocks` blocks a chunk; each layer takes the blocks of its KV cache group
-    (`groups`; a model with one group: a chunk's `block_ids` for every layer)."""
+    (`groups`; a model with one group: a chunk's `block_ids` for every layer).
+    `PagedKv.of` builds the canonical `HeadMajorKv` where the worker knows the model's
+    heads (`share`)."""
+
+    @staticmethod
+    def of(kv_caches: dict[str, torch.Tensor], num_blocks: int | None, chunk_blocks: int,
+           block_size: int, dtype: str, share: HeadShare | None,
+           groups: GroupLayout | None = None) -> PagedKv:
+        if share is None:
+            return PagedKv(kv_caches, num_blocks, chunk_blocks, groups)
+        return HeadMajorKv(kv_caches, chunk_blocks, block_size, dtype, share, groups)
 
     def __init__(self, kv_caches: dict[str, torch.Tensor], num_blocks: int | None,
                  chunk_blocks: int, groups: GroupLayout | None = None):
@@ -285,3 +326,138 @@ class PagedKv:
             out[off : off + part.nbytes] = part
             off += part.nbytes
         return True
+
+
+def _heads_view(kv: torch.Tensor, split: str, name: str) -> torch.Tensor:
+    """vLLM's per-layer `[blocks, heads, block_size, cell]` as
+    `[blocks, heads, kv, block_size, head_dim]` (a view: nothing copied)."""
+    if kv.dim() != 4:
+        raise ValueError(f"KV cache of layer {name} has shape {tuple(kv.shape)}: kvstash reads "
+                         f"vLLM's per-layer [blocks, heads, block_size, cell] view")
+    b, h, n, c = kv.shape
+    if split == "latent":
+        return kv.unsqueeze(2)
+    if c % 2:
+        raise ValueError(f"KV cache of layer {name}: a cell of {c} does not hold K and V")
+    d = c // 2
+    if split == "token":
+        return kv.unflatten(3, (2, d)).permute(0, 1, 3, 2, 4)
+    if split == "block":  # the cell rows of a (block, head) are one array: [2, n, d]
+        if kv.stride(3) != 1 or kv.stride(2) != c:
+            raise ValueError(f"KV cache of layer {name}: a (block, head) is not contiguous, "
+                             f"which its backend needs (strides {kv.stride()})")
+        return kv.as_strided((b, h, 2, n, d), (kv.stride(0), kv.stride(1), n * d, d, 1),
+                             kv.storage_offset())
+    raise ValueError(f"layer {name}: unknown K/V split {split!r}")
+
+
+class HeadMajorKv(PagedKv):
+    """A worker's KV cache over the canonical payload (module docstring): chunk staging
+    holds this rank's heads of each layer, `[heads, kv, chunk_tokens, head_dim]` one layer
+    after the other, which is exactly the byte range of each layer part it reads
+    (`layout().spans`); every copy between staging and blocks is one strided copy per
+    layer and run of consecutive blocks (`views` hands the copies a block-major view of
+    both sides)."""
+
+    def __init__(self, kv_caches: dict[str, torch.Tensor], chunk_blocks: int,
+                 block_size: int, dtype: str, share: HeadShare,
+                 groups: GroupLayout | None = None):
+        self.kv = {name: _heads_view(kv, share.splits[name], name)
+                   for name, kv in kv_caches.items()}
+        # per layer (in `layers` order), its KV cache group
+        self.layer_group = [groups.group_of(name) if groups else 0 for name in self.kv]
+        self.raw = dict(kv_caches)
+        self.chunk_blocks = chunk_blocks
+        self.share = share
+        self.layers = []
+        shapes = []
+        for name, kv in self.kv.items():
+            _, heads, n_kv, n, dim = kv.shape
+            if n != block_size:
+                raise ValueError(f"KV cache of layer {name} holds {n}-token blocks, the "
+                                 f"engine's are {block_size}")
+            total = share.total_heads if share.splits[name] != "latent" else 1
+            if share.first_head + heads > total and share.splits[name] != "latent":
+                raise ValueError(f"layer {name}: heads {share.first_head}..+{heads} of {total}")
+            shapes.append((total, n_kv, dim))
+            block_shape = (heads, n_kv, n, dim)
+            nbytes = int(np.prod(block_shape)) * kv.element_size()
+            self.layers.append(_LayerLayout(name, 0, block_shape, kv.dtype, nbytes))
+        self.canon = CanonLayout(tuple(shapes), chunk_blocks * block_size, dtype)
+        self.heads = [(0 if s == "latent" else share.first_head, x.block_shape[0])
+                      for s, x in zip(share.splits.values(), self.layers, strict=True)]
+        self.segments = [x.block_nbytes * chunk_blocks for x in self.layers]  # staging
+        self.chunk_nbytes = sum(self.segments)
+        self.layer_offsets = [0, *itertools.accumulate(self.segments[:-1])]
+        self.layer_index = {layer.name: i for i, layer in enumerate(self.layers)}
+        self.fingerprint = self.canon.name
+        self.layer_parts = []
+        self.block_bytes = None
+        self._flat = self._cpu_layers()
+        self.gpu = GpuPlacement()
+
+    def layout(self) -> EngineLayout:
+        """The canonical payload, of which this rank reads its heads of every layer."""
+        return self.canon.reader(self.heads)
+
+    @property
+    def whole(self) -> bool:
+        """Whether this rank holds every head of every layer (its staging is the payload)."""
+        return self.chunk_nbytes == self.canon.payload_nbytes
+
+    def views(self, buf: torch.Tensor, n_blocks: int, only: int | None = None):
+        """(layer, kv, view): per layer (`only`: that one), its blocks
+        `[blocks, heads, kv, block_size, head_dim]` and the chunk's staging as the same
+        shape, `[heads, kv, chunk_tokens, head_dim]` seen block-major."""
+        off = 0
+        for i, layer in enumerate(self.layers):
+            nbytes = layer.block_nbytes * self.chunk_blocks
+            if only is None or only == i:
+                heads, n_kv, n, dim = layer.block_shape
+                view = (buf[off : off + nbytes].view(layer.dtype)
+                        .view(heads, n_kv, self.chunk_blocks, n, dim).permute(2, 0, 1, 3, 4))
+                yield layer, self.kv[layer.name], view.narrow(0, 0, n_blocks)
+            off += nbytes
+
+    def _cpu_layers(self) -> list[tuple[memoryview, tuple[int, int, int], int]] | None:
+        """Per layer: its tensor's bytes (flat), the byte strides of block, head and kv,
+        and the bytes of one (block, head, kv)'s `[block_size, head_dim]`, contiguous in
+        a "block" or "latent" split; None on a GPU, or where a layer is not so."""
+        out = []
+        for layer in self.layers:
+            raw, kv = self.raw[layer.name], self.kv[layer.name]
+            if (raw.device.type != "cpu" or not raw.is_contiguous() or kv.stride(4) != 1
+                    or kv.stride(3) != kv.shape[4]):
+                return None
+            size = kv.element_size()
+            out.append((_as_bytes(raw).data.cast("B"),
+                        (kv.stride(0) * size, kv.stride(1) * size, kv.stride(2) * size),
+                        kv.shape[3] * kv.shape[4] * size))
+        return out
+
+    def destination(self, block_ids: list[int], only: int | None = None,
+                    groups: list[list[int]] | None = None) -> list[memoryview] | None:
+        """Byte views of `block_ids` in every layer (`only`: that layer) of a CPU KV cache,
+        in the order of this rank's staging (per layer, head, K then V, block; adjacent
+        ones merged); `groups`: every KV cache group's blocks, each layer taking its
+        group's. None on a GPU."""
+        if self._flat is None:
+            return None
+        out: list[memoryview] = []
+        for i in range(len(self.layers)) if only is None else (only,):
+            if groups:
+                block_ids = groups[self.layer_group[i]]
+            flat, (s_block, s_head, s_kv), unit = self._flat[i]
+            heads, n_kv = self.layers[i].block_shape[:2]
+            start = end = -1
+            for h in range(heads):
+                for k in range(n_kv):
+                    for b in block_ids:
+                        at = b * s_block + h * s_head + k * s_kv
+                        if at != end:
+                            if end >= 0:
+                                out.append(flat[start:end])
+                            start = at
+                        end = at + unit
+            out.append(flat[start:end])
+        return out

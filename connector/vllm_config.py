@@ -18,6 +18,7 @@ from vllm.config import VllmConfig
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from connector.core import KVConnector
+from connector.layout import CANON
 from connector.options import CORE_OPTIONS, CoreOptions, check_known
 from connector.policy import LoadPolicy
 from connector.vllm_groups import GroupLayout
@@ -124,6 +125,8 @@ def connector_namespace(
     if chunk_tokens is None:
         chunk_tokens, _ = chunk_geometry(vllm_config)
     layout = f"{FORMAT};block={cache.block_size};hash={cache.prefix_caching_hash_algo}"
+    if canonical(vllm_config):
+        layout += f";{CANON};" + _model_heads(model_config)
     layout += "".join(f";{part}" for part in _model_variant(model_config))
     described = groups.describe() if groups is not None else ""
     if described:
@@ -135,19 +138,43 @@ def connector_namespace(
     )
 
 
+def canonical(vllm_config: VllmConfig) -> bool:
+    """Whether chunks hold the canonical payload (docs/chunk-format.md): every KV head of
+    the model, whatever the tensor-parallel degree, in a key space that names no rank.
+    Wherever vLLM has a model (a real engine), except with decode or prefill context
+    parallelism (which split a chunk's tokens across ranks: each rank keeps its own in its
+    own key space, as do the stand-in configs of the tests, which have no model)."""
+    par = getattr(vllm_config, "parallel_config", None)
+    return (getattr(vllm_config, "model_config", None) is not None
+            and getattr(par, "decode_context_parallel_size", 1) == 1
+            and getattr(par, "prefill_context_parallel_size", 1) == 1)
+
+
 def key_ranks(vllm_config: VllmConfig) -> list[int]:
-    """Per worker rank, the rank whose key space holds its chunks: its own, except that the
-    tensor-parallel ranks of an MLA model (one latent per token, the same on every rank:
-    it is not split by heads) share their group's first rank's, which alone saves them.
-    A tensor-parallel group is consecutive ranks (vLLM's innermost dimension). Not with
+    """Per worker rank, the rank whose key space holds its chunks and which saves them: its
+    tensor-parallel group's first rank (a group is consecutive ranks, vLLM's innermost
+    dimension), which assembles each chunk of every head of the group (canonical chunks),
+    or, for an MLA model (one latent per token, the same on every rank) saves its own.
+    Without canonical chunks every rank keeps its own, except an MLA model's. Not with
     decode or prefill context parallelism, which split the tokens across those ranks."""
     par = vllm_config.parallel_config
     world, tp = par.world_size, par.tensor_parallel_size
     model_config = vllm_config.model_config
-    shared = (bool(getattr(model_config, "use_mla", False))
-              and getattr(par, "decode_context_parallel_size", 1) == 1
-              and getattr(par, "prefill_context_parallel_size", 1) == 1)
+    no_cp = (getattr(par, "decode_context_parallel_size", 1) == 1
+             and getattr(par, "prefill_context_parallel_size", 1) == 1)
+    shared = no_cp and (canonical(vllm_config) or bool(getattr(model_config, "use_mla", False)))
     return [r - r % tp if shared else r for r in range(world)]
+
+
+def _model_heads(model_config: Any) -> str:
+    """The canonical payload's shape where the model config says it: KV heads and head
+    size, or MLA's latent (the layers' own shapes are checked in every chunk's meta)."""
+    if getattr(model_config, "use_mla", False):
+        return "mla"
+    try:
+        return f"kvheads={model_config.get_total_num_kv_heads()};head={model_config.get_head_size()}"
+    except Exception:  # noqa: BLE001 - a model config without them: the meta checks shapes
+        return "kvheads=?"
 
 
 # The tier vLLM's `vllm:prompt_tokens_cached_by_source` names for hits from each kind of
@@ -277,6 +304,9 @@ class VllmSettings:
     rank: int
     world_size: int
     key_spaces: KeySpaces
+    tp_size: int  # ranks of a tensor-parallel group
+    canonical: bool  # chunks hold every KV head (`canonical`)
+    mla: bool  # one latent per token, the same on every tensor-parallel rank
     lookup_wait_s: float
     lookup_idle_wait_s: float
     load_wait_s: float
@@ -308,6 +338,7 @@ class VllmSettings:
             raise ValueError("kv_connector_extra_config needs 'store' (e.g. file:///mnt/kv)")
         chunk_tokens, chunk_blocks = chunk_geometry(vllm_config)
         par = vllm_config.parallel_config
+        tp = getattr(par, "tensor_parallel_size", 1) or 1
         by_rank = key_ranks(vllm_config)
         mode = extra.get("load_mode", "auto")
         if mode not in LOAD_MODES:
@@ -322,8 +353,13 @@ class VllmSettings:
             chunk_tokens=chunk_tokens, chunk_blocks=chunk_blocks,
             rank=par.rank, world_size=par.world_size,
             key_spaces=KeySpaces(tuple(
-                connector_namespace(vllm_config, r, par.world_size, chunk_tokens, groups)
+                connector_namespace(vllm_config, r // tp, par.world_size // tp, chunk_tokens,
+                                    groups)
+                if canonical(vllm_config)
+                else connector_namespace(vllm_config, r, par.world_size, chunk_tokens, groups)
                 for r in by_rank), tuple(by_rank)),
+            tp_size=tp, canonical=canonical(vllm_config),
+            mla=bool(getattr(vllm_config.model_config, "use_mla", False)),
             lookup_wait_s=float(extra.get("lookup_wait_ms", 5.0)) / 1000,
             lookup_idle_wait_s=float(extra.get("lookup_idle_wait_ms", 50.0)) / 1000,
             load_wait_s=float(extra.get("load_wait_ms", 10.0)) / 1000,
@@ -353,9 +389,16 @@ class VllmSettings:
 
     @property
     def saves_here(self) -> bool:
-        """Whether this rank saves (and reports its saves as KV events), or leaves that to
-        its MLA group's first rank."""
+        """Whether this rank writes chunks (and reports its saves as KV events), or leaves
+        that to its tensor-parallel group's first rank (`key_ranks`)."""
         return self.key_spaces.by_rank[self.rank] == self.rank
+
+    @property
+    def gathers(self) -> bool:
+        """Whether every rank of the tensor-parallel group hands its heads of each chunk
+        to the group's first rank, which writes the whole chunk (canonical chunks of a
+        model split by heads; an MLA latent is the same on every rank)."""
+        return self.canonical and self.tp_size > 1 and not self.mla
 
     def core(self, worker: bool) -> KVConnector:
         """This rank's engine core: a worker's reads directly (`direct_io`) and runs its

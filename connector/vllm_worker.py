@@ -35,7 +35,14 @@ from connector.buffers import BufferPool, staging_tensor
 from connector.core import LoadHandle, SegmentLoad
 from connector.exit_flush import ExitFlush
 from connector.policy import PrefillTimer
-from connector.vllm_cache import PagedKv, device_index, gather_blocks
+from connector.vllm_cache import (
+    KV_SPLITS,
+    HeadMajorKv,
+    HeadShare,
+    PagedKv,
+    device_index,
+    gather_blocks,
+)
 from connector.vllm_config import VllmSettings, _cpu_cores_moved_by_connector
 from connector.vllm_groups import layers_needed
 from connector.vllm_meta import (
@@ -145,6 +152,7 @@ class KvstashWorker:
 
     def __init__(self, vllm_config: VllmConfig, settings: VllmSettings,
                  kv_cache_config: KVCacheConfig | None = None):
+        self.vllm_config = vllm_config
         self.settings = settings
         self.kv_cache_config = kv_cache_config
         self.block_size = settings.block_size
@@ -152,6 +160,7 @@ class KvstashWorker:
         self.rank = settings.rank
         self.key_spaces = settings.key_spaces
         self.saves_here = settings.saves_here
+        self.gathers = settings.gathers  # this TP group's first rank writes every head
         self.load_wait_s = settings.load_wait_s
         self.handoff_timeout_s = settings.handoff_timeout_s
         self.kv_events = settings.kv_events
@@ -196,9 +205,13 @@ class KvstashWorker:
                      "for the model): the model runs on other cores than without one. "
                      "VLLM_CPU_NUM_OF_RESERVED_CPU set to the number of workers (1 "
                      "without tensor parallelism) keeps the cores it gets without one")
-        if not self.saves_here:
+        if not self.saves_here and not self.gathers:
             log.info("kvstash: MLA: rank %d loads the chunks rank %d saves (one latent per "
                      "token, the same on every tensor-parallel rank)", self.rank,
+                     self.key_spaces.by_rank[self.rank])
+        elif self.gathers:
+            log.info("kvstash: tensor-parallel rank %d hands its KV heads of each chunk to "
+                     "rank %d, which writes whole chunks", self.rank,
                      self.key_spaces.by_rank[self.rank])
 
     def get_kv_connector_stats(self) -> KvstashConnectorStats | None:
@@ -219,9 +232,46 @@ class KvstashWorker:
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         if self.settings.groups.refusal is not None:
             return  # kvstash is off for this model (the scheduler said why, at start)
-        self.cache = PagedKv(kv_caches, getattr(self.kv_cache_config, "num_blocks", None),
-                             self.chunk_blocks, self.settings.groups)
+        share = self._head_share(kv_caches) if self.settings.canonical else None
+        self.cache = PagedKv.of(kv_caches, getattr(self.kv_cache_config, "num_blocks", None),
+                                self.chunk_blocks, self.block_size, self._cache_dtype(kv_caches),
+                                share, self.settings.groups)
         self.core.bind_layout(self.cache.layout())
+
+    def _cache_dtype(self, kv_caches: dict[str, torch.Tensor]) -> str:
+        return str(next(iter(kv_caches.values())).dtype).removeprefix("torch.")
+
+    def _head_share(self, kv_caches: dict[str, torch.Tensor]) -> HeadShare:
+        """This rank's heads of the canonical payload: vLLM gives a tensor-parallel rank
+        `total / tp` consecutive KV heads (rank r the r-th run), or, where tp exceeds the
+        KV heads, one head replicated on `tp / total` consecutive ranks. Raises ValueError
+        for a layer whose attention backend kvstash cannot read K and V of."""
+        from vllm.config import get_layers_from_vllm_config
+        from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+
+        model_config = self.vllm_config.model_config
+        mla = bool(getattr(model_config, "use_mla", False))
+        total = 1 if mla else int(model_config.get_total_num_kv_heads())
+        layers = get_layers_from_vllm_config(self.vllm_config, AttentionLayerBase,
+                                             list(kv_caches))
+        splits = {}
+        for name in kv_caches:
+            backend = layers[name].get_attn_backend() if name in layers else None
+            split = ("latent" if backend is not None and backend.is_mla()
+                     else KV_SPLITS.get(backend.get_name()) if backend is not None else None)
+            if split is None:
+                raise ValueError(
+                    f"kvstash: layer {name}'s attention backend "
+                    f"{backend.get_name() if backend else 'unknown'} keeps K and V in a "
+                    f"layout kvstash does not read (it reads {', '.join(sorted(KV_SPLITS))} "
+                    f"and MLA backends)")
+            splits[name] = split
+        tp = self.settings.tp_size
+        tp_rank = self.rank % tp
+        local = next(iter(kv_caches.values())).shape[1] if not mla else 1
+        replicas = max(1, tp // total)
+        first = 0 if mla else (tp_rank // replicas) * local
+        return HeadShare(total_heads=total, first_head=first, splits=splits)
 
     @property
     def _kv(self) -> dict[str, torch.Tensor]:
@@ -265,7 +315,7 @@ class KvstashWorker:
             self._step_began.record()
         self._step_saves, self._step_keys = (
             self._unwritten(meta.saves) if isinstance(meta, KvstashMetadata)
-            and meta.saves and self.saves_here else ([], []))
+            and meta.saves and (self.saves_here or self.gathers) else ([], []))
         if (self._kv and isinstance(meta, KvstashMetadata) and meta.prefill_tokens
                 and not any(r.sync for r in meta.loads)):  # a step with sync loads waits
             self._step_timer = PrefillTimer(meta.prefill_tokens, self._device())
@@ -429,8 +479,9 @@ class KvstashWorker:
             if kv_layer.is_cuda and group not in index:
                 # On a GPU, each chunk's block ids of a group on the device, made once a step.
                 index[group] = device_index(ids, kv_layer.device)
-            for layer, _, view in cache.views(buf, len(ids), only):
-                gather_blocks(kv_layer, layer.block_dim, ids, view, index.get(group))
+            # `kv`, not `kv_layer`: the layer as the cache sees it (heads apart, canonical)
+            for layer, kv, view in cache.views(buf, len(ids), only):
+                gather_blocks(kv, layer.block_dim, ids, view, index.get(group))
         self._saved_layers.add(layer_name)
 
     def _take_save_buffer(self, pin: bool) -> torch.Tensor:
@@ -461,7 +512,9 @@ class KvstashWorker:
             keep: list[ChunkRef] = []
             keys: list[str] = []
             for chunk, key in zip(req.chunks, self.keys(req.chunks, self.rank), strict=True):
-                writing = self.core.writing(key)
+                # Ranks that gather decide alike: on the step's metadata alone (the writer
+                # skips what it writes already once the heads are gathered).
+                writing = None if self.gathers else self.core.writing(key)
                 if key in step or (writing is not None and not writing.done()):
                     if req.handoff:
                         self._handoff_keys.setdefault(req.req_id, []).append(key)
@@ -493,6 +546,10 @@ class KvstashWorker:
     def _save_step(self, saves: list[ReqChunks], step_keys: list[list[str]]) -> None:
         for name, kv in self._kv.items():  # layers the forward did not hand to save_kv_layer
             self._gather(name, kv, saves)
+        if self.gathers:
+            saves, step_keys = self._gather_heads(saves, step_keys)
+            if not saves:
+                return
         copied = None
         if any(kv.is_cuda for kv in self._kv.values()):
             # The gathers' copies into pinned memory are queued on the stream: write-behind
@@ -507,7 +564,8 @@ class KvstashWorker:
             tokens = [c.token_ids for c in req.chunks]
             saved = self.core.write(keys, tokens, _once_copied(copied, bufs.__getitem__),
                                     check_store=not req.absent, urgent=req.handoff)
-            saved.add_done_callback(functools.partial(self._return_save_buffers, held))
+            if not self.gathers:  # assembled chunks are not the pool's (other sizes)
+                saved.add_done_callback(functools.partial(self._return_save_buffers, held))
             if self.kv_events:  # the answer says which chunks the store now holds
                 self._saves_reported.append((req.chunks, saved))
             if req.handoff:
@@ -521,6 +579,53 @@ class KvstashWorker:
                 del self._handoff_saves[req_id]
         while len(self._handoff_saves) > MAX_WAITING_EVENTS:
             del self._handoff_saves[next(iter(self._handoff_saves))]
+
+    def _gather_heads(self, saves: list[ReqChunks], step_keys: list[list[str]]
+                      ) -> tuple[list[ReqChunks], list[list[str]]]:
+        """Tensor parallelism: every rank of the group sends its heads of this step's
+        chunks (the same chunks in the same order on every rank: `_unwritten` decides on
+        the step's metadata) to the group's first rank over vLLM's CPU process group,
+        which assembles whole canonical chunks (`assemble_heads`) and writes them, less
+        those it is writing already; the other ranks are done. One collective a step with
+        saves; on a GPU it first waits for the gathers' copies (a sync)."""
+        from vllm.distributed.parallel_state import get_tp_group
+
+        if any(kv.is_cuda for kv in self._kv.values()):
+            torch.cuda.current_stream().synchronize()
+        group = get_tp_group()
+        mine = torch.cat([b.view(-1) for b in self._save_buffers])
+        first = group.rank_in_group == 0
+        parts = [torch.empty_like(mine) for _ in range(group.world_size)] if first else None
+        torch.distributed.gather(mine, parts, dst=group.ranks[0], group=group.cpu_group)
+        bufs, self._save_buffers = self._save_buffers, []
+        self._return_save_buffers(bufs)
+        self._save_index, self._saved_layers = [], set()
+        if not first:
+            return [], []
+        assert parts is not None
+        cache = self._paged()
+        assert isinstance(cache, HeadMajorKv)
+        heads = [p.view(len(bufs), -1) for p in parts]
+        out_saves, out_keys = [], []
+        j = 0
+        for req, keys in zip(saves, step_keys, strict=True):
+            keep, kept = [], []
+            for chunk, key in zip(req.chunks, keys, strict=True):
+                writing = self.core.writing(key)
+                if writing is not None and not writing.done():
+                    if req.handoff:
+                        self._handoff_keys.setdefault(req.req_id, []).append(key)
+                else:
+                    whole = torch.empty(cache.canon.payload_nbytes, dtype=torch.uint8)
+                    assemble_heads(cache, [h[j] for h in heads], whole)
+                    self._save_buffers.append(whole)
+                    keep.append(chunk)
+                    kept.append(key)
+                j += 1
+            if keep:
+                out_saves.append(replace(req, chunks=keep))
+                out_keys.append(kept)
+        return out_saves, out_keys
 
     def _hand_off(self, req_ids: list[str]) -> None:
         """The step that completes a P/D prefill's prompt (a `kv_producer`'s, or a
@@ -561,3 +666,22 @@ class KvstashWorker:
         self._loading.clear()
         self._layer_loads = []
         self.core.close()
+
+
+def assemble_heads(cache: HeadMajorKv, shares: list[torch.Tensor], whole: torch.Tensor) -> None:
+    """A whole canonical chunk payload in `whole` from each tensor-parallel rank's staging
+    of it (`shares`, in rank order: its heads of every layer, packed): each layer part is
+    its heads' ranges side by side; of ranks holding the same (replicated) heads the first
+    one's are taken."""
+    canon = cache.canon
+    share_at = cache.layer_offsets
+    tp = len(shares)
+    out = whole.numpy()
+    for i, offset in enumerate(canon.layer_offsets):
+        total, size = canon.layers[i][0], canon.head_nbytes(i)
+        local = cache.layers[i].block_shape[0]
+        replicas = max(1, tp * local // total)  # consecutive ranks holding the same heads
+        for r in range(0, tp, replicas):
+            first = (r // replicas) * local
+            src = shares[r].numpy()[share_at[i] : share_at[i] + local * size]
+            out[offset + first * size : offset + (first + local) * size] = src

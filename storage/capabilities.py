@@ -114,7 +114,7 @@ class SupportsRangeReads(Protocol):
 
     async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
         """Payload bytes [offset, offset + len(out)) of `key`'s chunk into `out`; False on a
-        miss or error. The caller verifies what it read (`ChunkHeader.verify_segment`)."""
+        miss or error. The caller verifies what it read (`ChunkHeader.verify_span`)."""
 
 
 @runtime_checkable
@@ -146,7 +146,8 @@ class SupportsResidentReads(Protocol):
     def open_segments(self, key: str) -> tuple[SegmentFile | None, str | None] | _NotResident:
         """Blocking, on the calling thread, and only where it cannot wait on a network:
         `key`'s chunk open for reads of its payload by segment (`SegmentFile.head`, then
-        `read(s, parts)` for each segment, each checked against its own checksum; then
+        `read(s, parts)` for each segment or `read_span(offset, parts)` for each run of
+        whole segments, each checked against its own checksum; then
         `close`), whether or not its bytes are in the page cache (`SegmentFile.resident`
         says), or (None, why) with `why` "missing" or "io"; NOT_RESIDENT where the store
         is not local."""

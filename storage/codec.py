@@ -46,7 +46,9 @@ from hashing import is_valid_key, token_array
 MAGIC = b"KVSTASH\x00"
 VERSION = 1
 VERSION_SEGMENTS = 2
-MAX_SEGMENTS = 1024
+# One checksum per (layer, KV head) of a large model's chunk (e.g. 126 layers x 16 heads):
+# the table grows 16 bytes a segment, within MAX_HEADER_SIZE.
+MAX_SEGMENTS = 8192
 _SEGMENT = struct.Struct("<QQ")
 ALIGN = 4096
 HEADER_SIZE = 4096
@@ -149,6 +151,70 @@ class ChunkHeader:
         _, length, checksum = self.segments[i]
         if _checksum(data, length, f"segment {i}") != checksum:
             raise ChunkError(f"segment {i} checksum mismatch for {self.key}")
+
+    def span_segments(self, offset: int, length: int) -> range | None:
+        """The segments that exactly cover payload bytes [offset, offset + length), or None
+        where that range does not begin and end on segment boundaries (or there are no
+        segments, or it is empty)."""
+        if length <= 0 or not self.segments:
+            return None
+        starts = self._segment_starts
+        first = starts.get(offset)
+        last = starts.get(offset + length, len(self.segments) if offset + length
+                          == self.payload_len else None)
+        if first is None or last is None or last <= first:
+            return None
+        return range(first, last)
+
+    @functools.cached_property
+    def _segment_starts(self) -> dict[int, int]:
+        return {off: i for i, (off, _, _) in enumerate(self.segments)}
+
+    def aligned(self, spans: Any) -> bool:
+        """Whether every (offset, length) of `spans` is a run of whole segments."""
+        return all(self.span_segments(off, n) is not None for off, n in spans)
+
+    def verify_span(self, offset: int, data: Any) -> None:
+        """Raise ChunkError unless `data` (a buffer, or a list of buffers that hold it in
+        order) is payload bytes [offset, offset + its length): a run of whole segments,
+        each matching its own checksum. What a reader of part of a chunk (a rank's heads)
+        checks: every segment it covers, and nothing it did not read."""
+        parts = [memoryview(p).cast("B") for p in (data if isinstance(data, list) else [data])]
+        if not self.span_intact(offset, parts):
+            raise ChunkError(f"payload bytes at {offset} fail their segment checksums "
+                             f"for {self.key}")
+
+    def span_intact(self, offset: int, parts: list[memoryview]) -> bool:
+        """Whether `parts` (byte views, in order) are payload bytes [offset, ...): a run of
+        whole segments whose every checksum matches."""
+        length = sum(p.nbytes for p in parts)
+        covered = self.span_segments(offset, length)
+        if covered is None:
+            return False
+        if len(parts) == 1:
+            flat = parts[0]
+            for s in covered:
+                at, size, checksum = self.segments[s]
+                at -= offset
+                if xxhash.xxh3_64_intdigest(flat[at : at + size], seed=0) != checksum:
+                    return False
+            return True
+        # Many views (e.g. a KV cache's blocks read into place): each segment hashed as a
+        # stream over the views it spans, with no copy.
+        views = iter(parts)
+        view = memoryview(b"")
+        for s in covered:
+            _, need, checksum = self.segments[s]
+            whole = xxhash.xxh3_64(seed=0)
+            while need:
+                if not view.nbytes:
+                    view = next(views)
+                take = min(need, view.nbytes)
+                whole.update(view[:take])
+                view, need = view[take:], need - take
+            if whole.intdigest() != checksum:
+                return False
+        return True
 
     def segment_intact(self, s: int, parts: list[memoryview]) -> bool:
         """Whether `parts` (byte views that hold segment s in order, their lengths already

@@ -1602,8 +1602,10 @@ class SegmentFile:
     torch ops by 23 %, raw reads and checksums alone by 9 %, 2026-11-27), so it makes as
     few as it can: no stat before the reads, and reads of page-cached bytes only (the
     store's `residency.read_nowait`: preadv RWF_NOWAIT), which answer NOT_RESIDENT rather
-    than wait on the disk while `resident` holds. `head` reads the header (with segment 0
-    in the same read where it can), `read` one segment; `close` does the accounting."""
+    than wait on the disk while `resident` holds. `head` reads the header (with the first
+    range in the same read where it can), `read` one segment, `read_span` one run of whole
+    segments (a layer's part, or a tensor-parallel rank's heads of it); `close` does the
+    accounting."""
 
     def __init__(self, store: FileStore, key: str, fd: int, path: str):
         self.store, self.key = store, key
@@ -1611,6 +1613,7 @@ class SegmentFile:
         self.header: ChunkHeader | None = None
         self.resident = True  # no read has had to wait on the disk
         self._done: set[int] = set()  # segments read and checked
+        self._spans: set[tuple[int, int]] = set()  # (offset, length) read and checked
         self._failed = False
         self._read_nowait = store.residency.read_nowait
 
@@ -1626,25 +1629,29 @@ class SegmentFile:
             raise ChunkError("short read")
         return True
 
-    def head(self, first: list[memoryview], wait: bool = True) -> ChunkHeader | None | Any:
+    def head(self, first: list[memoryview], wait: bool = True,
+             offset: int = 0) -> ChunkHeader | None | Any:
         """The header, checked (its checksum, the key), or None on a miss. Where the file
-        is the usual 4 KiB header and segment 0 is as long as `first` (buffers that take it
-        in order) and all of it is in the page cache, segment 0 lands there in the same
-        read and is checked: `read(0, first)` then reads nothing. `wait=False`: where that
-        read would have waited on the disk, NOT_RESIDENT instead (nothing else read)."""
+        is the usual 4 KiB header, `offset` is 0 and payload bytes [0, len(first)) are a
+        run of whole segments (`first`: buffers that take them in order) all in the page
+        cache, they land there in the same read and are checked: `read_span(0, first)`
+        then reads nothing. `wait=False`: where that read would have waited on the disk,
+        NOT_RESIDENT instead (nothing else read)."""
         try:
-            n0 = sum(p.nbytes for p in first)
+            n0 = sum(p.nbytes for p in first) if offset == 0 else 0
             head = bytearray(HEADER_SIZE)
-            if self._pread([memoryview(head), *first], 0, HEADER_SIZE + n0):
+            if self._pread([memoryview(head), *(first if n0 else [])], 0, HEADER_SIZE + n0):
                 try:
                     header = decode_header(head, self.key)
                 except TruncatedHeader:
                     header = _read_header(self._fd, self.key)
                 else:
-                    if header.header_len == HEADER_SIZE and header.segments[:1] and (
-                            header.segments[0][:2] == (0, n0)):
-                        header.verify_segment(0, first)
-                        self._done.add(0)
+                    covered = header.span_segments(0, n0) if n0 else None
+                    if header.header_len == HEADER_SIZE and covered is not None:
+                        if not header.span_intact(0, first):
+                            raise ChunkError(f"segment checksum mismatch for {self.key}")
+                        self._done.update(covered)
+                        self._spans.add((0, n0))
             elif not wait:
                 return NOT_RESIDENT
             else:
@@ -1656,13 +1663,14 @@ class SegmentFile:
             return None
 
     def read_all(self, segments: list[list[memoryview]]) -> bool | None:
-        """The header and every segment s into `segments[s]` (buffers that take it in
-        order) in one read of page-cached bytes, each segment checked: True once all is
-        read and checked, None on a miss (a check failed), False where this file cannot be
-        read so (a byte not in the page cache, a header longer than 4 KiB, segments of
-        other lengths): `head` and `read` then read it, nothing judged yet. For a reader
-        that needs no segment before the others (one read where `head` and `read` make
-        one a segment)."""
+        """The header and the whole payload, range s into `segments[s]` (buffers that take
+        it in order; consecutive ranges from the payload's start, each a run of whole
+        segments, e.g. one layer's part) in one read of page-cached bytes, each segment
+        checked: True once all is read and checked, None on a miss (a check failed), False
+        where this file cannot be read so (a byte not in the page cache, a header longer
+        than 4 KiB, ranges that are not runs of whole segments): `head` and `read_span`
+        then read it, nothing judged yet. For a reader that needs no range before the
+        others (one read where `head` and `read_span` make one a range)."""
         head = bytearray(HEADER_SIZE)
         flat = [memoryview(head)]
         lengths = []
@@ -1683,14 +1691,16 @@ class SegmentFile:
         except ChunkError as exc:
             self._fail(exc)
             return None
-        if header.header_len != HEADER_SIZE or [size for _, size, _ in header.segments] != lengths:
+        offsets = [0, *itertools.accumulate(lengths[:-1])]
+        if (header.header_len != HEADER_SIZE or sum(lengths) != header.payload_len
+                or not header.aligned(zip(offsets, lengths, strict=True))):
             return False
         for s, parts in enumerate(segments):
-            if not header.segment_intact(s, parts):
-                self._fail(ChunkError(f"segment {s} checksum mismatch for {self.key}"))
+            if not header.span_intact(offsets[s], parts):
+                self._fail(ChunkError(f"range {s} checksum mismatch for {self.key}"))
                 return None
         self.header = header
-        self._done.update(range(len(segments)))
+        self._done.update(range(len(header.segments)))
         return True
 
     def read(self, s: int, parts: list[memoryview]) -> bool | Any:
@@ -1710,6 +1720,31 @@ class SegmentFile:
                 return NOT_RESIDENT
             header.verify_segment(s, parts)
             self._done.add(s)
+            return True
+        except (ChunkError, OSError) as exc:
+            self._fail(exc)
+            return False
+
+    def read_span(self, offset: int, parts: list[memoryview]) -> bool | Any:
+        """Payload bytes [offset, offset + their length) into `parts` (buffers that take
+        them in order and exactly), a run of whole segments, each checked: True, False on
+        a miss (or bytes that are not such a run: another layout's chunk, not this
+        reader's to judge), or NOT_RESIDENT (see `read`)."""
+        length = sum(p.nbytes for p in parts)
+        if (offset, length) in self._spans:
+            return True
+        header = self.header
+        try:
+            covered = None if header is None else header.span_segments(offset, length)
+            if header is None or self._failed or covered is None:
+                return False
+            if not self._pread(parts, header.header_len + offset, length):
+                return NOT_RESIDENT
+            if not header.span_intact(offset, parts):
+                raise ChunkError(f"payload bytes at {offset} fail their segment checksums "
+                                 f"for {self.key}")
+            self._done.update(covered)
+            self._spans.add((offset, length))
             return True
         except (ChunkError, OSError) as exc:
             self._fail(exc)

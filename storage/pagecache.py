@@ -60,6 +60,7 @@ def all_cached(fd: int, offset: int, length: int) -> bool | None:
 # preadv(RWF_NOWAIT) found a byte not in the page cache, or the kernel takes no such flag.
 _NOWAIT_ERRNOS = (errno.EAGAIN, errno.EOPNOTSUPP, errno.EINVAL)
 _RWF_NOWAIT = getattr(os, "RWF_NOWAIT", None)  # Linux only
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024  # buffers a preadv takes
 
 
 class Residency(Protocol):
@@ -82,14 +83,24 @@ class PageCache:
         return all_cached(fd, offset, length)
 
     def read_nowait(self, fd: int, buffers: list[memoryview], offset: int) -> int | None:
+        """One `preadv(RWF_NOWAIT)` per IOV_MAX buffers (a chunk read straight into a KV
+        cache's blocks takes one buffer per layer, head, K/V and block: over a thousand
+        for a large model), the next only after a whole one."""
         if _RWF_NOWAIT is None:
             return None
-        try:
-            return os.preadv(fd, buffers, offset, _RWF_NOWAIT)
-        except OSError as exc:
-            if exc.errno in _NOWAIT_ERRNOS:
-                return None
-            raise
+        done = 0
+        for start in range(0, len(buffers), _IOV_MAX):
+            batch = buffers[start : start + _IOV_MAX]
+            try:
+                n = os.preadv(fd, batch, offset + done, _RWF_NOWAIT)
+            except OSError as exc:
+                if exc.errno in _NOWAIT_ERRNOS:
+                    return done or None
+                raise
+            done += n
+            if n < sum(b.nbytes for b in batch):
+                break
+        return done
 
     def __repr__(self) -> str:
         return "PAGE_CACHE"

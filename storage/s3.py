@@ -246,7 +246,7 @@ def _get_into_start(client: Any, bucket: str, name: str, rng: str, key: str, out
                 raise
             more = bytearray(short.header_len - len(head))
             _fill(body, memoryview(more), stop)
-            head += more
+            head = head + more  # a new buffer: the failed decode's view may still hold `head`
             header = decode_header(head, key)
         if total != header.total_len:
             raise ChunkError(f"object is {total} bytes, header says {header.total_len}")

@@ -47,3 +47,21 @@ def test_other_io_errors_are_raised_for_the_reader_to_count(monkeypatch):
     with pytest.raises(OSError) as err:
         PAGE_CACHE.read_nowait(7, [memoryview(bytearray(16))], 0)
     assert err.value.errno == errno.EIO
+
+
+def test_more_buffers_than_one_preadv_takes_are_read_in_turn(tmp_path):
+    """A chunk read straight into a KV cache's blocks: one buffer per layer, head, K/V and
+    block, over IOV_MAX (1024) for a large model. The real kernel, a file just written
+    (its pages cached)."""
+    path = tmp_path / "chunk"
+    data = os.urandom(1500 * 16)
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if PAGE_CACHE.read_nowait(fd, [memoryview(bytearray(16))], 0) is None:
+            pytest.skip("this filesystem answers no RWF_NOWAIT read")
+        bufs = [memoryview(bytearray(16)) for _ in range(1500)]
+        assert PAGE_CACHE.read_nowait(fd, bufs, 0) == len(data)
+        assert b"".join(bytes(b) for b in bufs) == data
+    finally:
+        os.close(fd)

@@ -69,6 +69,27 @@ async def test_large_chunks_come_back_through_parallel_ranges(s3_server_url, ns)
     await store.close()
 
 
+async def test_a_chunk_whose_header_is_longer_than_4_kib_reads_into_a_buffer(s3_server_url, ns):
+    """A chunk with one checksum per (layer, head) of a large model (256 segments: an
+    8 KiB header), 3 MiB in 1 MiB ranges: its header is read past the first 4 KiB, then
+    every byte lands in place."""
+    from hashing import chunk_keys
+    from storage.codec import encode_chunk
+
+    store = open_store(with_prefix(s3_server_url, range_size="1MiB"))
+    tokens = list(range(ns.chunk_tokens))
+    key = chunk_keys(tokens, ns)[0]
+    payload = os.urandom(3 * MiB)
+    blob = encode_chunk(key, tokens, payload, {"i": 0}, segments=[3 * MiB // 256] * 256)
+    assert len(blob) - len(payload) == 8192
+    await store.put(key, blob)
+    out = bytearray(4 * MiB)
+    header = await store.get_into(key, out)
+    assert header is not None and len(header.segments) == 256
+    assert bytes(out[: header.payload_len]) == payload
+    await store.close()
+
+
 async def test_ranged_reads_never_deadlock_the_inflight_limit(s3_server_url, ns):
     """One request in flight: a first GET gives its slot back before awaiting its ranges."""
     store = open_store(with_prefix(s3_server_url, range_size="1MiB", max_in_flight="1", timeout="20s"))

