@@ -3,7 +3,7 @@ what a load saves is the marginal cost of the tokens it skips."""
 
 import pytest
 
-from connector.policy import LoadPolicy, PrefillModel
+from connector.policy import LoadPolicy, ModelCost, PrefillModel, PrefillPrior
 
 CHUNK_TOKENS = 256
 
@@ -20,8 +20,8 @@ def test_a_gpu_forwards_fixed_cost_is_not_taken_for_slow_tokens():
     policy = LoadPolicy(probe_every=0)
     forwards(policy, lambda n: 0.025 + n / 2e6, [4096, 512])
     policy.observe_load(112 << 20, 0.022)
-    fixed, tps = policy.prefill.estimate()
-    assert fixed == pytest.approx(0.025) and tps == pytest.approx(2e6)
+    fixed, per_token = policy.prefill.estimate()
+    assert fixed == pytest.approx(0.025) and 1 / per_token == pytest.approx(2e6)
     assert policy.recompute_s(3584) == pytest.approx(3584 / 2e6)
     assert policy.plan(14, CHUNK_TOKENS, 8 << 20).reason == "declined"
     # Each forward's own rate (4096 tokens in 27 ms, 512 in 25 ms) would have said 2-20x
@@ -40,7 +40,7 @@ def test_a_cpu_prefill_that_grows_with_its_tokens_still_loads():
 
 
 def test_one_cold_forward_is_outvoted_not_averaged_in():
-    model = PrefillModel()
+    model = PrefillModel(min_samples=3)
     for n, t in [(4096, 0.028), (4096, 0.028), (4096, 0.029), (512, 0.9), (512, 0.026)]:
         model.add(n, t)
     # Two forwards of 512 tokens do not speak yet: the 4096-token class's rate alone.
@@ -69,3 +69,83 @@ def test_before_a_size_class_speaks_each_forwards_rate_is_weighted_in_as_it_came
     model.add(0, 1.0)  # nothing computed: not a forward to learn from
     model.add(10, 0.0)
     assert model.tokens_per_s == pytest.approx(2000)
+
+
+# bench's llama-test preset (4 layers, hidden 256): the model of the far-store runs.
+LLAMA_TEST = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048}
+
+
+def vllm_cpu_step(tokens: int) -> float:
+    """Synthetic timings of that engine on 2 vCPUs: 30 ms a step whatever it computes, and
+    1,830 tokens/s on top: the 257-token prompt takes 0.17 s, its 256-token prefix 0.14 s
+    of it (docs/benchmarks/2026-11-29-vllm-lookup-bound.md)."""
+    return 0.030 + tokens / 1830
+
+
+def test_short_suffix_steps_are_not_taken_for_slow_tokens():
+    # A fresh engine whose every request hits: it computes 1-token suffixes only. Its
+    # store is far: a chunk of the prefix arrives in 0.6 s; recomputing it takes 0.14 s.
+    chunk_bytes = 4 << 20
+    old, new = LoadPolicy(probe_every=0), LoadPolicy(
+        prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    for policy in (old, new):
+        forwards(policy, vllm_cpu_step, [1])
+        policy.observe_load(chunk_bytes, 0.6)
+    # Without the model's size, the step's 30 ms read as 30 ms a token: 7.7 s to recompute.
+    assert old.recompute_s(CHUNK_TOKENS) > 7.0
+    assert old.plan(1, CHUNK_TOKENS, chunk_bytes).reason == "load"
+    # With it, one token is a sliver of a 30 ms step: the load is declined.
+    assert new.recompute_s(CHUNK_TOKENS) < 0.6
+    assert new.plan(1, CHUNK_TOKENS, chunk_bytes).reason == "declined"
+
+
+def test_prompts_of_two_sizes_separate_the_fixed_cost_from_the_tokens():
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    fixed, _ = policy.prefill.estimate()
+    assert fixed == pytest.approx(0.030, rel=0.1)
+    assert policy.recompute_s(CHUNK_TOKENS) == pytest.approx(CHUNK_TOKENS / 1830, rel=0.1)
+
+
+def test_an_engine_that_declines_a_faster_load_learns_from_the_prompt_it_computes():
+    # A near store (a chunk in 40 ms against 140 ms of compute) but an engine that has only
+    # computed 1-token suffixes: the prior errs towards compute, declines, and the whole
+    # prompt that engine then computes corrects it after at most `min_samples` of them.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    forwards(policy, vllm_cpu_step, [1])
+    policy.observe_load(4 << 20, 0.040)
+    reasons = []
+    for _ in range(8):
+        plan = policy.plan(1, CHUNK_TOKENS, 4 << 20)
+        reasons.append(plan.reason)
+        policy.observe_prefill(1 if plan.chunks else CHUNK_TOKENS + 1,
+                               vllm_cpu_step(1 if plan.chunks else CHUNK_TOKENS + 1))
+    assert reasons.count("declined") <= policy.prefill.min_samples
+    assert reasons[-4:] == ["load"] * 4
+
+
+def test_the_estimate_is_never_fooled_by_noise_between_short_suffixes():
+    # 1- and 3-token steps differ by jitter, not by their tokens: no slope from them.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    for n, t in [(1, 0.030), (1, 0.031), (3, 0.036), (3, 0.037)]:
+        policy.observe_prefill(n, t)
+    assert policy.recompute_s(CHUNK_TOKENS) < 0.14
+
+
+def test_a_models_flops_a_token_are_twice_its_weights_a_token_passes_through():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**LLAMA_TEST)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    matrices = sum(p.numel() for name, p in model.named_parameters()
+                   if p.dim() == 2 and ".layers." in name)
+    cost = ModelCost.of(config)
+    assert cost == ModelCost.of(LLAMA_TEST)
+    assert cost.per_token == 2 * matrices
+    # Attention over the context: the 2nd of two tokens reads 2 keys, a token after 100
+    # cached ones reads 101.
+    assert cost.flops(2) - 2 * cost.per_token == 3 * cost.per_pair
+    assert cost.flops(1, context=100) - cost.per_token == 101 * cost.per_pair
+    assert ModelCost.of({"vocab_size": 10}) is None
