@@ -33,7 +33,7 @@ from transformers import DynamicCache
 from connector.buffers import staging_tensor
 from connector.core import KVConnector
 from connector.layout import ChunkLayout
-from connector.policy import PrefillTimer
+from connector.policy import PrefillPrior, PrefillTimer
 from hashing import Namespace
 
 log = logging.getLogger("kvstash.connector.hf")
@@ -261,6 +261,8 @@ class CachedPrefill:
         self.layerwise = layerwise
         self.layout = kv_layout(model, connector.chunk_tokens)
         connector.bind_layout(self.layout)
+        device = next(iter(model.parameters()), torch.empty(0)).device.type
+        connector.policy.know_model(PrefillPrior.of(model.config, device))
         self._buffers: _PrefixBuffers | None = None
         self._layer_load: Any = None
         self.last_hit_tokens = 0

@@ -142,10 +142,15 @@ class PrefillModel:
     others) is outvoted rather than averaged in.
 
     Classes `FIT_SPAN` times apart in tokens give the fit's slope (least squares over every
-    class that speaks; closer forwards differ by noise more than by their tokens). Otherwise
-    the largest class that speaks (or, before any does, the most frequent one) is split between fixed
-    and per-token cost in the proportion the prior predicts for its size: a 1-token
-    suffix step is then nearly all fixed cost, a long prompt nearly all per-token cost.
+    class that speaks; closer forwards differ by noise more than by their tokens).
+    Otherwise the largest class that speaks (or, before any does, the most frequent one)
+    is split between fixed and per-token cost in the proportion the prior predicts for its
+    size: a 1-token suffix step is then nearly all fixed cost. That split answers for
+    prompts more than `FIT_SPAN` times longer than that class; a prompt within its span
+    is estimated at the class's own rate, all of it per token. Either way an error
+    corrects itself: a prior that thinks compute cheap declines a load and the whole
+    prompt is computed; a rate that thinks it dear loads and only a suffix is computed.
+    Both give the fit a second size.
     Without a prior: the largest class gives its average rate (no fixed part assumed),
     none yet every forward's rate as it came, exponentially weighted.
 
@@ -161,6 +166,8 @@ class PrefillModel:
         self._sizes: dict[int, deque[tuple[int, float]]] = {}
         self._early = Ewma(alpha)
         self._fit: tuple[float, float | None] | None = None  # (fixed s, s per unit or None: free)
+        # (size, seconds, tokens) of the one size class a prior split, while there is no fit
+        self._basis: tuple[float, float, int] | None = None
 
     def size(self, tokens: int) -> float:
         """A forward of `tokens` prompt tokens in the fit's units (FLOPs or tokens)."""
@@ -172,6 +179,10 @@ class PrefillModel:
         self._sizes.setdefault(tokens.bit_length(), deque(maxlen=self.keep)).append(
             (tokens, seconds))
         self._early.add(tokens / seconds)
+        self.forget_fit()
+
+    def forget_fit(self) -> None:
+        """Refit at the next estimate (the samples or the prior changed)."""
         self._fit = None
 
     @staticmethod
@@ -187,6 +198,7 @@ class PrefillModel:
     def _solve(self) -> tuple[float, float | None] | None:
         points = self._points()
         prior = self.prior
+        self._basis = None
         if len(points) >= 2 and points[-1][2] >= FIT_SPAN * points[0][2]:
             mx = sum(x for x, _, _ in points) / len(points)
             my = sum(t for _, t, _ in points) / len(points)
@@ -199,12 +211,13 @@ class PrefillModel:
             return my - slope * mx, slope
         if prior is not None:
             if points:
-                x, t, _ = points[-1]
+                x, t, n = points[-1]
             elif self._sizes:
                 n, t = self._lower_median(max(self._sizes.values(), key=len))
                 x = self.size(n)
             else:
                 return prior.step_s, 1.0 / prior.flops_per_s
+            self._basis = (x, t, n)
             scale = t / (prior.step_s + x / prior.flops_per_s)
             return prior.step_s * scale, scale / prior.flops_per_s
         if points:
@@ -234,6 +247,11 @@ class PrefillModel:
         fit = self.estimate()
         if fit is None:
             return None
+        if self._basis is not None and self._basis[2] * FIT_SPAN >= tokens:
+            # Forwards of about this size were measured: their time, all of it per token,
+            # errs towards loading, and the suffix a load leaves gives a second size.
+            x, t, _ = self._basis
+            return self.size(tokens) * t / x
         return 0.0 if fit[1] is None else self.size(tokens) * fit[1]
 
 
@@ -266,6 +284,13 @@ class LoadPolicy:
         self.probe_every = probe_every
         self.adaptive = adaptive
         self._declined = 0
+
+    def know_model(self, prior: PrefillPrior | None) -> None:
+        """Take `prior` where the policy was built without one (an adapter that knows the
+        model: the HF one); a prior given at construction stays."""
+        if self.prefill.prior is None and prior is not None:
+            self.prefill.prior = prior
+            self.prefill.forget_fit()
 
     def observe_load(self, nbytes: int, seconds: float) -> None:
         """One load's delivered bytes and wall time; a stalled load reports 0 bytes."""

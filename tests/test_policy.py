@@ -149,3 +149,14 @@ def test_a_models_flops_a_token_are_twice_its_weights_a_token_passes_through():
     assert cost.flops(2) - 2 * cost.per_token == 3 * cost.per_pair
     assert cost.flops(1, context=100) - cost.per_token == 101 * cost.per_pair
     assert ModelCost.of({"vocab_size": 10}) is None
+
+
+def test_an_engine_that_has_only_computed_whole_prompts_loads_a_hit_of_about_their_size():
+    # Its 257-token prompts, split by the prior, would be nearly all fixed cost (the
+    # prior's device is fast); measured at about the hit's size, their own rate answers.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    forwards(policy, vllm_cpu_step, [CHUNK_TOKENS + 1])
+    policy.observe_load(4 << 20, 0.040)
+    assert policy.recompute_s(CHUNK_TOKENS) == pytest.approx(
+        vllm_cpu_step(CHUNK_TOKENS + 1) * CHUNK_TOKENS / (CHUNK_TOKENS + 1), rel=0.05)
+    assert policy.plan(1, CHUNK_TOKENS, 4 << 20).reason == "load"
