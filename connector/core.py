@@ -567,8 +567,9 @@ class KVConnector:
         """How long a lookup of `tokens` is worth waiting for: once prefill has been
         timed, no longer than recomputing them would take (even a hit loses to that: its
         load comes on top), and at least `floor_s`; before any prefill was timed, until
-        the lookup's timeout (inf here)."""
-        compute = self.policy.recompute_s(tokens)
+        the lookup's timeout (inf here), and so with a policy that loads every hit
+        (`adaptive=False`): it weighs nothing against recompute."""
+        compute = self.policy.recompute_s(tokens) if self.policy.adaptive else None
         return math.inf if compute is None else max(floor_s, compute)
 
     def _lookup_now(self, lists: list[list[str]]) -> int | None:

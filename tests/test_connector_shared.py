@@ -3,13 +3,14 @@ de-duplication of loads and saves, the exit flush, and the policy fed from count
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 
 import numpy as np
 import pytest
 
-from connector import ChunkLayout, KVConnector
+from connector import ChunkLayout, KVConnector, LoadPolicy
 from connector.buffers import BufferPool
 from connector.exit_flush import ExitFlush
 from connector.inflight import InFlightLoads
@@ -76,6 +77,17 @@ def test_the_policy_learns_from_another_process_counters_without_counting_them_a
         assert stats["store_gbps_estimate"] == pytest.approx(2.0)
         assert core.lookup_patience_s(2048, floor_s=0.0) == pytest.approx(1.0)
         assert core.lookup_patience_s(16, floor_s=0.25) == 0.25
+    finally:
+        core.close()
+
+
+def test_a_policy_that_loads_every_hit_waits_for_every_lookup():
+    # A far store's lookup is not given up at the recompute estimate when nothing is
+    # weighed against recompute: the hit is what such an engine was configured for.
+    core = connector(policy=LoadPolicy(adaptive=False))
+    try:
+        core.learn_from({"prefill_tokens": 4096, "prefill_seconds": 2.0})
+        assert core.lookup_patience_s(2048) == math.inf
     finally:
         core.close()
 
