@@ -563,14 +563,14 @@ class KVConnector:
         done.set_result(now[0])
         return LookupPoll(self, done, asked_tokens, floor_s, cached=now[1])
 
-    def lookup_patience_s(self, tokens: int, floor_s: float = 0.0) -> float:
-        """How long a lookup of `tokens` is worth waiting for: once prefill has been
-        timed, no longer than recomputing them would take (even a hit loses to that: its
-        load comes on top), and at least `floor_s`; before any prefill was timed, until
-        the lookup's timeout (inf here), and so with a policy that loads every hit
-        (`adaptive=False`): it weighs nothing against recompute."""
-        compute = self.policy.recompute_s(tokens) if self.policy.adaptive else None
-        return math.inf if compute is None else max(floor_s, compute)
+    def lookup_patience_s(self, tokens: int, floor_s: float = 0.0, probe: bool = False) -> float:
+        """How long a lookup of `tokens` is worth waiting for (`LoadPolicy.lookup_patience_s`:
+        once prefill has been timed, recomputing them less their predicted load; the
+        whole recompute for a `probe`), and at least `floor_s`; before any prefill was
+        timed, until the lookup's timeout (inf here), and so with a policy that loads
+        every hit (`adaptive=False`): it weighs nothing against recompute."""
+        patience = self.policy.lookup_patience_s(tokens, probe)
+        return math.inf if patience is None else max(floor_s, patience)
 
     def _lookup_now(self, lists: list[list[str]]) -> int | None:
         """`_lookup` on this thread where the store answers here (`prefix_len_now`: a local

@@ -284,6 +284,8 @@ class LoadPolicy:
         self.probe_every = probe_every
         self.adaptive = adaptive
         self._declined = 0
+        self._lookups = 0
+        self._bytes_per_token: float | None = None  # of the chunks last planned
 
     def know_model(self, prior: PrefillPrior | None) -> None:
         """Take `prior` where the policy was built without one (an adapter that knows the
@@ -318,9 +320,30 @@ class LoadPolicy:
             return self.max_wait_s
         return min(self.max_wait_s, max(self.min_wait_s, self.wait_factor * recompute))
 
+    def lookup_patience_s(self, tokens: int, probe: bool = False) -> float | None:
+        """How long a lookup of `tokens` is worth waiting for: a hit found after that
+        loses to recomputing them, its load coming on top. Recompute less the predicted
+        load; recompute alone for a `probe` (`lookup_probe`) or before a load was
+        measured; None (until the lookup's own timeout) before any forward was measured,
+        or for a policy that loads every hit."""
+        recompute = self.recompute_s(tokens) if self.adaptive else None
+        if recompute is None or probe or self._bytes_per_token is None:
+            return recompute
+        load = self.load_s(int(tokens * self._bytes_per_token))
+        return recompute if load is None else max(0.0, recompute - load)
+
+    def lookup_probe(self) -> bool:
+        """Whether the lookup starting now is a probe, waited for as long as recomputing
+        its tokens takes (every `probe_every`-th): lookups cut short by a slow store's
+        predicted load are never answered, and the store's speed is learnt only from
+        the loads answered lookups lead to."""
+        self._lookups += 1
+        return bool(self.probe_every) and self._lookups % self.probe_every == 0
+
     def plan(self, hit_chunks: int, chunk_tokens: int, chunk_bytes: int) -> LoadPlan:
         if hit_chunks <= 0:
             return LoadPlan(0, 0.0, "miss")
+        self._bytes_per_token = chunk_bytes / chunk_tokens
         tokens = hit_chunks * chunk_tokens
         recompute = self.recompute_s(tokens)
         load = self.load_s(hit_chunks * chunk_bytes)

@@ -160,3 +160,21 @@ def test_an_engine_that_has_only_computed_whole_prompts_loads_a_hit_of_about_the
     assert policy.recompute_s(CHUNK_TOKENS) == pytest.approx(
         vllm_cpu_step(CHUNK_TOKENS + 1) * CHUNK_TOKENS / (CHUNK_TOKENS + 1), rel=0.05)
     assert policy.plan(1, CHUNK_TOKENS, 4 << 20).reason == "load"
+
+
+def test_a_lookup_is_not_waited_for_past_recompute_less_the_predicted_load():
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=4)
+    forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    recompute = policy.recompute_s(CHUNK_TOKENS)
+    assert policy.lookup_patience_s(CHUNK_TOKENS) == recompute  # no load measured yet
+    policy.observe_load(4 << 20, 0.040)
+    policy.plan(1, CHUNK_TOKENS, 4 << 20)  # the chunks' size: 4 MiB for 256 tokens
+    assert policy.lookup_patience_s(CHUNK_TOKENS) == pytest.approx(recompute - 0.040)
+    # A far store: a hit found at once still loses; every 4th lookup waits to learn.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=4)
+    forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    policy.observe_load(4 << 20, 0.6)
+    policy.plan(1, CHUNK_TOKENS, 4 << 20)
+    patience = [policy.lookup_patience_s(CHUNK_TOKENS, policy.lookup_probe()) for _ in range(4)]
+    assert patience == [0.0, 0.0, 0.0, recompute]
+    assert LoadPolicy(adaptive=False).lookup_patience_s(CHUNK_TOKENS) is None
