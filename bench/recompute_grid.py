@@ -70,6 +70,15 @@ def _s3_url(endpoint: str, prefix: str) -> str:
             "&access_key=bench&secret_key=bench")
 
 
+# What the kvstash engine did for a request: its counters' growth over it.
+DID = ("lookups_given_up", "lookup_timeouts", "hit_tokens", "declined_tokens", "load_timeouts",
+       "failed_load_tokens", "prefill_tokens")
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after.get(k, 0) - before.get(k, 0) for k in DID if after.get(k, 0) != before.get(k, 0)}
+
+
 def _ttft(answer: dict[str, Any]) -> float:
     return float(answer["requests"][0]["ttft_s"])
 
@@ -113,8 +122,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for e in engines.values():
                         e.wait_ready()
                     runs: dict[int, dict[str, list[float]]] = {
-                        n: {"kvstash": [], "load": [], "recompute": [], "kvstash_hit": []}
-                        for n in prefixes}
+                        n: {"kvstash": [], "load": [], "recompute": [], "kvstash_hit": [],
+                            "kvstash_did": []} for n in prefixes}
                     for r in range(args.warmup + args.repeat):
                         for n in prefixes:
                             x = rng.integers(FIRST_TOKEN_ID, vocab, n)
@@ -128,6 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             for name in order:
                                 got[name] = engines[name].generate([asked])
                             got["recompute"] = engines["load"].generate([asked], KVSTASH_OFF)
+                            did = _delta(last.get("kvstash", {}), got["kvstash"]["kvstash"])
                             last = {name: got[name]["kvstash"] for name in engines}
                             if r < args.warmup:
                                 continue
@@ -135,6 +145,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                 runs[n][name].append(_ttft(got[name]))
                             runs[n]["kvstash_hit"].append(
                                 got["kvstash"]["requests"][0]["cached_tokens"])
+                            runs[n]["kvstash_did"].append(did)
                 finally:
                     for e in engines.values():
                         e.close_input()
@@ -144,7 +155,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     shaper.wait()
                 points = []
                 for n, rows in runs.items():
-                    med = {k: statistics.median(v) for k, v in rows.items() if k != "kvstash_hit"}
+                    med = {k: statistics.median(rows[k]) for k in ("kvstash", "load", "recompute")}
                     best = min(med["recompute"], med["load"])
                     points.append({
                         "shape": shape, "prefix_tokens": n,
