@@ -568,9 +568,13 @@ class KVConnector:
         once prefill has been timed, recomputing them less their predicted load; the
         whole recompute for a `probe`), and at least `floor_s`; before any prefill was
         timed, until the lookup's timeout (inf here), and so with a policy that loads
-        every hit (`adaptive=False`): it weighs nothing against recompute."""
+        every hit (`adaptive=False`): it weighs nothing against recompute. 0 where the
+        predicted load alone takes longer than recompute."""
         patience = self.policy.lookup_patience_s(tokens, probe)
-        return math.inf if patience is None else max(floor_s, patience)
+        if patience is None:
+            return math.inf
+        # A hit that cannot win, even found at once, is not waited for at all.
+        return 0.0 if patience <= 0 else max(floor_s, patience)
 
     def _lookup_now(self, lists: list[list[str]]) -> int | None:
         """`_lookup` on this thread where the store answers here (`prefix_len_now`: a local

@@ -278,6 +278,10 @@ class LoadPolicy:
     ):
         self.store_bytes_per_s = Ewma(alpha)
         self.prefill = PrefillModel(alpha, prior=prior)
+        # The same fit over a load's bytes: its fixed part is the store's round trips (a
+        # far bucket's one-chunk load is nearly all of it), its slope the bandwidth.
+        self.loads = PrefillModel(alpha)
+        self._stalls = Ewma(alpha)  # 1 for a load that delivered nothing, else 0
         self.wait_factor = wait_factor
         self.min_wait_s = min_wait_s
         self.max_wait_s = max_wait_s
@@ -298,6 +302,8 @@ class LoadPolicy:
         """One load's delivered bytes and wall time; a stalled load reports 0 bytes."""
         if seconds > 0:
             self.store_bytes_per_s.add(nbytes / seconds)
+            self._stalls.add(0.0 if nbytes else 1.0)
+            self.loads.add(nbytes, seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
         """One forward's computed prompt tokens and time."""
@@ -309,10 +315,17 @@ class LoadPolicy:
         return self.prefill.marginal_s(tokens)
 
     def load_s(self, nbytes: int) -> float | None:
-        bps = self.store_bytes_per_s.value
-        if bps is None:
+        """A load of `nbytes`: fixed cost plus bytes over bandwidth, fitted to loads of
+        several sizes (`PrefillModel` over bytes), and slower by recent stalls (a load that
+        delivered nothing); inf after stalls alone; None before any load."""
+        if self.store_bytes_per_s.value is None:
             return None
-        return nbytes / bps if bps > 0 else float("inf")
+        fit = self.loads.estimate()
+        stalled = self._stalls.value or 0.0
+        if fit is None or stalled >= 1.0:
+            return float("inf")
+        fixed, per_byte = fit
+        return (fixed + (0.0 if per_byte is None else nbytes * per_byte)) / (1.0 - stalled)
 
     def deadline_s(self, tokens: int) -> float:
         recompute = self.recompute_s(tokens)

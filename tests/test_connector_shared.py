@@ -115,3 +115,14 @@ def test_a_stop_signal_writes_queued_saves_then_runs_the_handler_that_was_there(
         flush.remove()
         signal.signal(signal.SIGTERM, previous)
         core.close()
+
+
+def test_a_lookup_whose_hit_could_not_win_is_not_waited_for_at_all():
+    core = connector(policy=LoadPolicy(probe_every=0))
+    try:
+        core.learn_from({"prefill_tokens": 4096, "prefill_seconds": 0.4,
+                         "loads": 1, "hit_bytes": 1 << 20, "load_seconds": 2.0})
+        core.policy.plan(1, 16, LAYOUT.payload_nbytes)  # the chunks' size
+        assert core.lookup_patience_s(2048, floor_s=0.005) == 0.0
+    finally:
+        core.close()

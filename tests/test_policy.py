@@ -178,3 +178,19 @@ def test_a_lookup_is_not_waited_for_past_recompute_less_the_predicted_load():
     patience = [policy.lookup_patience_s(CHUNK_TOKENS, policy.lookup_probe()) for _ in range(4)]
     assert patience == [0.0, 0.0, 0.0, recompute]
     assert LoadPolicy(adaptive=False).lookup_patience_s(CHUNK_TOKENS) is None
+
+
+def test_a_far_stores_round_trips_are_a_fixed_cost_of_each_load_not_bandwidth():
+    # 100 ms a request, 90 MB/s: 8 chunks of 512 KiB in 0.147 s, one chunk in 0.106 s.
+    # A rate from the big loads alone (28 MB/s) would say 19 ms for the one chunk.
+    def far(nbytes: int) -> float:
+        return 0.1 + nbytes / 90e6
+
+    policy = LoadPolicy(probe_every=0)
+    for nbytes in [4 << 20, 512 << 10] * 2:
+        policy.observe_load(nbytes, far(nbytes))
+    assert policy.load_s(512 << 10) == pytest.approx(far(512 << 10), rel=0.01)
+    assert policy.load_s(16 << 20) == pytest.approx(far(16 << 20), rel=0.01)
+    # A stalled load (nothing delivered) makes every load look slower until loads succeed.
+    policy.observe_load(0, 0.5)
+    assert policy.load_s(512 << 10) > far(512 << 10) * 1.3
