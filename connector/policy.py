@@ -327,11 +327,18 @@ class LoadPolicy:
         fixed, per_byte = fit
         return (fixed + (0.0 if per_byte is None else nbytes * per_byte)) / (1.0 - stalled)
 
-    def deadline_s(self, tokens: int) -> float:
+    def deadline_s(self, tokens: int, load_s: float | None = None) -> float:
+        """How long a load of `tokens` is waited for: `wait_factor` of their recompute,
+        and, for a load predicted to take `load_s`, twice that up to the whole recompute (a
+        load chosen because it beats recompute is not cut off before it can arrive: the
+        wait and then the recompute would cost more than either)."""
         recompute = self.recompute_s(tokens)
         if recompute is None:
             return self.max_wait_s
-        return min(self.max_wait_s, max(self.min_wait_s, self.wait_factor * recompute))
+        wait = self.wait_factor * recompute
+        if load_s is not None:
+            wait = max(wait, min(recompute, 2.0 * load_s))
+        return min(self.max_wait_s, max(self.min_wait_s, wait))
 
     def lookup_patience_s(self, tokens: int, probe: bool = False) -> float | None:
         """How long a lookup of `tokens` is worth waiting for: a hit found after that
@@ -361,7 +368,7 @@ class LoadPolicy:
         recompute = self.recompute_s(tokens)
         load = self.load_s(hit_chunks * chunk_bytes)
         if not self.adaptive or recompute is None or load is None or load < recompute:
-            return LoadPlan(hit_chunks, self.deadline_s(tokens), "load")
+            return LoadPlan(hit_chunks, self.deadline_s(tokens, load), "load")
         self._declined += 1
         if self.probe_every and self._declined % self.probe_every == 0:
             return LoadPlan(1, self.deadline_s(chunk_tokens), "probe")

@@ -194,3 +194,17 @@ def test_a_far_stores_round_trips_are_a_fixed_cost_of_each_load_not_bandwidth():
     # A stalled load (nothing delivered) makes every load look slower until loads succeed.
     policy.observe_load(0, 0.5)
     assert policy.load_s(512 << 10) > far(512 << 10) * 1.3
+
+
+def test_a_load_chosen_to_beat_recompute_is_not_cut_off_before_it_can_arrive():
+    # Recompute 0.14 s, a load predicted at 0.1 s: half the recompute (the old deadline)
+    # would give up on it at 0.07 s, then recompute: 0.21 s for what either did in less.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    recompute = policy.recompute_s(CHUNK_TOKENS)
+    policy.observe_load(4 << 20, 0.1)
+    plan = policy.plan(1, CHUNK_TOKENS, 4 << 20)
+    assert plan.reason == "load" and plan.deadline_s == pytest.approx(recompute)
+    policy.observe_load(4 << 20, 0.01)  # a near store: half the recompute stays the bound
+    policy.observe_load(4 << 20, 0.01)
+    assert policy.plan(1, CHUNK_TOKENS, 4 << 20).deadline_s == pytest.approx(0.5 * recompute)
