@@ -701,7 +701,8 @@ class KVConnector:
         counted again here."""
         if counters.get("loads") and counters.get("load_seconds"):
             self.policy.observe_load(int(counters.get("hit_bytes", 0)),
-                                     float(counters["load_seconds"]))
+                                     float(counters["load_seconds"]),
+                                     int(counters.get("hit_tokens", 0)))
         if counters.get("prefill_tokens") and counters.get("prefill_seconds"):
             self.policy.observe_prefill(int(counters["prefill_tokens"]),
                                         float(counters["prefill_seconds"]))

@@ -290,6 +290,7 @@ class LoadPolicy:
         self._declined = 0
         self._lookups = 0
         self._bytes_per_token: float | None = None  # of the chunks last planned
+        self._loaded_bytes_per_token: float | None = None  # of the chunks last loaded
 
     def know_model(self, prior: PrefillPrior | None) -> None:
         """Take `prior` where the policy was built without one (an adapter that knows the
@@ -298,8 +299,12 @@ class LoadPolicy:
             self.prefill.prior = prior
             self.prefill.forget_fit()
 
-    def observe_load(self, nbytes: int, seconds: float) -> None:
-        """One load's delivered bytes and wall time; a stalled load reports 0 bytes."""
+    def observe_load(self, nbytes: int, seconds: float, tokens: int = 0) -> None:
+        """One load's delivered bytes and wall time; a stalled load reports 0 bytes.
+        `tokens`: the prompt tokens those bytes hold, where known (the bytes a lookup's
+        chunks will cost, before a plan of them knows their size)."""
+        if tokens > 0 and nbytes > 0:
+            self._loaded_bytes_per_token = nbytes / tokens
         if seconds > 0:
             self.store_bytes_per_s.add(nbytes / seconds)
             self._stalls.add(0.0 if nbytes else 1.0)
@@ -347,9 +352,10 @@ class LoadPolicy:
         measured; None (until the lookup's own timeout) before any forward was measured,
         or for a policy that loads every hit."""
         recompute = self.recompute_s(tokens) if self.adaptive else None
-        if recompute is None or probe or self._bytes_per_token is None:
+        per_token = self._loaded_bytes_per_token or self._bytes_per_token
+        if recompute is None or probe or per_token is None:
             return recompute
-        load = self.load_s(int(tokens * self._bytes_per_token))
+        load = self.load_s(int(tokens * per_token))
         return recompute if load is None else max(0.0, recompute - load)
 
     def lookup_probe(self) -> bool:

@@ -126,3 +126,17 @@ def test_a_lookup_whose_hit_could_not_win_is_not_waited_for_at_all():
         assert core.lookup_patience_s(2048, floor_s=0.005) == 0.0
     finally:
         core.close()
+
+
+def test_a_lookups_patience_counts_the_bytes_loads_delivered_before_any_plan_knew_them():
+    # vLLM's scheduler plans before its workers report a chunk's size (a placeholder of one
+    # byte): the patience of later lookups takes the size from the workers' loads.
+    core = connector(policy=LoadPolicy(probe_every=0))
+    try:
+        core.learn_from({"prefill_tokens": 4096, "prefill_seconds": 0.4})
+        core.policy.plan(1, 16, 1)
+        core.learn_from({"loads": 1, "hit_bytes": 64 << 20, "hit_tokens": 2048,
+                         "load_seconds": 2.0})
+        assert core.lookup_patience_s(2048, floor_s=0.005) == 0.0
+    finally:
+        core.close()
