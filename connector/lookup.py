@@ -37,7 +37,11 @@ class LookupPoll:
         self.cached = cached
         self.started = time.monotonic()
         self.probe = core.policy.lookup_probe()  # waited for as long as recompute takes
-        self.answered = False  # the store answered (not a failure, timeout or give-up)
+        self.answered = False
+        started = self.started
+        policy = core.policy
+        future.add_done_callback(
+            lambda f: f.cancelled() or policy.observe_lookup(time.monotonic() - started))  # the store answered (not a failure, timeout or give-up)
 
     def done(self) -> bool:
         return self.future.done()

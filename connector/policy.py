@@ -282,6 +282,8 @@ class LoadPolicy:
         # far bucket's one-chunk load is nearly all of it), its slope the bandwidth.
         self.loads = PrefillModel(alpha)
         self._stalls = Ewma(alpha)  # 1 for a load that delivered nothing, else 0
+        # Seconds from a lookup's start to the store's answer, given up on or not.
+        self.lookup_seconds = Ewma(alpha)
         self.wait_factor = wait_factor
         self.min_wait_s = min_wait_s
         self.max_wait_s = max_wait_s
@@ -345,18 +347,28 @@ class LoadPolicy:
             wait = max(wait, min(recompute, 2.0 * load_s))
         return min(self.max_wait_s, max(self.min_wait_s, wait))
 
+    def observe_lookup(self, seconds: float) -> None:
+        """How long a lookup took the store to answer (also one given up on meanwhile).
+        Any thread: one float assignment."""
+        self.lookup_seconds.add(seconds)
+
     def lookup_patience_s(self, tokens: int, probe: bool = False) -> float | None:
         """How long a lookup of `tokens` is worth waiting for: a hit found after that
         loses to recomputing them, its load coming on top. Recompute less the predicted
-        load; recompute alone for a `probe` (`lookup_probe`) or before a load was
-        measured; None (until the lookup's own timeout) before any forward was measured,
-        or for a policy that loads every hit."""
+        load, and 0 where this store's lookups take longer than that (the wait would
+        almost always be lost); recompute alone for a `probe` (`lookup_probe`) or before
+        a load was measured; None (until the lookup's own timeout) before any forward was
+        measured, or for a policy that loads every hit."""
         recompute = self.recompute_s(tokens) if self.adaptive else None
         per_token = self._loaded_bytes_per_token or self._bytes_per_token
         if recompute is None or probe or per_token is None:
             return recompute
         load = self.load_s(int(tokens * per_token))
-        return recompute if load is None else max(0.0, recompute - load)
+        if load is None:
+            return recompute
+        patience = max(0.0, recompute - load)
+        answer = self.lookup_seconds.value
+        return 0.0 if answer is not None and answer > patience else patience
 
     def lookup_probe(self) -> bool:
         """Whether the lookup starting now is a probe, waited for as long as recomputing

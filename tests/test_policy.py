@@ -208,3 +208,19 @@ def test_a_load_chosen_to_beat_recompute_is_not_cut_off_before_it_can_arrive():
     policy.observe_load(4 << 20, 0.01)  # a near store: half the recompute stays the bound
     policy.observe_load(4 << 20, 0.01)
     assert policy.plan(1, CHUNK_TOKENS, 4 << 20).deadline_s == pytest.approx(0.5 * recompute)
+
+
+def test_a_lookup_slower_than_the_time_a_hit_could_still_win_in_is_not_waited_for():
+    # Recompute 0.14 s, a load 0.04 s: a hit found within 0.1 s wins. This store's
+    # lookups take 0.2 s (two round trips of a far bucket): waiting would be lost.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=4)
+    forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    policy.observe_load(4 << 20, 0.040)
+    policy.plan(1, CHUNK_TOKENS, 4 << 20)
+    recompute = policy.recompute_s(CHUNK_TOKENS)
+    policy.observe_lookup(0.05)
+    assert policy.lookup_patience_s(CHUNK_TOKENS) == pytest.approx(recompute - 0.040)
+    policy.observe_lookup(0.2)
+    policy.observe_lookup(0.2)
+    assert policy.lookup_patience_s(CHUNK_TOKENS) == 0.0
+    assert policy.lookup_patience_s(CHUNK_TOKENS, probe=True) == recompute
