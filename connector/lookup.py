@@ -38,10 +38,12 @@ class LookupPoll:
         self.started = time.monotonic()
         self.probe = core.policy.lookup_probe()  # waited for as long as recompute takes
         self.answered = False
-        started = self.started
-        policy = core.policy
-        future.add_done_callback(
-            lambda f: f.cancelled() or policy.observe_lookup(time.monotonic() - started))  # the store answered (not a failure, timeout or give-up)
+        future.add_done_callback(self._timed)  # the store answered (not a failure, timeout or give-up)
+
+    def _timed(self, future: concurrent.futures.Future[int]) -> None:
+        """The store's answer came (on the loop's thread): the policy learns how long it took."""
+        if not future.cancelled():
+            self._core.policy.observe_lookup(time.monotonic() - self.started)
 
     def done(self) -> bool:
         return self.future.done()
