@@ -169,6 +169,11 @@ class PrefillModel:
         # (size, seconds, tokens) of the one size class a prior split, while there is no fit
         self._basis: tuple[float, float, int] | None = None
 
+    @property
+    def measured(self) -> bool:
+        """Whether any forward was reported (before that, estimates are the prior's)."""
+        return bool(self._sizes)
+
     def size(self, tokens: int) -> float:
         """A forward of `tokens` prompt tokens in the fit's units (FLOPs or tokens)."""
         return tokens if self.prior is None else self.prior.cost.flops(tokens)
@@ -334,12 +339,18 @@ class LoadPolicy:
         fixed, per_byte = fit
         return (fixed + (0.0 if per_byte is None else nbytes * per_byte)) / (1.0 - stalled)
 
+    def _measured_recompute_s(self, tokens: int) -> float | None:
+        """`recompute_s` once a forward was measured; None before (the prior alone, fast
+        on purpose, does not bound a wait)."""
+        return self.recompute_s(tokens) if self.prefill.measured else None
+
     def deadline_s(self, tokens: int, load_s: float | None = None) -> float:
         """How long a load of `tokens` is waited for: `wait_factor` of their recompute,
         and, for a load predicted to take `load_s`, twice that up to the whole recompute (a
         load chosen because it beats recompute is not cut off before it can arrive: the
-        wait and then the recompute would cost more than either)."""
-        recompute = self.recompute_s(tokens)
+        wait and then the recompute would cost more than either); `max_wait_s` before
+        any forward was measured."""
+        recompute = self._measured_recompute_s(tokens)
         if recompute is None:
             return self.max_wait_s
         wait = self.wait_factor * recompute
@@ -359,7 +370,7 @@ class LoadPolicy:
         almost always be lost); recompute alone for a `probe` (`lookup_probe`) or before
         a load was measured; None (until the lookup's own timeout) before any forward was
         measured, or for a policy that loads every hit."""
-        recompute = self.recompute_s(tokens) if self.adaptive else None
+        recompute = self._measured_recompute_s(tokens) if self.adaptive else None
         per_token = self._loaded_bytes_per_token or self._bytes_per_token
         if recompute is None or probe or per_token is None:
             return recompute

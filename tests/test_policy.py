@@ -224,3 +224,12 @@ def test_a_lookup_slower_than_the_time_a_hit_could_still_win_in_is_not_waited_fo
     policy.observe_lookup(0.2)
     assert policy.lookup_patience_s(CHUNK_TOKENS) == 0.0
     assert policy.lookup_patience_s(CHUNK_TOKENS, probe=True) == recompute
+
+
+def test_before_any_forward_is_measured_the_prior_does_not_bound_waits():
+    # The prior errs fast on purpose: a fresh engine would give up every lookup of a
+    # bucket 30 ms away (its prior puts 2048 tokens at a few ms) and never find a hit.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"))
+    assert policy.recompute_s(2048) < 0.03
+    assert policy.lookup_patience_s(2048) is None
+    assert policy.plan(8, CHUNK_TOKENS, 512 << 10).deadline_s == policy.max_wait_s
