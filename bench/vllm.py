@@ -607,8 +607,12 @@ class Bench:
         engine("noop-prefix-cache", prefix_caching=True, store=None, noop_connector=True)
         for s in self.stores:
             engine(f"{s.scheme}-save", prefix_caching=False, store=s.url)
+            # A local tier's loading engine loads every hit (`adaptive: false`): its rows
+            # measure a hit from the bucket and the same hit again from the directory,
+            # whatever the policy would choose over that link.
             engine(f"{s.scheme}-load", prefix_caching=False, store=s.load_url or s.url,
-                   connector={"load_mode": args.load_mode})
+                   connector={"load_mode": args.load_mode,
+                              **({"adaptive": False} if s.promoted_url else {})})
         self.watch: StoreWatch | None = None
         self.counters: dict[str, dict[str, float]] = {}  # per engine, after its last answer
 
