@@ -349,8 +349,8 @@ class LoadPolicy:
         and, for a load predicted to take `load_s`, twice that up to the whole recompute (a
         load chosen because it beats recompute is not cut off before it can arrive: the
         wait and then the recompute would cost more than either); `max_wait_s` before
-        any forward was measured."""
-        recompute = self._measured_recompute_s(tokens)
+        any forward was measured, and for a policy that loads every hit."""
+        recompute = self._measured_recompute_s(tokens) if self.adaptive else None
         if recompute is None:
             return self.max_wait_s
         wait = self.wait_factor * recompute

@@ -233,3 +233,9 @@ def test_before_any_forward_is_measured_the_prior_does_not_bound_waits():
     assert policy.recompute_s(2048) < 0.03
     assert policy.lookup_patience_s(2048) is None
     assert policy.plan(8, CHUNK_TOKENS, 512 << 10).deadline_s == policy.max_wait_s
+
+
+def test_a_policy_that_loads_every_hit_waits_for_its_loads_up_to_the_ceiling():
+    policy = LoadPolicy(adaptive=False, prior=PrefillPrior.of(LLAMA_TEST, "cpu"))
+    forwards(policy, vllm_cpu_step, [1])
+    assert policy.plan(8, CHUNK_TOKENS, 512 << 10).deadline_s == policy.max_wait_s
