@@ -57,6 +57,11 @@ FIRST = [_rng.randrange(3, VOCAB) for _ in range(2 * CHUNK + 1)]
 SECOND = [_rng.randrange(3, VOCAB) for _ in range(2 * CHUNK + 1)]
 
 
+# The engines load every hit: this is about where the chunks come from, not about the
+# load-vs-recompute policy (which may decline a hit to learn what recompute costs).
+LOAD_EVERY_HIT = {"adaptive": False, "chunk_tokens": CHUNK}
+
+
 def _store(root: Path, endpoint: str) -> list[str]:
     # The local tier bounded on its own (LRU eviction past 64 MiB); the bucket is not.
     return [f"file://{root}?capacity=64MiB", s3_url(endpoint, "local-tier", timeout="2s")]
@@ -74,7 +79,7 @@ def test_a_second_engine_hits_the_local_tier_without_asking_the_bucket_even_when
         # A's misses save both prompts; its hits of them, once stored, are the references
         # (a hit is bit-identical to a hit in another process, not to a full prefill).
         a = run_engine(model, _store(root, counted.endpoint),
-                       [FIRST, SECOND, wait_stored(4), FIRST, SECOND], chunk_tokens=CHUNK)
+                       [FIRST, SECOND, wait_stored(4), FIRST, SECOND], **LOAD_EVERY_HIT)
         hits = a.generations[2:]
         assert [g.num_cached_tokens for g in hits] == [2 * CHUNK] * 2
         bucket = s3_url(moto_endpoint, "local-tier")
@@ -82,11 +87,11 @@ def test_a_second_engine_hits_the_local_tier_without_asking_the_bucket_even_when
         before = counted.requests
         b, c, d = side_by_side(
             partial(run_engine, model, _store(root, counted.endpoint), [FIRST, SECOND],
-                    chunk_tokens=CHUNK),
+                    **LOAD_EVERY_HIT),
             partial(run_engine, model, _store(root, refused), [FIRST, SECOND],
-                    chunk_tokens=CHUNK),
+                    **LOAD_EVERY_HIT),
             partial(run_engine, model, _store(root, stalled.endpoint), [FIRST, SECOND],
-                    chunk_tokens=CHUNK))
+                    **LOAD_EVERY_HIT))
         assert counted.requests == before, counted.methods  # no HEAD, no GET, no PUT
         for run in (b, c, d):
             assert [g.num_cached_tokens for g in run.generations] == [2 * CHUNK] * 2
