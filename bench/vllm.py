@@ -322,10 +322,16 @@ class BenchStore:
     """One store under test: its URL for the engines, and what the engines saved to it."""
 
     scheme: str
-    url: str
+    url: str | list[str]
     label: str
     about: str
     saved: set[bytes] = field(default_factory=set)  # chunk prefixes sent to its engines
+    # A local tier over a bucket ("tiered"): the loading engine's own tier list (another
+    # host's directory over the same bucket), the bucket the saves must reach before it
+    # asks, and that engine's directory, where its hits are promoted.
+    load_url: str | list[str] | None = None
+    watch_url: str | None = None
+    promoted_url: str | None = None
 
     def expect(self, prompts: Sequence[np.ndarray], chunk_tokens: int) -> None:
         """Note the whole chunks of these prompts: the connector saves each one once."""
@@ -347,7 +353,9 @@ class StoreWatch:
 
         self.loop = asyncio.new_event_loop()
         self.stores = list(stores)
-        self.clients = [open_store(s.url) for s in self.stores]
+        self.clients = [open_store(s.watch_url or s.url) for s in self.stores]
+        self.promoted_to = {id(s): open_store(s.promoted_url) for s in self.stores
+                            if s.promoted_url}
         self._read_buffers: list[Any] = []
 
     def wait_saved(self, only: BenchStore | None = None, timeout_s: float = SAVE_TIMEOUT_S) -> None:
@@ -366,6 +374,21 @@ class StoreWatch:
                         f"{timeout_s:.0f} s (write-behind dropped or failed saves; see the "
                         "engine logs)")
                 time.sleep(0.01)
+
+    def promoted(self, store: BenchStore) -> int:
+        """The chunks in the loading engine's local tier (of a "tiered" store)."""
+        return self.loop.run_until_complete(_count_keys(self.promoted_to[id(store)]))
+
+    def wait_promoted(self, store: BenchStore, chunks: int,
+                      timeout_s: float = SAVE_TIMEOUT_S) -> None:
+        """Until the loading engine's local tier holds `chunks` chunks (its hits from the
+        bucket are copied up in the background)."""
+        deadline = time.monotonic() + timeout_s
+        while self.promoted(store) < chunks:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{store.label}: hits not promoted to the local tier after "
+                                   f"{timeout_s:.0f} s")
+            time.sleep(0.01)
 
     def timed_read(self, store: BenchStore, chunks: int) -> tuple[float, int]:
         """(seconds, payload bytes) of the store's own batched read (`get_into_many`, 8 in
@@ -395,7 +418,7 @@ class StoreWatch:
         return elapsed, size * chunks
 
     def close(self) -> None:
-        for client in self.clients:
+        for client in [*self.clients, *self.promoted_to.values()]:
             with contextlib.suppress(Exception):
                 result = client.close()
                 if asyncio.iscoroutine(result):
@@ -452,7 +475,7 @@ def open_stores(names: Sequence[str], scratch: Path, s3_endpoint: str | None,
                 server.wait_ready()
                 stores.append(BenchStore("http", server.url, "http://",
                                           "a kvserver over a file:// directory"))
-            elif name == "s3":
+            elif name in ("s3", "tiered"):
                 endpoint, bucket, creds = s3_endpoint, s3_bucket, ""
                 if endpoint is None:
                     try:
@@ -463,12 +486,23 @@ def open_stores(names: Sequence[str], scratch: Path, s3_endpoint: str | None,
                         continue
                     endpoint = stack.enter_context(_moto_endpoint())
                     bucket, creds = MOTO_BUCKET, "&access_key=bench&secret_key=bench"
-                url = (f"s3://{bucket}/bench-vllm-{run_id}?endpoint={endpoint}"
+                url = (f"s3://{bucket}/bench-vllm-{run_id}-{name}?endpoint={endpoint}"
                        f"&region=us-east-1{creds}")
-                stores.append(BenchStore("s3", url, "s3://", "moto on loopback"
-                                         if s3_endpoint is None else f"{endpoint}, {bucket}"))
+                about = "moto on loopback" if s3_endpoint is None else f"{endpoint}, {bucket}"
+                if name == "s3":
+                    stores.append(BenchStore("s3", url, "s3://", about))
+                    continue
+                # Each engine its own directory over the bucket, as on two hosts: the
+                # loading engine's first hit of a prefix comes from the bucket, its second
+                # from its directory.
+                local = [f"file://{scratch / f'tier-{role}'}" for role in ("save", "load")]
+                stores.append(BenchStore(
+                    "tiered", [local[0], url], "file:// over s3://",
+                    f"a local directory per engine over {about}", load_url=[local[1], url],
+                    watch_url=url, promoted_url=local[1]))
             else:
-                raise ValueError(f"--stores: unknown store {name!r} (known: {', '.join(STORES)})")
+                raise ValueError(f"--stores: unknown store {name!r} "
+                                 f"(known: {', '.join((*STORES, 'tiered'))})")
         yield stores, notes
 
 
@@ -584,8 +618,12 @@ class Bench:
         engine("noop-prefix-cache", prefix_caching=True, store=None, noop_connector=True)
         for s in self.stores:
             engine(f"{s.scheme}-save", prefix_caching=False, store=s.url)
-            engine(f"{s.scheme}-load", prefix_caching=False, store=s.url,
-                   connector={"load_mode": args.load_mode})
+            # A local tier's loading engine loads every hit (`adaptive: false`): its rows
+            # measure a hit from the bucket and the same hit again from the directory,
+            # whatever the policy would choose over that link.
+            engine(f"{s.scheme}-load", prefix_caching=False, store=s.load_url or s.url,
+                   connector={"load_mode": args.load_mode,
+                              **({"adaptive": False} if s.promoted_url else {})})
         self.watch: StoreWatch | None = None
         self.counters: dict[str, dict[str, float]] = {}  # per engine, after its last answer
 
@@ -635,8 +673,13 @@ class Bench:
                                      "noop-prefix-cache", "ideal-connector"),
         }
         for s in self.stores:
-            rows[f"{s.scheme}-load"] = Row(f"kvstash hit {s.label}, fresh process",
+            rows[f"{s.scheme}-load"] = Row(f"kvstash hit {s.label}, fresh process"
+                                           + (" (from the bucket)" if s.promoted_url else ""),
                                            f"{s.scheme}-load", "hit", s.scheme)
+            if s.promoted_url:
+                rows[f"{s.scheme}-again"] = Row(
+                    f"kvstash hit {s.label}, the same prompt again (from the local tier)",
+                    f"{s.scheme}-load", "hit", s.scheme)
         rows["baseline-p"] = Row("no cache (beside the misses)", "baseline", "baseline")
         rows["noop-p"] = Row("no cache, vLLM with a no-op connector", "noop", "noop")
         rows["noop-2-p"] = Row("the same, a second engine (this run's noise floor)", "noop-2",
@@ -653,12 +696,20 @@ class Bench:
                   *(f"{s.scheme}-{k}" for s in self.stores for k in ("save", "off"))]
         phase2 = ["baseline", "prefix-cache", "noop-prefix-cache",
                   *(f"{s.scheme}-load" for s in self.stores)]
+        phase3 = [f"{s.scheme}-again" for s in self.stores if s.promoted_url]
         chunks = batch * self.args.cached_tokens // self.args.chunk_tokens
         order = random.Random(self.args.seed)
+        watch = self.watch
+        assert watch is not None, "the store watch starts before any request"
         for r in range(warmup + count):
             pairs = [self._prompt_pair() for _ in range(batch)]
+            promoted = {id(s): watch.promoted(s) for s in self.stores if s.promoted_url}
             ps, qs = [p for p, _ in pairs], [q for _, q in pairs]
-            for phase, prompts in ((phase1, ps), (phase2, qs)):
+            for phase, prompts in ((phase1, ps), (phase2, qs), (phase3, qs)):
+                if phase is phase3:
+                    for s in self.stores:
+                        if s.promoted_url:
+                            watch.wait_promoted(s, promoted[id(s)] + chunks)
                 for key in order.sample(phase, len(phase)):
                     row = rows[key]
                     if r == warmup and row.params is None:  # counters before the first round
@@ -667,7 +718,7 @@ class Bench:
                     if r < warmup:
                         continue
                     row.add(answer)
-                    if row.kind == "hit" and batch == 1:
+                    if row.kind == "hit" and batch == 1 and key not in phase3:
                         store = next(s for s in self.stores if s.scheme == row.store)
                         assert self.watch is not None
                         seconds, nbytes = self.watch.timed_read(store, chunks)

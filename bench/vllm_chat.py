@@ -63,7 +63,7 @@ CONFIGS = {  # name -> (label, engines)
 }
 
 
-def _engines(args: argparse.Namespace, model_dir: Path, store: str, logs: Path,
+def _engines(args: argparse.Namespace, model_dir: Path, store: str | list[str], logs: Path,
              max_model_len: int) -> dict[str, Engine]:
     need = 4 * max_model_len * _kv_bytes_per_token(model_dir, args.dtype) * args.users
     spec = dict(model_dir=str(model_dir), dtype=args.dtype, max_model_len=max_model_len,

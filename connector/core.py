@@ -577,13 +577,18 @@ class KVConnector:
         done.set_result(now[0])
         return LookupPoll(self, done, asked_tokens, floor_s, cached=now[1])
 
-    def lookup_patience_s(self, tokens: int, floor_s: float = 0.0) -> float:
-        """How long a lookup of `tokens` is worth waiting for: once prefill has been
-        timed, no longer than recomputing them would take (even a hit loses to that: its
-        load comes on top), and at least `floor_s`; before any prefill was timed, until
-        the lookup's timeout (inf here)."""
-        compute = self.policy.recompute_s(tokens)
-        return math.inf if compute is None else max(floor_s, compute)
+    def lookup_patience_s(self, tokens: int, floor_s: float = 0.0, probe: bool = False) -> float:
+        """How long a lookup of `tokens` is worth waiting for (`LoadPolicy.lookup_patience_s`:
+        once prefill has been timed, recomputing them less their predicted load; the
+        whole recompute for a `probe`), and at least `floor_s`; before any prefill was
+        timed, until the lookup's timeout (inf here), and so with a policy that loads
+        every hit (`adaptive=False`): it weighs nothing against recompute. 0 where the
+        predicted load alone takes longer than recompute."""
+        patience = self.policy.lookup_patience_s(tokens, probe)
+        if patience is None:
+            return math.inf
+        # A hit that cannot win, even found at once, is not waited for at all.
+        return 0.0 if patience <= 0 else max(floor_s, patience)
 
     def _lookup_now(self, lists: list[list[str]]) -> int | None:
         """`_lookup` on this thread where the store answers here (`prefix_len_now`: a local
@@ -710,7 +715,8 @@ class KVConnector:
         counted again here."""
         if counters.get("loads") and counters.get("load_seconds"):
             self.policy.observe_load(int(counters.get("hit_bytes", 0)),
-                                     float(counters["load_seconds"]))
+                                     float(counters["load_seconds"]),
+                                     int(counters.get("hit_tokens", 0)))
         if counters.get("prefill_tokens") and counters.get("prefill_seconds"):
             self.policy.observe_prefill(int(counters["prefill_tokens"]),
                                         float(counters["prefill_seconds"]))

@@ -41,7 +41,7 @@ from transformers import DynamicCache
 from connector.buffers import staging_tensor
 from connector.core import KVConnector
 from connector.layout import ChunkLayout
-from connector.policy import PrefillTimer
+from connector.policy import PrefillPrior, PrefillTimer
 from hashing import Namespace
 
 log = logging.getLogger("kvstash.connector.hf")
@@ -314,6 +314,8 @@ class CachedPrefill:
         # window without `layer_types`)
         self.sliding = any(getattr(layer, "is_sliding", False)
                            for layer in DynamicCache(config=model.config).layers)
+        device = next(iter(model.parameters()), torch.empty(0)).device.type
+        connector.policy.know_model(PrefillPrior.of(model.config, device))
         self._buffers: _PrefixBuffers | None = None
         self._layer_load: Any = None
         self.last_hit_tokens = 0

@@ -3,9 +3,11 @@
 vLLM's scheduler asks for a request's stored prefix once per step and may not block the
 step on storage: it starts a lookup (`KVConnector.start_lookup`), waits a few
 milliseconds at most (`wait`), and asks again next step while `answer()` is None. A
-lookup is not waited for past the time recomputing the chunks it asked for would take
-(`KVConnector.lookup_patience_s`: even a hit loses to that, its load comes on top), so a
-slow or stalled store costs a miss no more than the prefix's own compute.
+lookup is not waited for past the time recomputing the chunks it asked for would take,
+less the time their load would (`KVConnector.lookup_patience_s`: a hit found later loses
+to recompute, its load coming on top), so a slow or stalled store costs a miss no more
+than the prefix's own compute, and one slower than recompute little more than the
+scheduler's shortest wait.
 """
 
 from __future__ import annotations
@@ -34,7 +36,14 @@ class LookupPoll:
         # (a local directory answers that in the same pass); None where not asked.
         self.cached = cached
         self.started = time.monotonic()
-        self.answered = False  # the store answered (not a failure, timeout or give-up)
+        self.probe = core.policy.lookup_probe()  # waited for as long as recompute takes
+        self.answered = False
+        future.add_done_callback(self._timed)  # the store answered (not a failure, timeout or give-up)
+
+    def _timed(self, future: concurrent.futures.Future[int]) -> None:
+        """The store's answer came (on the loop's thread): the policy learns how long it took."""
+        if not future.cancelled():
+            self._core.policy.observe_lookup(time.monotonic() - self.started)
 
     def done(self) -> bool:
         return self.future.done()
@@ -44,7 +53,7 @@ class LookupPoll:
 
     def patience_s(self) -> float:
         """How long this lookup is waited for (`KVConnector.lookup_patience_s`)."""
-        return self._core.lookup_patience_s(self.asked_tokens, self.floor_s)
+        return self._core.lookup_patience_s(self.asked_tokens, self.floor_s, self.probe)
 
     def wait(self, max_s: float) -> None:
         """Wait for the answer at most `max_s`, and no longer than the patience left."""

@@ -7,7 +7,8 @@ itself (the HF adapter's) read the same names, with the same defaults and meanin
   the store; a slower answer is a miss.
 - `load_deadline_s` (none): the longest a load waits for its chunks; what is not there by
   then is recomputed. None: the load policy's deadline (half the time recomputing the
-  chunks takes, between 0.05 and 5 s; 5 s where the engine reports no prefill times).
+  chunks takes, or up to all of it for a load predicted slower than that, between 0.05
+  and 5 s; 5 s where the engine reports no prefill times).
 - `max_in_flight` (8): chunk reads (and ChunkIO requests) one load keeps in flight.
 - `breaker_failures` (1), `breaker_cooldown` (1 s), `breaker_max_cooldown` (30 s): the
   circuit breaker that bypasses a failing store (storage/breaker.py).

@@ -20,7 +20,7 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from connector.core import KVConnector
 from connector.layout import CANON
 from connector.options import CORE_OPTIONS, CoreOptions, check_known
-from connector.policy import LoadPolicy
+from connector.policy import LoadPolicy, PrefillPrior
 from connector.vllm_groups import GroupLayout
 from hashing import Namespace
 from storage.options import StoreURL, parse_bool
@@ -322,6 +322,7 @@ class VllmSettings:
     save_queue_bytes: int
     save_delay_s: float
     adaptive: bool
+    prior: PrefillPrior | None  # the model's FLOPs and the device's rough speed, for the policy
     direct_io: Any
     resident_reads: bool
     groups: GroupLayout = GroupLayout()
@@ -382,6 +383,8 @@ class VllmSettings:
             save_queue_bytes=int(extra.get("save_queue_bytes", 1024**3)),
             save_delay_s=float(extra.get("save_delay_ms", SAVE_DELAY_MS)) / 1000,
             adaptive=_flag(extra.get("adaptive", True)),
+            prior=PrefillPrior.of(getattr(vllm_config.model_config, "hf_config", None),
+                                  "cpu" if _cpu_platform() else "cuda"),
             direct_io=extra.get("direct_io", True),
             resident_reads=_flag(extra.get("resident_reads", True)),
             groups=groups,
@@ -406,7 +409,7 @@ class VllmSettings:
         return KVConnector(
             self.store, self.key_spaces.ns_by_rank[self.rank], **self.options.core_kwargs(),
             save_queue_bytes=self.save_queue_bytes, save_delay_s=self.save_delay_s,
-            policy=LoadPolicy(adaptive=self.adaptive),
+            policy=LoadPolicy(adaptive=self.adaptive, prior=self.prior),
             direct_io=self.direct_io if worker else False,
             resident_reads=self.resident_reads,
             io_cpus=_connector_cpus() if worker else None,

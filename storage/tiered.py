@@ -130,8 +130,51 @@ class TieredStore(Store):
         return None
 
     async def exists(self, keys: Sequence[str]) -> list[bool]:
-        per_tier = await asyncio.gather(*(t.exists(keys) for t in self.tiers))
-        return [any(col) for col in zip(*per_tier, strict=True)] if per_tier else []
+        """Each tier, fastest first, is asked only for the keys no tier above holds: keys
+        on the first tier (a local directory) cost the tiers below (a bucket) no request,
+        and a bucket that is slow or down holds up only the lookups of keys it alone may
+        have. A lower tier that fails answers "absent" (counted in `errors`); only
+        a failure of the first tier is the caller's."""
+        found = [False] * len(keys)
+        missing = list(range(len(keys)))
+        for depth, tier in enumerate(self.tiers):
+            if not missing:
+                break
+            there = await self._ask(depth, tier.exists([keys[i] for i in missing]),
+                                    [False] * len(missing))
+            for i, present in zip(missing, there, strict=True):
+                found[i] = bool(present)
+            missing = [i for i, present in zip(missing, there, strict=True) if not present]
+        return found
+
+    async def prefix_len(self, keys: Sequence[str]) -> int:
+        """The leading keys some tier holds: the first tier's answer, and past each of its
+        gaps the tiers below asked for their own prefix of what follows (a bucket's
+        `prefix_len` stops at its first gap), so a prompt held locally costs them nothing."""
+        local = await self.tiers[0].exists(keys) if keys else []
+        lower = TieredStore(self.tiers[1:]) if len(self.tiers) > 2 else (
+            self.tiers[1] if len(self.tiers) == 2 else None)
+        n = 0
+        while n < len(keys):
+            if local[n]:
+                n += 1
+                continue
+            more = 0 if lower is None else await self._ask(1, lower.prefix_len(keys[n:]), 0)
+            if not more:
+                break
+            n += more
+        return n
+
+    async def _ask(self, depth: int, call: Any, absent: Any) -> Any:
+        """`call` answered by the tier at `depth`; a lower tier's failure is `absent`."""
+        if depth == 0:
+            return await call
+        try:
+            return await call
+        except StoreError as exc:
+            self.counters["errors"] += 1
+            log.warning("%s: a lower tier could not answer a lookup: %s", self, exc)
+            return absent
 
     async def probe(self) -> str | None:
         reasons = await asyncio.gather(*(t.probe() for t in self.tiers))

@@ -10,6 +10,7 @@ ends.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -168,7 +169,8 @@ class FaultProxy:
     header-name prefix to a status (400 or 501) answered to any request carrying such a
     header, standing in for servers strict about headers they do not know (MinIO, Dell
     ECS and others answer newer SDKs' checksum headers, or If-None-Match, this way).
-    `headers_seen` collects every request header name that came through. It parses
+    `headers_seen` collects every request header name that came through, `methods` counts
+    requests by method. It parses
     request heads only (botocore sends PUTs with Content-Length and `Expect: 100-continue`);
     responses are piped raw.
     """
@@ -181,6 +183,7 @@ class FaultProxy:
         self.refuse: dict[str, int] = {}
         self.headers_seen: set[str] = set()
         self.requests = 0
+        self.methods: collections.Counter[str] = collections.Counter()  # requests by method
         self._budget: list[str] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -240,6 +243,7 @@ class FaultProxy:
                            for ln in lines[1:] if ":" in ln}
                 length = int(headers.get("content-length", "0"))
                 self.requests += 1
+                self.methods[lines[0].split(" ", 1)[0]] += 1
                 self.headers_seen.update(headers)
                 mode = self._next_mode()
                 refused = [self.refuse[p] for p in self.refuse for h in headers if h.startswith(p)]

@@ -3,13 +3,14 @@ de-duplication of loads and saves, the exit flush, and the policy fed from count
 
 from __future__ import annotations
 
+import math
 import signal
 import threading
 
 import numpy as np
 import pytest
 
-from connector import ChunkLayout, KVConnector
+from connector import ChunkLayout, KVConnector, LoadPolicy
 from connector.buffers import BufferPool
 from connector.exit_flush import ExitFlush
 from connector.inflight import InFlightLoads
@@ -80,6 +81,17 @@ def test_the_policy_learns_from_another_process_counters_without_counting_them_a
         core.close()
 
 
+def test_a_policy_that_loads_every_hit_waits_for_every_lookup():
+    # A far store's lookup is not given up at the recompute estimate when nothing is
+    # weighed against recompute: the hit is what such an engine was configured for.
+    core = connector(policy=LoadPolicy(adaptive=False))
+    try:
+        core.learn_from({"prefill_tokens": 4096, "prefill_seconds": 2.0})
+        assert core.lookup_patience_s(2048) == math.inf
+    finally:
+        core.close()
+
+
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                     reason="signal handlers are set from the main thread only")
 def test_a_stop_signal_writes_queued_saves_then_runs_the_handler_that_was_there():
@@ -102,4 +114,29 @@ def test_a_stop_signal_writes_queued_saves_then_runs_the_handler_that_was_there(
     finally:
         flush.remove()
         signal.signal(signal.SIGTERM, previous)
+        core.close()
+
+
+def test_a_lookup_whose_hit_could_not_win_is_not_waited_for_at_all():
+    core = connector(policy=LoadPolicy(probe_every=0))
+    try:
+        core.learn_from({"prefill_tokens": 4096, "prefill_seconds": 0.4,
+                         "loads": 1, "hit_bytes": 1 << 20, "load_seconds": 2.0})
+        core.policy.plan(1, 16, LAYOUT.payload_nbytes)  # the chunks' size
+        assert core.lookup_patience_s(2048, floor_s=0.005) == 0.0
+    finally:
+        core.close()
+
+
+def test_a_lookups_patience_counts_the_bytes_loads_delivered_before_any_plan_knew_them():
+    # vLLM's scheduler plans before its workers report a chunk's size (a placeholder of one
+    # byte): the patience of later lookups takes the size from the workers' loads.
+    core = connector(policy=LoadPolicy(probe_every=0))
+    try:
+        core.learn_from({"prefill_tokens": 4096, "prefill_seconds": 0.4})
+        core.policy.plan(1, 16, 1)
+        core.learn_from({"loads": 1, "hit_bytes": 64 << 20, "hit_tokens": 2048,
+                         "load_seconds": 2.0})
+        assert core.lookup_patience_s(2048, floor_s=0.005) == 0.0
+    finally:
         core.close()

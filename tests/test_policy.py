@@ -3,7 +3,7 @@ what a load saves is the marginal cost of the tokens it skips."""
 
 import pytest
 
-from connector.policy import LoadPolicy, PrefillModel
+from connector.policy import LoadPolicy, ModelCost, PrefillModel, PrefillPrior
 
 CHUNK_TOKENS = 256
 
@@ -20,8 +20,8 @@ def test_a_gpu_forwards_fixed_cost_is_not_taken_for_slow_tokens():
     policy = LoadPolicy(probe_every=0)
     forwards(policy, lambda n: 0.025 + n / 2e6, [4096, 512])
     policy.observe_load(112 << 20, 0.022)
-    fixed, tps = policy.prefill.estimate()
-    assert fixed == pytest.approx(0.025) and tps == pytest.approx(2e6)
+    fixed, per_token = policy.prefill.estimate()
+    assert fixed == pytest.approx(0.025) and 1 / per_token == pytest.approx(2e6)
     assert policy.recompute_s(3584) == pytest.approx(3584 / 2e6)
     assert policy.plan(14, CHUNK_TOKENS, 8 << 20).reason == "declined"
     # Each forward's own rate (4096 tokens in 27 ms, 512 in 25 ms) would have said 2-20x
@@ -40,7 +40,7 @@ def test_a_cpu_prefill_that_grows_with_its_tokens_still_loads():
 
 
 def test_one_cold_forward_is_outvoted_not_averaged_in():
-    model = PrefillModel()
+    model = PrefillModel(min_samples=3)
     for n, t in [(4096, 0.028), (4096, 0.028), (4096, 0.029), (512, 0.9), (512, 0.026)]:
         model.add(n, t)
     # Two forwards of 512 tokens do not speak yet: the 4096-token class's rate alone.
@@ -69,3 +69,173 @@ def test_before_a_size_class_speaks_each_forwards_rate_is_weighted_in_as_it_came
     model.add(0, 1.0)  # nothing computed: not a forward to learn from
     model.add(10, 0.0)
     assert model.tokens_per_s == pytest.approx(2000)
+
+
+# bench's llama-test preset (4 layers, hidden 256): the model of the far-store runs.
+LLAMA_TEST = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 2048}
+
+
+def vllm_cpu_step(tokens: int) -> float:
+    """Synthetic timings of that engine on 2 vCPUs: 30 ms a step whatever it computes, and
+    1,830 tokens/s on top: the 257-token prompt takes 0.17 s, its 256-token prefix 0.14 s
+    of it (docs/benchmarks/2026-11-29-vllm-lookup-bound.md)."""
+    return 0.030 + tokens / 1830
+
+
+def test_short_suffix_steps_are_not_taken_for_slow_tokens():
+    # A fresh engine whose every request hits: it computes 1-token suffixes only. Its
+    # store is far: a chunk of the prefix arrives in 0.6 s; recomputing it takes 0.14 s.
+    chunk_bytes = 4 << 20
+    old, new = LoadPolicy(probe_every=0), LoadPolicy(
+        prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    for policy in (old, new):
+        forwards(policy, vllm_cpu_step, [1])
+        policy.observe_load(chunk_bytes, 0.6)
+    # Without the model's size, the step's 30 ms read as 30 ms a token: 7.7 s to recompute.
+    assert old.recompute_s(CHUNK_TOKENS) > 7.0
+    assert old.plan(1, CHUNK_TOKENS, chunk_bytes).reason == "load"
+    # With it, one token is a sliver of a 30 ms step: the load is declined.
+    assert new.recompute_s(CHUNK_TOKENS) < 0.6
+    assert new.plan(1, CHUNK_TOKENS, chunk_bytes).reason == "declined"
+
+
+def test_prompts_of_two_sizes_separate_the_fixed_cost_from_the_tokens():
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    fixed, _ = policy.prefill.estimate()
+    assert fixed == pytest.approx(0.030, rel=0.1)
+    assert policy.recompute_s(CHUNK_TOKENS) == pytest.approx(CHUNK_TOKENS / 1830, rel=0.1)
+
+
+def test_an_engine_that_declines_a_faster_load_learns_from_the_prompt_it_computes():
+    # A near store (a chunk in 40 ms against 140 ms of compute) but an engine that has only
+    # computed 1-token suffixes: the prior errs towards compute, declines, and the whole
+    # prompt that engine then computes corrects it after at most `min_samples` of them.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    forwards(policy, vllm_cpu_step, [1])
+    policy.observe_load(4 << 20, 0.040)
+    reasons = []
+    for _ in range(8):
+        plan = policy.plan(1, CHUNK_TOKENS, 4 << 20)
+        reasons.append(plan.reason)
+        policy.observe_prefill(1 if plan.chunks else CHUNK_TOKENS + 1,
+                               vllm_cpu_step(1 if plan.chunks else CHUNK_TOKENS + 1))
+    assert reasons.count("declined") <= policy.prefill.min_samples
+    assert reasons[-4:] == ["load"] * 4
+
+
+def test_the_estimate_is_never_fooled_by_noise_between_short_suffixes():
+    # 1- and 3-token steps differ by jitter, not by their tokens: no slope from them.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    for n, t in [(1, 0.030), (1, 0.031), (3, 0.036), (3, 0.037)]:
+        policy.observe_prefill(n, t)
+    assert policy.recompute_s(CHUNK_TOKENS) < 0.14
+
+
+def test_a_models_flops_a_token_are_twice_its_weights_a_token_passes_through():
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**LLAMA_TEST)
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(config)
+    matrices = sum(p.numel() for name, p in model.named_parameters()
+                   if p.dim() == 2 and ".layers." in name)
+    cost = ModelCost.of(config)
+    assert cost == ModelCost.of(LLAMA_TEST)
+    assert cost.per_token == 2 * matrices
+    # Attention over the context: the 2nd of two tokens reads 2 keys, a token after 100
+    # cached ones reads 101.
+    assert cost.flops(2) - 2 * cost.per_token == 3 * cost.per_pair
+    assert cost.flops(1, context=100) - cost.per_token == 101 * cost.per_pair
+    assert ModelCost.of({"vocab_size": 10}) is None
+
+
+def test_an_engine_that_has_only_computed_whole_prompts_loads_a_hit_of_about_their_size():
+    # Its 257-token prompts, split by the prior, would be nearly all fixed cost (the
+    # prior's device is fast); measured at about the hit's size, their own rate answers.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    forwards(policy, vllm_cpu_step, [CHUNK_TOKENS + 1])
+    policy.observe_load(4 << 20, 0.040)
+    assert policy.recompute_s(CHUNK_TOKENS) == pytest.approx(
+        vllm_cpu_step(CHUNK_TOKENS + 1) * CHUNK_TOKENS / (CHUNK_TOKENS + 1), rel=0.05)
+    assert policy.plan(1, CHUNK_TOKENS, 4 << 20).reason == "load"
+
+
+def test_a_lookup_is_not_waited_for_past_recompute_less_the_predicted_load():
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=4)
+    forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    recompute = policy.recompute_s(CHUNK_TOKENS)
+    assert policy.lookup_patience_s(CHUNK_TOKENS) == recompute  # no load measured yet
+    policy.observe_load(4 << 20, 0.040)
+    policy.plan(1, CHUNK_TOKENS, 4 << 20)  # the chunks' size: 4 MiB for 256 tokens
+    assert policy.lookup_patience_s(CHUNK_TOKENS) == pytest.approx(recompute - 0.040)
+    # A far store: a hit found at once still loses; every 4th lookup waits to learn.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=4)
+    forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    policy.observe_load(4 << 20, 0.6)
+    policy.plan(1, CHUNK_TOKENS, 4 << 20)
+    patience = [policy.lookup_patience_s(CHUNK_TOKENS, policy.lookup_probe()) for _ in range(4)]
+    assert patience == [0.0, 0.0, 0.0, recompute]
+    assert LoadPolicy(adaptive=False).lookup_patience_s(CHUNK_TOKENS) is None
+
+
+def test_a_far_stores_round_trips_are_a_fixed_cost_of_each_load_not_bandwidth():
+    # 100 ms a request, 90 MB/s: 8 chunks of 512 KiB in 0.147 s, one chunk in 0.106 s.
+    # A rate from the big loads alone (28 MB/s) would say 19 ms for the one chunk.
+    def far(nbytes: int) -> float:
+        return 0.1 + nbytes / 90e6
+
+    policy = LoadPolicy(probe_every=0)
+    for nbytes in [4 << 20, 512 << 10] * 2:
+        policy.observe_load(nbytes, far(nbytes))
+    assert policy.load_s(512 << 10) == pytest.approx(far(512 << 10), rel=0.01)
+    assert policy.load_s(16 << 20) == pytest.approx(far(16 << 20), rel=0.01)
+    # A stalled load (nothing delivered) makes every load look slower until loads succeed.
+    policy.observe_load(0, 0.5)
+    assert policy.load_s(512 << 10) > far(512 << 10) * 1.3
+
+
+def test_a_load_chosen_to_beat_recompute_is_not_cut_off_before_it_can_arrive():
+    # Recompute 0.14 s, a load predicted at 0.1 s: half the recompute (the old deadline)
+    # would give up on it at 0.07 s, then recompute: 0.21 s for what either did in less.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    recompute = policy.recompute_s(CHUNK_TOKENS)
+    policy.observe_load(4 << 20, 0.1)
+    plan = policy.plan(1, CHUNK_TOKENS, 4 << 20)
+    assert plan.reason == "load" and plan.deadline_s == pytest.approx(recompute)
+    policy.observe_load(4 << 20, 0.01)  # a near store: half the recompute stays the bound
+    policy.observe_load(4 << 20, 0.01)
+    assert policy.plan(1, CHUNK_TOKENS, 4 << 20).deadline_s == pytest.approx(0.5 * recompute)
+
+
+def test_a_lookup_slower_than_the_time_a_hit_could_still_win_in_is_not_waited_for():
+    # Recompute 0.14 s, a load 0.04 s: a hit found within 0.1 s wins. This store's
+    # lookups take 0.2 s (two round trips of a far bucket): waiting would be lost.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=4)
+    forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    policy.observe_load(4 << 20, 0.040)
+    policy.plan(1, CHUNK_TOKENS, 4 << 20)
+    recompute = policy.recompute_s(CHUNK_TOKENS)
+    policy.observe_lookup(0.05)
+    assert policy.lookup_patience_s(CHUNK_TOKENS) == pytest.approx(recompute - 0.040)
+    policy.observe_lookup(0.2)
+    policy.observe_lookup(0.2)
+    assert policy.lookup_patience_s(CHUNK_TOKENS) == 0.0
+    assert policy.lookup_patience_s(CHUNK_TOKENS, probe=True) == recompute
+
+
+def test_before_any_forward_is_measured_the_prior_does_not_bound_waits():
+    # The prior errs fast on purpose: a fresh engine would give up every lookup of a
+    # bucket 30 ms away (its prior puts 2048 tokens at a few ms) and never find a hit.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"))
+    assert policy.recompute_s(2048) < 0.03
+    assert policy.lookup_patience_s(2048) is None
+    assert policy.plan(8, CHUNK_TOKENS, 512 << 10).deadline_s == policy.max_wait_s
+
+
+def test_a_policy_that_loads_every_hit_waits_for_its_loads_up_to_the_ceiling():
+    policy = LoadPolicy(adaptive=False, prior=PrefillPrior.of(LLAMA_TEST, "cpu"))
+    forwards(policy, vllm_cpu_step, [1])
+    assert policy.plan(8, CHUNK_TOKENS, 512 << 10).deadline_s == policy.max_wait_s

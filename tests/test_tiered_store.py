@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from storage import open_store
 from storage.tiered import TieredStore
+from tests.s3_fixtures import s3_url
 from tests.store_helpers import make_chunks
+
+pytest_plugins = ("tests.s3_fixtures",)
 
 
 def _tiers(tmp_path) -> TieredStore:
@@ -92,3 +95,64 @@ async def test_a_tier_listing_names_each_key_once_and_holds_no_set_of_them(tmp_p
     upper.exists = counting_exists
     assert len([k async for k in store.list_keys()]) == 3000
     assert asked and max(asked) <= 1024
+
+
+# -- a local directory in front of a bucket ------------------------------------------------
+
+
+def _local_over_bucket(tmp_path, proxy) -> TieredStore:
+    return open_store([f"file://{tmp_path}/nvme?capacity=64MiB",
+                       s3_url(proxy.endpoint, "tiers", timeout="2s")])
+
+
+async def test_a_second_client_on_the_host_hits_the_local_tier_without_asking_the_bucket(
+        tmp_path, ns, fault_proxy):
+    chunks = make_chunks(ns, 3)
+    writer = _local_over_bucket(tmp_path, fault_proxy)
+    for key, _, blob in chunks:
+        await writer.put(key, blob)
+    await writer.close()  # the cascade to the bucket has landed
+    keys = [key for key, _, _ in chunks]
+    assert await writer.tiers[1].exists(keys) == [True] * 3
+    asked = fault_proxy.requests
+    reader = _local_over_bucket(tmp_path, fault_proxy)  # e.g. another engine process
+    assert await reader.prefix_len(keys) == 3
+    assert [bytes(await reader.get(k)) for k in keys] == [blob for _, _, blob in chunks]
+    assert fault_proxy.requests == asked  # no HEAD, no GET
+    await reader.close()
+
+
+async def test_an_unreachable_bucket_leaves_local_hits_unaffected(tmp_path, ns, fault_proxy):
+    chunks = make_chunks(ns, 3)
+    store = _local_over_bucket(tmp_path, fault_proxy)
+    for key, _, blob in chunks[:2]:
+        await store.tiers[0].put(key, blob)
+    fault_proxy.set("reset")  # every request to the bucket: connection reset
+    keys = [key for key, _, _ in chunks]
+    # The third chunk is nowhere local and the bucket cannot be asked: the local prefix.
+    assert await store.prefix_len(keys) == 2
+    assert await store.exists(keys) == [True, True, False]
+    assert bytes(await store.get(keys[0])) == chunks[0][2]
+    await store.tiers[0].close()
+
+
+async def test_a_lower_tier_that_fails_a_lookup_is_a_miss_below_the_local_prefix(tmp_path, ns):
+    from storage.errors import StoreUnavailable
+
+    class Down(TieredStore):
+        """Stands in for a bucket whose client raises (the S3 store answers False)."""
+
+        async def exists(self, keys):
+            raise StoreUnavailable("bucket down")
+
+        async def prefix_len(self, keys):
+            raise StoreUnavailable("bucket down")
+
+    chunks = make_chunks(ns, 2)
+    local = open_store(f"file://{tmp_path}/nvme")
+    await local.put(chunks[0][0], chunks[0][2])
+    store = TieredStore([local, Down([open_store("memory://")])])
+    keys = [key for key, _, _ in chunks]
+    assert await store.prefix_len(keys) == 1
+    assert await store.exists(keys) == [True, False]
+    assert store.stats()["errors"] == 2
