@@ -59,10 +59,12 @@ from hashing import Namespace, chunk_keys, token_array
 from storage.base import Store
 from storage.breaker import CircuitBreaker
 from storage.capabilities import (
+    SupportsBlobFiles,
     SupportsDirectReads,
     SupportsRangeReads,
     SupportsResidentReads,
 )
+from storage.memory import MemoryStore
 from storage.options import parse_bool
 
 if TYPE_CHECKING:
@@ -298,6 +300,13 @@ class SegmentLoad(LoadHandle):
 H = TypeVar("H", bound=LoadHandle)
 
 
+def _chunks_on_this_host(store: Store) -> bool:
+    """Whether a ranged read of `store` costs about what its bytes cost (`partial_reads`
+    "auto"): chunks in files on this host (file://, or a tier list whose first tier is a
+    directory) or in this process's memory; not a request over the network per range."""
+    return isinstance(store, (SupportsBlobFiles, MemoryStore))
+
+
 class KVConnector:
     """Engine-agnostic cache client over one store and one namespace.
 
@@ -400,6 +409,8 @@ class KVConnector:
                                 else self._whole)
         # A reader of some of each chunk (a tensor-parallel rank's heads): ranged reads, or
         # whole chunks read aside and its ranges copied out where the store has none.
+        if partial_reads == "auto":
+            partial_reads = "ranges" if _chunks_on_this_host(store) else "whole"
         self._spans: ChunkReads = (
             RangeReads(store, reads) if isinstance(store, SupportsRangeReads)
             and partial_reads == "ranges" else PlainGets(store, reads))

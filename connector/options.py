@@ -12,10 +12,12 @@ itself (the HF adapter's) read the same names, with the same defaults and meanin
 - `max_in_flight` (8): chunk reads (and ChunkIO requests) one load keeps in flight.
 - `breaker_failures` (1), `breaker_cooldown` (1 s), `breaker_max_cooldown` (30 s): the
   circuit breaker that bypasses a failing store (storage/breaker.py).
-- `partial_reads` ("ranges"): how a reader of part of each chunk (a tensor-parallel
+- `partial_reads` ("auto"): how a reader of part of each chunk (a tensor-parallel
   rank's heads) reads it: "ranges", the header and one ranged read per layer (it reads
   its share); "whole", each chunk in one read, keeping its share (fewer requests, every
-  byte read: for stores whose requests cost more than their bytes, e.g. S3).
+  byte read: for stores whose requests cost more than their bytes, e.g. S3); "auto",
+  ranges where the chunks are on this host (file://, memory://, a tier list whose first
+  tier is a directory), whole elsewhere (s3://, http://, fsspec).
 
 A bad value fails the engine's start with one line naming the setting (`OptionError`, a
 ValueError), never a default in its place.
@@ -46,7 +48,7 @@ class CoreOptions:
     breaker_failures: int = 1
     breaker_cooldown: float = 1.0
     breaker_max_cooldown: float = 30.0
-    partial_reads: str = "ranges"
+    partial_reads: str = "auto"
 
     @classmethod
     def parse(cls, options: Mapping[str, Any], where: str,
@@ -84,7 +86,7 @@ class CoreOptions:
 
 
 CORE_OPTIONS = frozenset(CoreOptions.__dataclass_fields__)
-PARTIAL_READS = ("ranges", "whole")
+PARTIAL_READS = ("auto", "ranges", "whole")
 
 
 def one_of(options: Mapping[str, Any], name: str, choices: tuple[str, ...], where: str) -> str:

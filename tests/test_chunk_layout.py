@@ -106,7 +106,7 @@ def test_a_rank_reads_its_heads_of_every_layer_and_nothing_else(store_url):
     keys = chunk_keys(TOKENS, ns)
     tokens = [TOKENS[i * CHUNK : (i + 1) * CHUNK] for i in range(len(keys))]
     with (KVConnector(store_url, ns, layout=CANONICAL.reader()) as writer,
-          KVConnector(store_url, ns, layout=reader_layout) as reader):  # one store
+          KVConnector(store_url, ns, layout=reader_layout, partial_reads="ranges") as reader):
         writer.save(TOKENS, payload)
         assert writer.flush(10)
         target = Staging(len(keys), reader_layout.staging_nbytes)
@@ -114,6 +114,28 @@ def test_a_rank_reads_its_heads_of_every_layer_and_nothing_else(store_url):
         for i, buf in enumerate(target.bufs):
             assert buf.tobytes() == b"".join(head_range(i, layer, 2, 2) for layer in range(LAYERS))
         assert reader.counters()["hit_bytes"] == 3 * reader_layout.staging_nbytes
+
+
+def test_by_default_a_rank_reads_ranges_on_this_host_and_whole_chunks_over_a_network(
+        store_url):
+    """`partial_reads="auto"` (the default): a reader of half the heads reads its ranges
+    where the chunks are on this host (memory://, file://) and each chunk whole where a
+    ranged read is a network request (s3://, http://), keeping its heads either way."""
+    ns = namespace()
+    layout = CANONICAL.reader([(2, 2)] * LAYERS)
+    keys = chunk_keys(TOKENS, ns)
+    tokens = [TOKENS[i * CHUNK : (i + 1) * CHUNK] for i in range(len(keys))]
+    with (KVConnector(store_url, ns, layout=CANONICAL.reader()) as writer,
+          KVConnector(store_url, ns, layout=layout) as reader):
+        writer.save(TOKENS, payload)
+        assert writer.flush(10)
+        target = Staging(len(keys), layout.staging_nbytes)
+        assert reader.load_async(keys, tokens, target).result(10) == [True] * 3
+        for i, buf in enumerate(target.bufs):
+            assert buf.tobytes() == b"".join(head_range(i, layer, 2, 2) for layer in range(LAYERS))
+        local = store_url.startswith(("memory://", "file://"))
+        per_chunk = layout.staging_nbytes if local else CANONICAL.payload_nbytes
+        assert reader.counters()["hit_bytes"] == 3 * per_chunk
 
 
 @pytest.mark.parametrize("layered", [False, True])
