@@ -122,12 +122,19 @@ def test_a_partial_hit_saves_the_rest_from_the_window_on(family, store_dir):
     prefill.connector.close()
 
 
-def test_a_corrupt_chunk_ends_a_sliding_window_hit_before_it(store_dir):
+def gemma3_saved(store_dir, tokens: int):
+    """A Gemma-3-shaped model, a prompt of `tokens` and its `CachedPrefill`, after a
+    miss that saved the prompt's chunks."""
     model = sliding_model("gemma3")
-    ids = prompt(200)
+    ids = prompt(tokens)
     prefill = make_prefill(model, f"file://{store_dir}")
     prefill(ids)
     assert prefill.connector.flush(30)
+    return model, ids, prefill
+
+
+def test_a_corrupt_chunk_ends_a_sliding_window_hit_before_it(store_dir):
+    model, ids, prefill = gemma3_saved(store_dir, 200)
     flip_payload_byte(chunk_file(store_dir, prefill.connector.ns, ids[0].numpy(), 3))
     out = prefill(ids)
     assert prefill.last_hit_tokens == 3 * CHUNK
@@ -136,11 +143,7 @@ def test_a_corrupt_chunk_ends_a_sliding_window_hit_before_it(store_dir):
 
 
 def test_decoding_after_a_sliding_window_hit_matches_the_models_own_cache(store_dir):
-    model = sliding_model("gemma3")
-    ids = prompt(150)
-    prefill = make_prefill(model, f"file://{store_dir}")
-    prefill(ids)
-    assert prefill.connector.flush(30)
+    model, ids, prefill = gemma3_saved(store_dir, 150)
     out = prefill(ids)
     assert prefill.last_hit_tokens == 128
     ref = continue_from_cache(model, recorded(model, ids).past_key_values, 128, ids)
