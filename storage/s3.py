@@ -13,7 +13,8 @@ parallel ranged GETs while the first body streams, straight into the destination
 (`get_into` writes the payload into the caller's buffer). Every blob is verified (header
 and xxh3 payload checksum) and a corrupt object is deleted and counted as a miss.
 
-Chunk GETs (`get`, `get_into` and so `get_into_many`) run on the blocking botocore client
+Every GET of chunk bytes (`get`, `get_into` and so `get_into_many`, and the ranged
+`read_header` / `read_range_into`) runs on the blocking botocore client
 in reader threads, each body read with `recv_into` straight into its destination: aiohttp
 hands a body over as fresh `bytes` per socket read, copies it again in its parser and
 pauses and resumes the socket every 128 KiB, so a GET through it costs more CPU per byte
@@ -21,7 +22,7 @@ than a plain boto3 `get_object().read()`, and where the server shares the cores,
 requests in flight made the store slower (see docs/s3.md). The event loop keeps the
 gate, the breaker and the deadline; a read whose caller is cancelled (the deadline) is
 told to stop and is waited for, so no byte lands in a caller's buffer after the call has
-returned. Everything else (puts, HEADs, lists, ranged header reads) stays on aiobotocore.
+returned. Everything else (puts, HEADs, lists, deletes) stays on aiobotocore.
 
 Publishing is create-only: `PutObject` with `If-None-Match: *` (412 = already there =
 success, 409 = a concurrent writer: retried), multipart above `multipart_threshold` with
@@ -133,29 +134,6 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class _BodyReader:
-    """Streams a response body into caller memory, one network chunk at a time (no joins)."""
-
-    def __init__(self, body: Any):
-        self._content = body.raw_stream.content
-        self._rest: memoryview | None = None
-
-    async def read_into(self, dest: memoryview) -> None:
-        pos, n = 0, dest.nbytes
-        while pos < n:
-            if self._rest is not None:
-                piece, self._rest = self._rest, None
-            else:
-                piece = memoryview(await self._content.readany())
-                if not piece.nbytes:
-                    raise ChunkError(f"object ended after {pos} of {n} bytes")
-            take = min(piece.nbytes, n - pos)
-            dest[pos : pos + take] = piece[:take]
-            if take < piece.nbytes:
-                self._rest = piece[take:]
-            pos += take
 
 
 def _body_readinto(body: Any) -> Callable[[memoryview], int]:
@@ -313,6 +291,33 @@ def _get_range(client: Any, bucket: str, name: str, start: int, end: int, dest: 
     _release(body)
 
 
+def _get_header(client: Any, bucket: str, name: str, key: str, stop: _Stop) -> ChunkHeader:
+    """The verified header of an object (a reader thread): one `Range: bytes=0-4095` GET,
+    and a second for a header longer than that."""
+    resp = client.get_object(Bucket=bucket, Key=name, Range=f"bytes=0-{HEADER_SIZE - 1}")
+    body = resp["Body"]
+    stop.watch(body)
+    try:
+        total, first = _object_size(resp), int(resp["ContentLength"])
+        if first > HEADER_SIZE:
+            raise ChunkError(f"asked for {HEADER_SIZE} bytes, got {first}")
+        head = bytearray(first)
+        _fill(body, memoryview(head), stop)
+    except BaseException:
+        body.close()
+        raise
+    _release(body)
+    try:
+        header = decode_header(head, key)
+    except TruncatedHeader as short:
+        head = bytearray(short.header_len)
+        _get_range(client, bucket, name, 0, short.header_len, memoryview(head), stop)
+        header = decode_header(head, key)
+    if total != header.total_len:
+        raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+    return header
+
+
 def _fill_rest(_client: Any, body: Any, dest: memoryview, stop: _Stop) -> None:
     """The rest of a body into `dest`, then its connection back to the pool."""
     try:
@@ -400,16 +405,6 @@ class S3Store(Store):
         task.add_done_callback(self._background.discard)
 
     # -- reads ---------------------------------------------------------------------------
-
-    async def _get_range(self, name: str, start: int, end: int, dest: memoryview) -> None:
-        """Bytes [start, end) of an object, written into `dest`."""
-        async with self._op("get range") as client:
-            resp = await client.get_object(Bucket=self.opts.bucket, Key=name,
-                                           Range=f"bytes={start}-{end - 1}")
-            if not (resp.get("ContentRange") or "").startswith(f"bytes {start}-{end - 1}/"):
-                raise ChunkError(f"asked for bytes {start}-{end - 1}, got {resp.get('ContentRange')}")
-            async with resp["Body"] as body:
-                await _BodyReader(body).read_into(dest)
 
     def _first_range(self) -> str:
         # 1.25x the range size, so a chunk just over a round size (payload + 4 KiB header)
@@ -577,25 +572,10 @@ class S3Store(Store):
         return header
 
     async def _read_header(self, key: str) -> ChunkHeader:
-        name = self._name(key)
-        async with self._op("get header") as client:
-            resp = await client.get_object(Bucket=self.opts.bucket, Key=name,
-                                           Range=f"bytes=0-{HEADER_SIZE - 1}")
-            total, first = _object_size(resp), int(resp["ContentLength"])
-            if first > HEADER_SIZE:
-                raise ChunkError(f"asked for {HEADER_SIZE} bytes, got {first}")
-            head = bytearray(first)
-            async with resp["Body"] as body:
-                await _BodyReader(body).read_into(memoryview(head))
-        try:
-            header = decode_header(head, key)
-        except TruncatedHeader as short:
-            head = bytearray(short.header_len)
-            await self._get_range(name, 0, short.header_len, memoryview(head))
-            header = decode_header(head, key)
-        if total != header.total_len:
-            raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
-        return header
+        async with self._op("get header"):
+            reads = await self._conn.blocking()
+            return await self._in_thread(reads, _get_header, self.opts.bucket, self._name(key),
+                                         key)
 
     async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
         """Payload bytes [offset, offset + len(out)) by one Range GET; False on a miss."""
@@ -606,7 +586,8 @@ class S3Store(Store):
         start = header.header_len + offset
 
         async def ranged() -> bool:
-            await self._get_range(self._name(key), start, start + view.nbytes, view)
+            reads = await self._conn.blocking()
+            await self._read_range(reads, self._name(key), start, start + view.nbytes, view)
             return True
 
         return await self._guarded(key, ranged()) is True
