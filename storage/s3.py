@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import http.client
 import logging
 import re
@@ -119,6 +120,20 @@ def _split(start: int, end: int, size: int) -> list[tuple[int, int]]:
     n = max(1, int((end - start) / size + 0.75))
     step = -(-(end - start) // n)
     return [(s, min(s + step, end)) for s in range(start, end, step)]
+
+
+# CPython's public constructor of a bytearray from (NULL, n) leaves its bytes as they are:
+# `bytearray(n)` would write all n once more before the reads overwrite them.
+_bytearray_from = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_bytearray_from.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+_bytearray_from.restype = ctypes.py_object
+
+
+def _unfilled(n: int) -> bytearray:
+    """A bytearray of `n` bytes with no zero-fill, for a blob whose every byte a read then
+    writes: a read that ends early is a miss, and the buffer is dropped unseen."""
+    blob: bytearray = _bytearray_from(None, n)
+    return blob
 
 
 class _Missing(Exception):
@@ -434,9 +449,9 @@ class S3Store(Store):
 
     async def _read_blob(self, key: str) -> tuple[ChunkHeader, bytes | bytearray]:
         """The whole verified blob: the body of a one-request object as it was read (bytes);
-        a larger one in one buffer allocated once the first GET's Content-Range gives the
-        size, the other ranges started at once and landing in place while the first body
-        streams (a join of pieces would cost a copy of every byte).
+        a larger one in one buffer (not zero-filled) allocated once the first GET's
+        Content-Range gives the size, the other ranges started at once and landing in place
+        while the first body streams (a join of pieces would cost a copy of every byte).
         Raises `_Missing`, StoreUnavailable, ClientError or ChunkError (a corrupt object).
         """
         name, opts, loop = self._name(key), self.opts, asyncio.get_running_loop()
@@ -450,7 +465,7 @@ class S3Store(Store):
                 if whole is not None:  # one request: read, checked and verified
                     return whole
                 try:
-                    blob = bytearray(total)
+                    blob = _unfilled(total)
                     view = memoryview(blob)
                     tasks = [loop.create_task(self._read_range(reads, name, s, e, view[s:e]))
                              for s, e in _split(first, total, opts.range_size)]
