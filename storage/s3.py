@@ -13,7 +13,8 @@ parallel ranged GETs while the first body streams, straight into the destination
 (`get_into` writes the payload into the caller's buffer). Every blob is verified (header
 and xxh3 payload checksum) and a corrupt object is deleted and counted as a miss.
 
-Chunk GETs (`get`, `get_into` and so `get_into_many`) run on the blocking botocore client
+Every GET of chunk bytes (`get`, `get_into` and so `get_into_many`, and the ranged
+`read_header` / `read_range_into`) runs on the blocking botocore client
 in reader threads, each body read with `recv_into` straight into its destination: aiohttp
 hands a body over as fresh `bytes` per socket read, copies it again in its parser and
 pauses and resumes the socket every 128 KiB, so a GET through it costs more CPU per byte
@@ -21,7 +22,7 @@ than a plain boto3 `get_object().read()`, and where the server shares the cores,
 requests in flight made the store slower (see docs/s3.md). The event loop keeps the
 gate, the breaker and the deadline; a read whose caller is cancelled (the deadline) is
 told to stop and is waited for, so no byte lands in a caller's buffer after the call has
-returned. Everything else (puts, HEADs, lists, ranged header reads) stays on aiobotocore.
+returned. Everything else (puts, HEADs, lists, deletes) stays on aiobotocore.
 
 Publishing is create-only: `PutObject` with `If-None-Match: *` (412 = already there =
 success, 409 = a concurrent writer: retried), multipart above `multipart_threshold` with
@@ -53,6 +54,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import http.client
 import logging
 import re
@@ -120,6 +122,20 @@ def _split(start: int, end: int, size: int) -> list[tuple[int, int]]:
     return [(s, min(s + step, end)) for s in range(start, end, step)]
 
 
+# CPython's public constructor of a bytearray from (NULL, n) leaves its bytes as they are:
+# `bytearray(n)` would write all n once more before the reads overwrite them.
+_bytearray_from = ctypes.pythonapi.PyByteArray_FromStringAndSize
+_bytearray_from.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
+_bytearray_from.restype = ctypes.py_object
+
+
+def _unfilled(n: int) -> bytearray:
+    """A bytearray of `n` bytes with no zero-fill, for a blob whose every byte a read then
+    writes: a read that ends early is a miss, and the buffer is dropped unseen."""
+    blob: bytearray = _bytearray_from(None, n)
+    return blob
+
+
 class _Missing(Exception):
     """The object is not there (404/403): a miss, not a failure."""
 
@@ -133,29 +149,6 @@ async def _cancel(tasks: list[asyncio.Task]) -> None:
     for t in tasks:
         t.cancel()
     await asyncio.gather(*tasks, return_exceptions=True)
-
-
-class _BodyReader:
-    """Streams a response body into caller memory, one network chunk at a time (no joins)."""
-
-    def __init__(self, body: Any):
-        self._content = body.raw_stream.content
-        self._rest: memoryview | None = None
-
-    async def read_into(self, dest: memoryview) -> None:
-        pos, n = 0, dest.nbytes
-        while pos < n:
-            if self._rest is not None:
-                piece, self._rest = self._rest, None
-            else:
-                piece = memoryview(await self._content.readany())
-                if not piece.nbytes:
-                    raise ChunkError(f"object ended after {pos} of {n} bytes")
-            take = min(piece.nbytes, n - pos)
-            dest[pos : pos + take] = piece[:take]
-            if take < piece.nbytes:
-                self._rest = piece[take:]
-            pos += take
 
 
 def _body_readinto(body: Any) -> Callable[[memoryview], int]:
@@ -313,6 +306,33 @@ def _get_range(client: Any, bucket: str, name: str, start: int, end: int, dest: 
     _release(body)
 
 
+def _get_header(client: Any, bucket: str, name: str, key: str, stop: _Stop) -> ChunkHeader:
+    """The verified header of an object (a reader thread): one `Range: bytes=0-4095` GET,
+    and a second for a header longer than that."""
+    resp = client.get_object(Bucket=bucket, Key=name, Range=f"bytes=0-{HEADER_SIZE - 1}")
+    body = resp["Body"]
+    stop.watch(body)
+    try:
+        total, first = _object_size(resp), int(resp["ContentLength"])
+        if first > HEADER_SIZE:
+            raise ChunkError(f"asked for {HEADER_SIZE} bytes, got {first}")
+        head = bytearray(first)
+        _fill(body, memoryview(head), stop)
+    except BaseException:
+        body.close()
+        raise
+    _release(body)
+    try:
+        header = decode_header(head, key)
+    except TruncatedHeader as short:
+        head = bytearray(short.header_len)
+        _get_range(client, bucket, name, 0, short.header_len, memoryview(head), stop)
+        header = decode_header(head, key)
+    if total != header.total_len:
+        raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+    return header
+
+
 def _fill_rest(_client: Any, body: Any, dest: memoryview, stop: _Stop) -> None:
     """The rest of a body into `dest`, then its connection back to the pool."""
     try:
@@ -401,16 +421,6 @@ class S3Store(Store):
 
     # -- reads ---------------------------------------------------------------------------
 
-    async def _get_range(self, name: str, start: int, end: int, dest: memoryview) -> None:
-        """Bytes [start, end) of an object, written into `dest`."""
-        async with self._op("get range") as client:
-            resp = await client.get_object(Bucket=self.opts.bucket, Key=name,
-                                           Range=f"bytes={start}-{end - 1}")
-            if not (resp.get("ContentRange") or "").startswith(f"bytes {start}-{end - 1}/"):
-                raise ChunkError(f"asked for bytes {start}-{end - 1}, got {resp.get('ContentRange')}")
-            async with resp["Body"] as body:
-                await _BodyReader(body).read_into(dest)
-
     def _first_range(self) -> str:
         # 1.25x the range size, so a chunk just over a round size (payload + 4 KiB header)
         # is still one request.
@@ -439,9 +449,9 @@ class S3Store(Store):
 
     async def _read_blob(self, key: str) -> tuple[ChunkHeader, bytes | bytearray]:
         """The whole verified blob: the body of a one-request object as it was read (bytes);
-        a larger one in one buffer allocated once the first GET's Content-Range gives the
-        size, the other ranges started at once and landing in place while the first body
-        streams (a join of pieces would cost a copy of every byte).
+        a larger one in one buffer (not zero-filled) allocated once the first GET's
+        Content-Range gives the size, the other ranges started at once and landing in place
+        while the first body streams (a join of pieces would cost a copy of every byte).
         Raises `_Missing`, StoreUnavailable, ClientError or ChunkError (a corrupt object).
         """
         name, opts, loop = self._name(key), self.opts, asyncio.get_running_loop()
@@ -455,7 +465,7 @@ class S3Store(Store):
                 if whole is not None:  # one request: read, checked and verified
                     return whole
                 try:
-                    blob = bytearray(total)
+                    blob = _unfilled(total)
                     view = memoryview(blob)
                     tasks = [loop.create_task(self._read_range(reads, name, s, e, view[s:e]))
                              for s, e in _split(first, total, opts.range_size)]
@@ -577,25 +587,10 @@ class S3Store(Store):
         return header
 
     async def _read_header(self, key: str) -> ChunkHeader:
-        name = self._name(key)
-        async with self._op("get header") as client:
-            resp = await client.get_object(Bucket=self.opts.bucket, Key=name,
-                                           Range=f"bytes=0-{HEADER_SIZE - 1}")
-            total, first = _object_size(resp), int(resp["ContentLength"])
-            if first > HEADER_SIZE:
-                raise ChunkError(f"asked for {HEADER_SIZE} bytes, got {first}")
-            head = bytearray(first)
-            async with resp["Body"] as body:
-                await _BodyReader(body).read_into(memoryview(head))
-        try:
-            header = decode_header(head, key)
-        except TruncatedHeader as short:
-            head = bytearray(short.header_len)
-            await self._get_range(name, 0, short.header_len, memoryview(head))
-            header = decode_header(head, key)
-        if total != header.total_len:
-            raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
-        return header
+        async with self._op("get header"):
+            reads = await self._conn.blocking()
+            return await self._in_thread(reads, _get_header, self.opts.bucket, self._name(key),
+                                         key)
 
     async def read_range_into(self, key: str, header: ChunkHeader, offset: int, out: Any) -> bool:
         """Payload bytes [offset, offset + len(out)) by one Range GET; False on a miss."""
@@ -606,7 +601,8 @@ class S3Store(Store):
         start = header.header_len + offset
 
         async def ranged() -> bool:
-            await self._get_range(self._name(key), start, start + view.nbytes, view)
+            reads = await self._conn.blocking()
+            await self._read_range(reads, self._name(key), start, start + view.nbytes, view)
             return True
 
         return await self._guarded(key, ranged()) is True

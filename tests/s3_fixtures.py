@@ -170,7 +170,8 @@ class FaultProxy:
     header, standing in for servers strict about headers they do not know (MinIO, Dell
     ECS and others answer newer SDKs' checksum headers, or If-None-Match, this way).
     `headers_seen` collects every request header name that came through, `methods` counts
-    requests by method. It parses
+    requests by method; `hold[method]`, an Event, holds requests of that method (each
+    counted first) until it is set. It parses
     request heads only (botocore sends PUTs with Content-Length and `Expect: 100-continue`);
     responses are piped raw.
     """
@@ -184,6 +185,7 @@ class FaultProxy:
         self.headers_seen: set[str] = set()
         self.requests = 0
         self.methods: collections.Counter[str] = collections.Counter()  # requests by method
+        self.hold: dict[str, threading.Event] = {}
         self._budget: list[str] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -243,8 +245,14 @@ class FaultProxy:
                            for ln in lines[1:] if ":" in ln}
                 length = int(headers.get("content-length", "0"))
                 self.requests += 1
-                self.methods[lines[0].split(" ", 1)[0]] += 1
+                method = lines[0].split(" ", 1)[0]
+                self.methods[method] += 1
                 self.headers_seen.update(headers)
+                gate = self.hold.get(method)
+                for _ in range(3000):  # at most 30 s
+                    if gate is None or gate.is_set():
+                        break
+                    await asyncio.sleep(0.01)
                 mode = self._next_mode()
                 refused = [self.refuse[p] for p in self.refuse for h in headers if h.startswith(p)]
                 if refused and mode == "pass":

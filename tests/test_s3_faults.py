@@ -74,16 +74,23 @@ async def test_a_persistent_fault_becomes_a_miss_not_an_exception(stored, fault_
 
 @pytest.mark.parametrize("mode", ["stall_body", "cut_body"])
 async def test_a_body_that_stalls_or_breaks_midway_is_a_miss_not_corruption(fault_proxy, ns, mode):
-    """The object is fine, the transfer is not: a miss, and the object is kept."""
+    """The object is fine, the transfer is not: a miss, and the object is kept (whole
+    reads, and the ranged reads of TP>1 ranks and lean loads)."""
     store = open_store(through(fault_proxy, read_timeout="0.3s"))
     (key, _, blob), = make_chunks(ns, 1, payload_size=2_000_000)
     assert await store.put(key, blob) is True
+    header = await store.read_header(key)
+    assert header is not None
     fault_proxy.set(mode)
     assert await store.get(key) is None
     assert await store.get_into(key, bytearray(len(blob))) is None
-    assert (store.stats()["errors"], store.stats()["corrupt"]) == (2, 0)
+    out = bytearray(header.payload_len)
+    assert await store.read_range_into(key, header, 0, out) is False
+    assert (store.stats()["errors"], store.stats()["corrupt"]) == (3, 0)
     fault_proxy.set("pass")
     assert await store.get(key) == blob
+    assert await store.read_range_into(key, header, 0, out) is True
+    assert bytes(out) == blob[header.header_len :]
     await store.close()
 
 

@@ -7,6 +7,8 @@ import json
 import logging
 import multiprocessing
 import os
+import threading
+import time
 
 import boto3
 import pytest
@@ -16,7 +18,7 @@ from kvstash.cli import main as kvstash_main
 from storage import ConfigError, open_store
 from storage.s3 import S3Store
 from storage.s3_gc import plan_eviction
-from tests.s3_fixtures import ACCESS_KEY, BUCKET, SECRET_KEY, endpoint_of, with_prefix
+from tests.s3_fixtures import ACCESS_KEY, BUCKET, SECRET_KEY, endpoint_of, s3_url, with_prefix
 from tests.store_helpers import make_chunks
 
 pytest_plugins = ("tests.s3_fixtures",)
@@ -249,55 +251,54 @@ def test_in_flight_limit_is_max_in_flight_and_the_former_inflight_still_reads():
         open_store(f"{base}&max_in_flight=5&inflight=2")
 
 
-def heads_sent(store, gate: asyncio.Event | None = None) -> list[str]:
-    """The object names `store` sends a HEAD for from now on (each sent once `gate` is set)."""
-    asked: list[str] = []
-    head = store._head
-
-    async def counted(name: str) -> bool:
-        asked.append(name)
-        if gate is not None:
-            await gate.wait()
-        return await head(name)
-
-    store._head = counted
-    return asked
+@pytest.fixture
+async def proxied(fault_proxy):
+    """A store whose requests go through a FaultProxy (moto behind it), which counts them."""
+    s = open_store(s3_url(fault_proxy.endpoint, f"lookups-{time.monotonic_ns()}", touch="0"))
+    yield s
+    await s.close()
 
 
-async def test_a_lookup_asks_about_the_first_chunk_alone(store, ns):
+async def test_a_lookup_asks_about_the_first_chunk_alone(proxied, fault_proxy, ns):
     """A prompt never seen costs one HEAD; a stored prefix is then asked in windows."""
     chunks = make_chunks(ns, 6)
     for key, _, blob in chunks[:4]:
-        assert await store.put(key, blob)
+        assert await proxied.put(key, blob)
     keys = [key for key, _, _ in chunks]
-    asked = heads_sent(store)
-    assert await store.prefix_len(keys[4:]) == 0
-    assert len(asked) == 1
-    asked.clear()
-    assert await store.prefix_len(keys) == 4
-    assert len(asked) == 6  # the first alone, then the window of the other five
+    before = fault_proxy.methods["HEAD"]
+    assert await proxied.prefix_len(keys[4:]) == 0
+    assert fault_proxy.methods["HEAD"] - before == 1
+    before = fault_proxy.methods["HEAD"]
+    assert await proxied.prefix_len(keys) == 4
+    assert fault_proxy.methods["HEAD"] - before == 6  # the first alone, then the other five
 
 
-async def test_lookups_at_once_share_one_head_a_key(store, ns):
+async def test_lookups_at_once_share_one_head_a_key(proxied, fault_proxy, ns):
     """Requests of one prompt (or one system prompt) looked up at once: one HEAD a key,
     whatever the number of lookups; a lookup cancelled by its timeout leaves the HEAD to
     the others, and a later lookup asks again."""
     chunks = make_chunks(ns, 4)
     for key, _, blob in chunks[:3]:
-        assert await store.put(key, blob)
+        assert await proxied.put(key, blob)
     keys = [key for key, _, _ in chunks]
-    gate = asyncio.Event()
-    asked = heads_sent(store, gate)
-    lookups = [asyncio.ensure_future(store.prefix_len(keys[: 2 + i % 3])) for i in range(8)]
-    timed_out = asyncio.ensure_future(store.prefix_len(keys))
-    await asyncio.sleep(0.05)
-    timed_out.cancel()
-    gate.set()
+    before = fault_proxy.methods["HEAD"]
+    fault_proxy.hold["HEAD"] = held = threading.Event()
+    try:
+        lookups = [asyncio.ensure_future(proxied.prefix_len(keys[: 2 + i % 3]))
+                   for i in range(8)]
+        timed_out = asyncio.ensure_future(proxied.prefix_len(keys))
+        for _ in range(1000):  # until the first key's HEAD is held at the proxy (<= 10 s)
+            if fault_proxy.methods["HEAD"] > before:
+                break
+            await asyncio.sleep(0.01)
+        timed_out.cancel()
+    finally:
+        held.set()
     assert [await f for f in lookups] == [2, 3, 3] * 2 + [2, 3]
-    assert sorted(asked) == sorted(store._name(k) for k in keys)
-    asked.clear()
-    assert await store.prefix_len(keys) == 3
-    assert len(asked) == 4 and store._heads == {}
+    assert fault_proxy.methods["HEAD"] - before == len(keys)
+    before = fault_proxy.methods["HEAD"]
+    assert await proxied.prefix_len(keys) == 3
+    assert fault_proxy.methods["HEAD"] - before == 4
 
 
 def _read_in_child(store: S3Store, key: str, blob: bytes) -> None:
