@@ -15,7 +15,9 @@ that request (no lookup, no save): "recompute". The hit engines compute nothing 
 1-token suffixes unless they decline a load, as a fresh engine serving a shared cache
 does: the case where a policy that learns its prefill cost from suffix steps alone goes
 wrong (docs/benchmarks/2026-11-29-vllm-lookup-bound.md). Reported per point: medians of
-the counted rounds, and kvstash / min(recompute, load).
+the counted rounds, and kvstash / min(recompute, load); and each TTFT's parts from vLLM's
+engine-core times (`ttft_parts_s`: held before its first step, i.e. the lookup and any
+load; the first step; the rest), which say where a gap to recompute comes from.
 
 The engines are `bench.vllm` engine processes (`--engine-child`); this module imports
 neither torch nor vllm.
