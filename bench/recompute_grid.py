@@ -15,7 +15,9 @@ that request (no lookup, no save): "recompute". The hit engines compute nothing 
 1-token suffixes unless they decline a load, as a fresh engine serving a shared cache
 does: the case where a policy that learns its prefill cost from suffix steps alone goes
 wrong (docs/benchmarks/2026-11-29-vllm-lookup-bound.md). Reported per point: medians of
-the counted rounds, and kvstash / min(recompute, load).
+the counted rounds, and kvstash / min(recompute, load); and each TTFT's parts from vLLM's
+engine-core times (`ttft_parts_s`: held before its first step, i.e. the lookup and any
+load; the first step; the rest), which say where a gap to recompute comes from.
 
 The engines are `bench.vllm` engine processes (`--engine-child`); this module imports
 neither torch nor vllm.
@@ -84,6 +86,16 @@ def _ttft(answer: dict[str, Any]) -> float:
     return float(answer["requests"][0]["ttft_s"])
 
 
+def _parts(answer: dict[str, Any]) -> dict[str, float]:
+    """A TTFT's parts (`bench.vllm`): held before the first step (lookup, load), the first
+    step, and the rest (the front end's hand-offs to and from the engine core)."""
+    row = answer["requests"][0]
+    if "held_s" not in row:
+        return {}
+    held, step = float(row["held_s"]), float(row["first_step_s"])
+    return {"held_s": held, "first_step_s": step, "other_s": float(row["ttft_s"]) - held - step}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     prefixes = [int(p) for p in args.prefixes.split(",")]
@@ -124,7 +136,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         e.wait_ready()
                     runs: dict[int, dict[str, list[Any]]] = {
                         n: {"kvstash": [], "load": [], "recompute": [], "kvstash_hit": [],
-                            "kvstash_did": []} for n in prefixes}
+                            "kvstash_did": [], "parts": []} for n in prefixes}
                     for r in range(args.warmup + args.repeat):
                         for n in prefixes:
                             x = rng.integers(FIRST_TOKEN_ID, vocab, n)
@@ -147,6 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             runs[n]["kvstash_hit"].append(
                                 got["kvstash"]["requests"][0]["cached_tokens"])
                             runs[n]["kvstash_did"].append(did)
+                            runs[n]["parts"].append({name: _parts(got[name]) for name in got})
                 finally:
                     for e in engines.values():
                         e.close_input()
@@ -158,8 +171,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for n, rows in runs.items():
                     med = {k: statistics.median(rows[k]) for k in ("kvstash", "load", "recompute")}
                     best = min(med["recompute"], med["load"])
+                    parts = {name: {k: statistics.median(p[name][k] for p in rows["parts"])
+                                    for k in ("held_s", "first_step_s", "other_s")}
+                             for name in ("kvstash", "load", "recompute")
+                             if all(p.get(name) for p in rows["parts"])}
                     points.append({
-                        "shape": shape, "prefix_tokens": n,
+                        "shape": shape, "prefix_tokens": n, "ttft_parts_s": parts,
                         "ttft_s": med, "rounds_s": rows,
                         "kvstash_vs_best": med["kvstash"] / best,
                         "best": "load" if med["load"] <= med["recompute"] else "recompute",
@@ -178,10 +195,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _line(p: dict[str, Any]) -> str:
     t = p["ttft_s"]
+    parts = p["ttft_parts_s"].get("kvstash")
+    held = "" if not parts else (f"; kvstash held {parts['held_s'] * 1e3:.1f} ms, first step"
+                                 f" {parts['first_step_s'] * 1e3:.1f}, other {parts['other_s'] * 1e3:.1f}")
     return (f"{p['shape']:>13} {p['prefix_tokens']:>5} tokens: kvstash {t['kvstash'] * 1e3:7.1f} ms"
             f"  recompute {t['recompute'] * 1e3:7.1f}  load {t['load'] * 1e3:7.1f}"
             f"  -> {p['kvstash_vs_best']:.2f}x of {p['best']}"
-            f" (loaded {p['kvstash_loaded_rounds']}/{len(p['rounds_s']['kvstash'])})")
+            f" (loaded {p['kvstash_loaded_rounds']}/{len(p['rounds_s']['kvstash'])}){held}")
 
 
 def main() -> None:

@@ -79,8 +79,9 @@ COUNTERS = {
                       "engine's own prefix cache held."),
     "lookup_errors": "Lookups that failed (store unreachable or erroring): misses.",
     "lookup_timeouts": "Lookups that outlived lookup_timeout_s: misses.",
-    "lookups_given_up": ("Lookups not waited for past the time recomputing the prefix they "
-                         "asked for takes (vLLM): misses."),
+    "lookups_given_up": ("Lookups not waited for past the time a hit could still beat "
+                         "recomputing the prefix they asked for, or not sent where it "
+                         "could not (vLLM): misses."),
     "bypassed": "Lookups and loads skipped while the circuit breaker had the store bypassed.",
     "loads": "Loads started.",
     "loaded_chunks": "Chunks read, verified and placed into the engine's KV cache.",
@@ -578,15 +579,24 @@ class KVConnector:
     def start_lookup(self, lists: Sequence[Sequence[str]], asked_tokens: int, floor_s: float,
                      page_cache: bool = False) -> LookupPoll:
         """`lookup_async` of every key list, to be polled (`LookupPoll`) within the
-        patience `lookup_patience_s(asked_tokens, floor_s)`. `page_cache`: also ask, where
-        the store answers on this thread (`lookup_cached`), which chunks are all in the
-        page cache now (`LookupPoll.cached`)."""
+        patience `lookup_patience_s(asked_tokens, floor_s)`; not sent at all where that
+        patience is 0 (a miss, counted as given up), except every `probe_every`-th
+        (`LoadPolicy.lookup_probe`), sent to keep the store's lookup time known.
+        `page_cache`: also ask, where the store answers on this thread (`lookup_cached`),
+        which chunks are all in the page cache now (`LookupPoll.cached`)."""
         now = self.lookup_cached(lists) if page_cache else None
-        if now is None:
-            return LookupPoll(self, self.lookup_async(lists), asked_tokens, floor_s)
         done: concurrent.futures.Future[int] = concurrent.futures.Future()
-        done.set_result(now[0])
-        return LookupPoll(self, done, asked_tokens, floor_s, cached=now[1])
+        if now is not None:
+            done.set_result(now[0])
+            return LookupPoll(self, done, asked_tokens, floor_s, cached=now[1])
+        probe = self.policy.lookup_probe()
+        if not probe and self.lookup_patience_s(asked_tokens, floor_s) == 0:
+            # A hit found at once would still lose to recompute: the store is not asked
+            # (its requests would only compete with the prefill for the host).
+            self._count(lookups=1, lookups_given_up=1)
+            done.set_result(0)
+            return LookupPoll(self, done, asked_tokens, floor_s, asked=False)
+        return LookupPoll(self, self.lookup_async(lists), asked_tokens, floor_s, probe=probe)
 
     def lookup_patience_s(self, tokens: int, floor_s: float = 0.0, probe: bool = False) -> float:
         """How long a lookup of `tokens` is worth waiting for (`LoadPolicy.lookup_patience_s`:
@@ -724,7 +734,11 @@ class KVConnector:
         workers report theirs to the scheduler, whose policy plans their loads): how fast
         loads delivered bytes, and how fast the engine computed prompt tokens. Not
         counted again here."""
-        if counters.get("loads") and counters.get("load_seconds"):
+        # A load is counted as it starts (`loads`) and its bytes and time as it ends, which
+        # for a load between steps is a later step's counters: its end is what is learnt.
+        # One that placed some of its chunks, not stalled, says little of the store's speed.
+        if counters.get("load_seconds") and (
+                not counters.get("failed_chunks") or counters.get("load_timeouts")):
             self.policy.observe_load(int(counters.get("hit_bytes", 0)),
                                      float(counters["load_seconds"]),
                                      int(counters.get("hit_tokens", 0)))

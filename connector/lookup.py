@@ -6,8 +6,10 @@ milliseconds at most (`wait`), and asks again next step while `answer()` is None
 lookup is not waited for past the time recomputing the chunks it asked for would take,
 less the time their load would (`KVConnector.lookup_patience_s`: a hit found later loses
 to recompute, its load coming on top), so a slow or stalled store costs a miss no more
-than the prefix's own compute, and one slower than recompute little more than the
-scheduler's shortest wait.
+than the prefix's own compute. Where even a hit found at once would lose, the lookup is
+not sent (`asked=False`), but for an occasional probe, which is sent and timed, not
+waited for. A lookup given up on is left to run to its timeout: its answer still times
+the store.
 """
 
 from __future__ import annotations
@@ -27,7 +29,8 @@ class LookupPoll:
     """One lookup in flight. Called from the engine's scheduler thread only."""
 
     def __init__(self, core: KVConnector, future: concurrent.futures.Future[int],
-                 asked_tokens: int, floor_s: float, cached: list[bool] | None = None):
+                 asked_tokens: int, floor_s: float, cached: list[bool] | None = None,
+                 probe: bool = False, asked: bool = True):
         self._core = core
         self.future = future
         self.asked_tokens = asked_tokens  # the tokens of the chunks asked for
@@ -36,12 +39,16 @@ class LookupPoll:
         # (a local directory answers that in the same pass); None where not asked.
         self.cached = cached
         self.started = time.monotonic()
-        self.probe = core.policy.lookup_probe()  # waited for as long as recompute takes
+        self.probe = probe  # `LoadPolicy.lookup_probe`: sent whatever its patience
+        self.asked = asked  # False: not sent (a hit could not win); answers 0 at once
         self.answered = False
-        future.add_done_callback(self._timed)  # the store answered (not a failure, timeout or give-up)
+        self.given_up = False
+        if asked:
+            future.add_done_callback(self._timed)
 
     def _timed(self, future: concurrent.futures.Future[int]) -> None:
-        """The store's answer came (on the loop's thread): the policy learns how long it took."""
+        """The store's answer came (on the loop's thread), given up on or not: the policy
+        learns how long it took."""
         if not future.cancelled():
             self._core.policy.observe_lookup(time.monotonic() - self.started)
 
@@ -49,7 +56,10 @@ class LookupPoll:
         return self.future.done()
 
     def cancel(self) -> None:
-        self.future.cancel()
+        """The request is gone. A lookup given up on is left to end by its timeout, so
+        that its answer still times the store."""
+        if not self.given_up:
+            self.future.cancel()
 
     def patience_s(self) -> float:
         """How long this lookup is waited for (`KVConnector.lookup_patience_s`)."""
@@ -66,6 +76,8 @@ class LookupPoll:
         its patience: counted as lookups_given_up) answers 0."""
         core = self._core
         waited = time.monotonic() - self.started
+        if self.given_up or not self.asked:
+            return 0
         if self.future.done():
             try:
                 found = self.future.result()
@@ -79,6 +91,7 @@ class LookupPoll:
             core.count(lookup_timeouts=1)
             return 0
         if waited >= self.patience_s():
-            core.count(lookups_given_up=1)  # it ends by its timeout, unheard
+            core.count(lookups_given_up=1)  # it ends by its timeout, timed but unheard
+            self.given_up = True
             return 0
         return None

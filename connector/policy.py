@@ -366,26 +366,27 @@ class LoadPolicy:
     def lookup_patience_s(self, tokens: int, probe: bool = False) -> float | None:
         """How long a lookup of `tokens` is worth waiting for: a hit found after that
         loses to recomputing them, its load coming on top. Recompute less the predicted
-        load, and 0 where this store's lookups take longer than that (the wait would
-        almost always be lost); recompute alone for a `probe` (`lookup_probe`) or before
-        a load was measured; None (until the lookup's own timeout) before any forward was
-        measured, or for a policy that loads every hit."""
+        load (recompute alone before a load was measured, and for a `probe`:
+        `lookup_probe`), and 0 where this store's lookups take longer than that (the wait
+        would almost always be lost); None (until the lookup's own timeout) before any
+        forward was measured, or for a policy that loads every hit."""
         recompute = self._measured_recompute_s(tokens) if self.adaptive else None
+        if recompute is None:
+            return None
+        patience = recompute
         per_token = self._loaded_bytes_per_token or self._bytes_per_token
-        if recompute is None or probe or per_token is None:
-            return recompute
-        load = self.load_s(int(tokens * per_token))
-        if load is None:
-            return recompute
-        patience = max(0.0, recompute - load)
+        load = None if probe or per_token is None else self.load_s(int(tokens * per_token))
+        if load is not None:
+            patience = max(0.0, recompute - load)
         answer = self.lookup_seconds.value
         return 0.0 if answer is not None and answer > patience else patience
 
     def lookup_probe(self) -> bool:
-        """Whether the lookup starting now is a probe, waited for as long as recomputing
-        its tokens takes (every `probe_every`-th): lookups cut short by a slow store's
-        predicted load are never answered, and the store's speed is learnt only from
-        the loads answered lookups lead to."""
+        """Whether the lookup starting now is a probe (every `probe_every`-th): sent even
+        where its patience is 0, so that a store's lookup time is still measured (the
+        others are then not sent), and waited for as long as recomputing its tokens takes
+        where this store's lookups answer within that (its answer may then lead to a
+        load, from which the store's load speed is learnt again)."""
         self._lookups += 1
         return bool(self.probe_every) and self._lookups % self.probe_every == 0
 

@@ -3,9 +3,12 @@ de-duplication of loads and saves, the exit flush, and the policy fed from count
 
 from __future__ import annotations
 
+import asyncio
 import math
 import signal
 import threading
+import time
+from collections.abc import Sequence
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from connector.buffers import BufferPool
 from connector.exit_flush import ExitFlush
 from connector.inflight import InFlightLoads
 from hashing import Namespace
+from storage.memory import MemoryStore
 
 LAYOUT = ChunkLayout(layers=2, kv_heads=2, head_dim=8, chunk_tokens=16, dtype="float32")
 
@@ -138,5 +142,73 @@ def test_a_lookups_patience_counts_the_bytes_loads_delivered_before_any_plan_kne
         core.learn_from({"loads": 1, "hit_bytes": 64 << 20, "hit_tokens": 2048,
                          "load_seconds": 2.0})
         assert core.lookup_patience_s(2048, floor_s=0.005) == 0.0
+    finally:
+        core.close()
+
+
+class CountedStore(MemoryStore):
+    """A memory store that counts the lookups it is asked and answers them `delay_s` late
+    (a far bucket's round trips)."""
+
+    def __init__(self, delay_s: float = 0.0):
+        super().__init__()
+        self.delay_s = delay_s
+        self.asked = 0
+
+    async def exists(self, keys: Sequence[str]) -> list[bool]:
+        self.asked += 1
+        await asyncio.sleep(self.delay_s)
+        return await super().exists(keys)
+
+
+def counted_connector(store: CountedStore, policy: LoadPolicy) -> KVConnector:
+    ns = Namespace(model="m", dtype=LAYOUT.dtype, layout=LAYOUT.name, chunk_tokens=16)
+    return KVConnector(store, ns, layout=LAYOUT, policy=policy)
+
+
+def test_a_load_whose_start_and_end_are_reported_in_different_steps_is_learnt():
+    # vLLM's workers report their counters every step; an async load is counted as it
+    # starts and its bytes and time when it ends, steps later.
+    core = connector(policy=LoadPolicy(probe_every=0))
+    try:
+        core.learn_from({"loads": 1, "prefill_tokens": 1, "prefill_seconds": 0.02})
+        core.learn_from({"hit_bytes": 4 << 20, "hit_tokens": 2048, "loaded_chunks": 8,
+                         "load_seconds": 0.3})
+        assert core.policy.load_s(4 << 20) == pytest.approx(0.3)
+    finally:
+        core.close()
+
+
+def test_a_lookup_whose_hit_could_not_win_is_not_sent_but_for_a_probe():
+    store = CountedStore()
+    core = counted_connector(store, LoadPolicy(probe_every=2))
+    try:
+        core.learn_from({"prefill_tokens": 4096, "prefill_seconds": 0.4})
+        core.learn_from({"loads": 1, "hit_bytes": 64 << 20, "hit_tokens": 2048,
+                         "load_seconds": 2.0})  # slower than recomputing them
+        keys = [core.keys(np.arange(2048))[0]]
+        skipped = core.start_lookup(keys, 2048, floor_s=0.005)
+        assert skipped.answer() == 0 and not skipped.answered
+        assert store.asked == 0 and core.counters()["lookups_given_up"] == 1
+        probe = core.start_lookup(keys, 2048, floor_s=0.005)  # the 2nd: sent, and timed
+        assert probe.future.result(10) == 0 and store.asked == 1
+    finally:
+        core.close()
+
+
+def test_a_lookup_given_up_on_still_times_the_store_after_its_request_ends():
+    store = CountedStore(delay_s=0.3)
+    core = counted_connector(store, LoadPolicy(probe_every=0))
+    try:
+        core.learn_from({"prefill_tokens": 4096, "prefill_seconds": 0.02})  # recompute: ms
+        poll = core.start_lookup([core.keys(np.arange(2048))[0]], 2048, floor_s=0.0)
+        deadline = time.monotonic() + 10
+        while (answer := poll.answer()) is None and time.monotonic() < deadline:
+            poll.wait(0.05)
+        assert answer == 0 and core.counters()["lookups_given_up"] == 1
+        poll.cancel()  # the request ends
+        while core.policy.lookup_seconds.value is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.policy.lookup_seconds.value is not None
     finally:
         core.close()

@@ -239,3 +239,14 @@ def test_a_policy_that_loads_every_hit_waits_for_its_loads_up_to_the_ceiling():
     policy = LoadPolicy(adaptive=False, prior=PrefillPrior.of(LLAMA_TEST, "cpu"))
     forwards(policy, vllm_cpu_step, [1])
     assert policy.plan(8, CHUNK_TOKENS, 512 << 10).deadline_s == policy.max_wait_s
+
+
+def test_a_probe_is_not_waited_for_where_the_stores_lookups_outlast_the_recompute():
+    # A bucket 100 ms away and a 256-token prefix computed in 20 ms: the probe's answer
+    # cannot come in time to load, and waiting for it doubled that request's time.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=4)
+    forwards(policy, lambda n: 0.010 + n / 20000, [1, 257], times=2)
+    recompute = policy.recompute_s(CHUNK_TOKENS)
+    assert policy.lookup_patience_s(CHUNK_TOKENS, probe=True) == recompute  # none timed yet
+    policy.observe_lookup(0.2)
+    assert recompute < 0.05 and policy.lookup_patience_s(CHUNK_TOKENS, probe=True) == 0.0
