@@ -63,6 +63,19 @@ def _real_blocks(block_ids: list[int], first: int) -> list[int]:
     return [j for j in range(first, len(block_ids)) if block_ids[j] != NULL_BLOCK_ID]
 
 
+def _placed_runs(block_ids: list[int], first: int) -> list[tuple[int, int, int]]:
+    """(position in the chunk, first block id, count) of each run of consecutive blocks
+    to place from position `first` on, vLLM's null block left out."""
+    out: list[tuple[int, int, int]] = []
+    for j in _real_blocks(block_ids, first):
+        b = block_ids[j]
+        if out and out[-1][0] + out[-1][2] == j and out[-1][1] + out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((j, b, 1))
+    return out
+
+
 @dataclass
 class _Targets:
     """Where a chunk's part of one KV cache group goes: the positions in the chunk of its
@@ -394,6 +407,7 @@ class HeadMajorKv(PagedKv):
         self.layer_parts = []
         self.block_bytes = None
         self._flat = self._cpu_layers()
+        self._blocks = self._cpu_blocks()
         self.gpu = GpuPlacement()
 
     def layout(self) -> EngineLayout:
@@ -435,12 +449,67 @@ class HeadMajorKv(PagedKv):
                         kv.shape[3] * kv.shape[4] * size))
         return out
 
+    def _cpu_blocks(self) -> list[np.ndarray] | None:
+        """Per layer, its CPU cache as bytes `[blocks, heads, kv, block_size * head_dim]`
+        (a numpy view, built once): where `place` copies into (`_flat`'s condition)."""
+        if self._flat is None:
+            return None
+        out = []
+        for layer, (flat, (s_block, s_head, s_kv), unit) in zip(self.layers, self._flat,
+                                                              strict=True):
+            heads, n_kv = layer.block_shape[:2]
+            blocks = self.raw[layer.name].shape[0]
+            out.append(np.lib.stride_tricks.as_strided(
+                np.frombuffer(flat, dtype=np.uint8), (blocks, heads, n_kv, unit),
+                (s_block, s_head, s_kv, 1)))
+        return out
+
+    def place(self, chunk: ChunkRef, buf: torch.Tensor, only: int | None = None,
+              after: Any = None, stream: Any = None) -> None:
+        """`PagedKv.place`; into a CPU cache, one numpy copy per layer and run of blocks
+        between the block arrays built at registration and the staging seen block-major
+        (the tensor views `views` makes cost more per chunk than the bytes they copy)."""
+        if self._blocks is None or buf.device.type != "cpu":
+            super().place(chunk, buf, only, after, stream)
+            return
+        targets: dict[int, list[tuple[int, int, int]]] = {}
+        for i in range(len(self.layers)):
+            g = self.layer_group[i]
+            if g not in targets:
+                targets[g] = _placed_runs(chunk.ids(g), chunk.first)
+            if (only is None or only == i) and targets[g]:
+                dst, src = self._blocks[i], self._staged(buf, i)
+                for j, b, n in targets[g]:
+                    dst[b : b + n] = src[j : j + n]
+
+    def _staged(self, buf: torch.Tensor, i: int) -> np.ndarray:
+        """Layer i's part of a chunk's staging as bytes `[blocks, heads, kv, unit]` (a
+        numpy view of `[heads, kv, chunk_tokens, head_dim]`), the block arrays' shape."""
+        layer = self.layers[i]
+        heads, n_kv = layer.block_shape[:2]
+        off = self.layer_offsets[i]
+        return (buf.numpy()[off : off + self.segments[i]]
+                .reshape(heads, n_kv, self.chunk_blocks, -1).transpose(2, 0, 1, 3))
+
+    def copy_out(self, buf: torch.Tensor, block_ids: list[int], layer: int) -> bool:
+        """A whole chunk's share of one layer of a CPU KV cache copied into its place in
+        `buf`: one numpy copy per run of blocks, from the block arrays built at
+        registration; False where that does not apply (a GPU, a partial chunk)."""
+        if self._blocks is None or len(block_ids) != self.chunk_blocks:
+            return False
+        dst, src = self._staged(buf, layer), self._blocks[layer]
+        for j, b, n in _runs(block_ids):
+            dst[j : j + n] = src[b : b + n]
+        return True
+
     def destination(self, block_ids: list[int], only: int | None = None,
                     groups: list[list[int]] | None = None) -> list[memoryview] | None:
         """Byte views of `block_ids` in every layer (`only`: that layer) of a CPU KV cache,
         in the order of this rank's staging (per layer, head, K then V, block; adjacent
         ones merged); `groups`: every KV cache group's blocks, each layer taking its
-        group's. None on a GPU."""
+        group's. None on a GPU. A read straight into them costs a view per (layer, head,
+        K/V, block), yet less than a read into staging and a copy from it: that copy is a
+        second pass over every byte of the chunk, which is not in the CPU's caches."""
         if self._flat is None:
             return None
         out: list[memoryview] = []

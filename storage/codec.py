@@ -199,21 +199,30 @@ class ChunkHeader:
                 if xxhash.xxh3_64_intdigest(flat[at : at + size], seed=0) != checksum:
                     return False
             return True
-        # Many views (e.g. a KV cache's blocks read into place): each segment hashed as a
-        # stream over the views it spans, with no copy.
-        views = iter(parts)
-        view = memoryview(b"")
-        for s in covered:
-            _, need, checksum = self.segments[s]
-            whole = xxhash.xxh3_64(seed=0)
-            while need:
+        # Many views (e.g. a KV cache's blocks read into place, one per layer, head, K/V
+        # and block): each segment hashed as a stream over the views it spans, with no
+        # copy; a view inside what is left of a segment is hashed without being sliced.
+        segments = iter(covered)
+        _, need, checksum = self.segments[next(segments)]
+        whole = xxhash.xxh3_64(seed=0)
+        for view in parts:
+            while True:
+                n = view.nbytes
+                if n < need:
+                    whole.update(view)
+                    need -= n
+                    break
+                whole.update(view[:need] if n > need else view)
+                if whole.intdigest() != checksum:
+                    return False
+                view = view[need:]
+                following = next(segments, None)
+                if following is None:  # `length` is exactly the covered segments'
+                    break
+                _, need, checksum = self.segments[following]
+                whole = xxhash.xxh3_64(seed=0)
                 if not view.nbytes:
-                    view = next(views)
-                take = min(need, view.nbytes)
-                whole.update(view[:take])
-                view, need = view[take:], need - take
-            if whole.intdigest() != checksum:
-                return False
+                    break
         return True
 
     def segment_intact(self, s: int, parts: list[memoryview]) -> bool:

@@ -336,6 +336,33 @@ def test_a_chunk_loads_into_a_rank_of_another_tp_degree_bit_for_bit(split, tmp_p
             assert not t[[0, 2, 3, 4, 5, 7]].any()
 
 
+def test_a_chunk_is_placed_into_a_cpu_cache_with_no_tensor_view_made_per_chunk(monkeypatch):
+    """A verified chunk in staging is placed into vLLM's CPU cache (its blocks not
+    consecutive, the first one computed locally) bit for bit, other blocks untouched,
+    through byte arrays built at registration: no torch view is made per chunk (those
+    views, per layer, cost more than the chunk's copy); the same chunk placed whole
+    (TP=1 staging, as a chunk read over a network or not in the page cache is). vLLM's
+    CPU backend's split: K rows then V rows of a block, per head."""
+    split = "block"
+    cache = vllm_cache(split, seed=13)
+    src_blocks = [3, 4]
+    chunk = torch.frombuffer(bytearray(canonical_of(cache, split, src_blocks)), dtype=torch.uint8)
+    target = {n: torch.zeros_like(t) for n, t in cache.items()}
+    kv = head_major(target, split)
+
+    def no_views(*args, **kwargs):
+        raise AssertionError("a torch view made per chunk")
+
+    monkeypatch.setattr(torch.Tensor, "permute", no_views)
+    kv.place(ChunkRef(block_hash=b"x" * 32, token_bytes=b"", block_ids=[6, 1]), chunk)
+    kv.place(ChunkRef(block_hash=b"x" * 32, token_bytes=b"", block_ids=[5, 7], first=1), chunk)
+    monkeypatch.undo()
+    for name, t in target.items():
+        assert torch.equal(t[[6, 1]].view(torch.int16), cache[name][src_blocks].view(torch.int16))
+        assert torch.equal(t[7].view(torch.int16), cache[name][4].view(torch.int16))
+        assert not t[[0, 2, 3, 4, 5]].view(torch.int16).any()  # 5: computed locally
+
+
 def test_the_hf_adapter_stores_and_loads_the_canonical_payload(tmp_path: Path):
     """A transformers model's chunk holds, per layer and KV head, K then V of its tokens
     as the model computed them (the same format the vLLM connector writes); a fresh
