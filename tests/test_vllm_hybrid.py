@@ -327,3 +327,21 @@ def _empty_step():
         num_scheduled_tokens={}, total_num_scheduled_tokens=0,
         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
         finished_req_ids=set(), free_encoder_mm_hashes=[])
+
+
+def test_the_bench_reports_the_bytes_a_hit_needs_by_the_formula(tmp_path):
+    """`kvstash bench vllm`'s figure for a Gemma-3-shaped config (5 sliding layers with a
+    128-token window, 1 full): a hit of 8 chunks of 256 needs 8 full-attention parts and 1
+    chunk's 5 sliding parts, 13 of 48; the formula and `layers_needed` agree."""
+    import json
+
+    from bench.vllm import hit_bytes_needed
+
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "hidden_size": 256, "sliding_window": 128, "layer_types": types}))
+    got = hit_bytes_needed(tmp_path, "bfloat16", 2048, 256)
+    part = 256 * 2 * 2 * 64 * 2
+    assert got["layer_part_bytes"] == part and got["chunks_in_window"] == 1
+    assert got["needed_bytes"] == 13 * part and got["whole_bytes"] == 48 * part
