@@ -42,6 +42,13 @@ After each counted hit, the bench reads as many chunks of the same store with th
 own batched read (`get_into_many`, from its own client): the hit engine's loads (its
 `vllm:kvstash_hit_bytes` and `_load_seconds`, read, verified and placed into vLLM's KV
 cache) are reported against that rate.
+Each hit row reports the payload bytes read per hit and the bytes the hit needed
+(`hit_needed_bytes`: of a sliding-window layer only its part inside the window), and the
+result the figure `hit_bytes_needed` gives for the prompt. For a hybrid model (a sliding
+window beside full attention) two more engines, in-process so their KV cache manager can
+be read, report the blocks one request holds per KV cache group with vLLM alone (a miss)
+and with kvstash (a hit from the first store), once its prompt is computed and
+BLOCKS_DECODE_STEPS tokens later (`blocks_held`).
 `--concurrency` runs the same rounds with that many requests at once (throughput), and
 `--workload` sends a multi-turn or long-document stream to the baseline, the
 prefix-cache engine and a kvstash `file://` pair (alternating prompts between its two
@@ -70,7 +77,7 @@ import tempfile
 import textwrap
 import time
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,6 +100,7 @@ SAVE_TIMEOUT_S = 60.0
 # reservation (unless the environment sets one), so all compute on the same cores.
 RESERVED_CPUS = "1"
 FIRST_TOKEN_ID = 16  # leave the low ids (special tokens in real vocabularies) alone
+BLOCKS_DECODE_STEPS = 2  # a request's blocks held per group are read this many tokens on
 
 
 # -- the engine process ---------------------------------------------------------------------
@@ -148,6 +156,9 @@ def _engine_child(spec: dict[str, Any]) -> int:
     plain = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
     for line in sys.stdin:
         request = json.loads(line)
+        if "blocks" in request:
+            answers.write(json.dumps(_blocks_held(llm, request["blocks"])) + "\n")
+            continue
         prompts = [{"prompt_token_ids": ids} for ids in request["prompts"]]
         params = plain
         if request.get("kv_transfer_params") or request.get("max_tokens", 1) != 1:
@@ -186,6 +197,42 @@ def _ttft_parts(metrics: Any) -> dict[str, float]:
     if not (0 < queued <= scheduled <= first):
         return {}
     return {"held_s": scheduled - queued, "first_step_s": first - scheduled}
+
+
+def _blocks_held(llm: Any, prompt: list[int],
+                 decode_steps: int = BLOCKS_DECODE_STEPS) -> dict[str, Any]:
+    """The blocks one request of `prompt` holds in each KV cache group (not counting vLLM's
+    null block), from the engine's KV cache manager: once its prompt is computed, and
+    `decode_steps` tokens later. The engine steps it alone; its scheduler must be in this
+    process (`in_process`: VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
+    from vllm import SamplingParams
+
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    managers = scheduler.kv_cache_manager.coordinator.single_type_managers
+    req_id = f"blocks-{uuid.uuid4().hex[:8]}"  # vLLM may add to it: the one request here
+    params = SamplingParams(max_tokens=decode_steps + 2, temperature=0.0, detokenize=False,
+                            ignore_eos=True)
+    engine.add_request(req_id, {"prompt_token_ids": prompt}, params)
+    held: list[list[int]] = []  # per step once the prompt is computed
+    for _ in range(1000):  # a load in flight takes steps that compute nothing
+        engine.step()
+        req = next(iter(scheduler.requests.values()), None)
+        if req is None or req.num_computed_tokens >= len(prompt) + decode_steps:
+            break
+        if req.num_computed_tokens >= len(prompt):
+            held.append([sum(1 for b in m.req_to_blocks.get(req.request_id, [])
+                             if not b.is_null) for m in managers])
+    while engine.has_unfinished_requests():
+        engine.step()
+    groups = scheduler.kv_cache_config.kv_cache_groups
+    return {"groups": [type(g.kv_cache_spec).__name__ for g in groups],
+            "layers": [len(g.layer_names) for g in groups],
+            "after_prefill": held[0] if held else None,
+            "while_decoding": held[-1] if held else None,
+            "hybrid_manager": not engine.vllm_config.scheduler_config
+            .disable_hybrid_kv_cache_manager,
+            "kvstash": _kvstash_counters()}
 
 
 def _kvstash_counters() -> dict[str, float]:
@@ -234,6 +281,8 @@ class Engine:
         else:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB; vLLM's default takes most RAM
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", RESERVED_CPUS)
+        if self.spec.get("in_process"):  # its scheduler in the process, to be read
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         tp = self.spec.get("tensor_parallel_size", 1)
         if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
             # vllm-cpu's OpenMP threads of rank i on core i mod the cores (a 2-core host
@@ -278,6 +327,13 @@ class Engine:
         self.proc.stdin.write(line.encode())
         self.proc.stdin.flush()
         return self._read_line(REQUEST_TIMEOUT_S, "answering a request")
+
+    def blocks(self, prompt: np.ndarray) -> dict[str, Any]:
+        """The KV cache blocks a request of `prompt` holds per group (`_blocks_held`)."""
+        assert self.proc is not None and self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps({"blocks": [int(t) for t in prompt]}) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read_line(REQUEST_TIMEOUT_S, "holding a request's blocks")
 
     def _fail(self, why: str) -> None:
         tail = self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""
@@ -593,6 +649,40 @@ def _kv_bytes_per_token(model_dir: Path, dtype: str) -> int:
     return 2 * config["num_hidden_layers"] * kv_heads * head_dim * size
 
 
+def layer_windows(model_dir: Path) -> list[int | None]:
+    """Each layer's sliding window in tokens (None: full attention), from config.json
+    (`layer_types` where the model has them, else `sliding_window` for every layer)."""
+    config = json.loads((model_dir / "config.json").read_text())
+    window = config.get("sliding_window")
+    types = config.get("layer_types")
+    if types:
+        return [window if t == "sliding_attention" else None for t in types]
+    return [window] * config["num_hidden_layers"]
+
+
+def hit_bytes_needed(model_dir: Path, dtype: str, hit_tokens: int,
+                     chunk_tokens: int) -> dict[str, Any]:
+    """What a hit of `hit_tokens` (whole chunks) needs of its chunks: every full-attention
+    layer's part of every chunk, and a sliding layer's only in the chunks its window at
+    the hit's end overlaps (connector.vllm_groups.layers_needed, as vLLM keeps them)."""
+    from connector.vllm_groups import layers_needed
+
+    windows = layer_windows(model_dir)
+    chunks = hit_tokens // chunk_tokens
+    part = _kv_bytes_per_token(model_dir, dtype) // len(windows) * chunk_tokens
+    sliding = [w for w in windows if w is not None]
+    in_window = (min(chunks, -(-(sliding[0] - 1) // chunk_tokens)) if sliding else chunks)
+    parts = sum(map(len, layers_needed(chunks, chunk_tokens, windows)))
+    return {
+        "formula": "layer_part_bytes * (full_layers * chunks + sliding_layers * "
+                   "min(chunks, ceil((window - 1) / chunk_tokens)))",
+        "full_layers": len(windows) - len(sliding), "sliding_layers": len(sliding),
+        "window": sliding[0] if sliding else None, "chunks": chunks,
+        "chunks_in_window": in_window, "layer_part_bytes": part,
+        "needed_bytes": parts * part, "whole_bytes": chunks * len(windows) * part,
+    }
+
+
 KVSTASH_OFF = {"kvstash": {"load": False, "save": False}}  # kv_transfer_params
 
 
@@ -636,6 +726,16 @@ class Bench:
             engine(f"{s.scheme}-load", prefix_caching=False, store=s.load_url or s.url,
                    connector={"load_mode": args.load_mode,
                               **({"adaptive": False} if s.promoted_url else {})})
+        # A hybrid model (a sliding window beside full attention): the blocks a request
+        # holds per KV cache group, with kvstash (a hit from the first store) and with
+        # vLLM alone, from in-process engines' KV cache managers.
+        self.hybrid = any(w is not None for w in layer_windows(model_dir)) and bool(self.stores)
+        if self.hybrid:  # room for the decode steps it holds the request through
+            longer = max_model_len + BLOCKS_DECODE_STEPS + 2
+            engine("blocks-alone", prefix_caching=False, store=None, in_process=True,
+                   max_model_len=longer)
+            engine("blocks-kvstash", prefix_caching=False, store=self.stores[0].url,
+                   in_process=True, connector={"adaptive": False}, max_model_len=longer)
         self.watch: StoreWatch | None = None
         self.counters: dict[str, dict[str, float]] = {}  # per engine, after its last answer
 
@@ -738,6 +838,37 @@ class Bench:
                         row.store_read_bytes += nbytes
         return rows
 
+    def blocks_held(self) -> dict[str, Any] | None:
+        """A hybrid model's KV cache blocks one request holds per group: vLLM alone (a
+        miss, no connector) and kvstash (a hit of a prompt the first store's saving engine
+        saved, in a fresh process); whether they are within one block per group while it
+        decodes, and whether kvstash never holds more than one block over vLLM alone (right
+        after its prefill, a miss still holds its sliding groups' blocks outside the window,
+        which vLLM frees a step later; a hit holds the window alone from the start)."""
+        if not self.hybrid:
+            return None
+        store = self.stores[0]
+        prompt, _ = self._prompt_pair()
+        self._send(f"{store.scheme}-save", [prompt])
+        alone = self.engines["blocks-alone"].blocks(prompt)
+        kvstash = self.engines["blocks-kvstash"].blocks(prompt)
+
+        def apart(stage: str, most: Callable[[int, int], bool]) -> bool:
+            a, k = alone[stage], kvstash[stage]
+            return (a is not None and k is not None
+                    and all(most(x, y) for x, y in zip(a, k, strict=True)))
+
+        within = apart("while_decoding", lambda a, k: abs(a - k) <= 1)
+        no_more = all(apart(s, lambda a, k: k <= a + 1)
+                      for s in ("after_prefill", "while_decoding"))
+        counters = kvstash.pop("kvstash")
+        alone.pop("kvstash")
+        return {"store": store.label, "prompt_tokens": len(prompt), "vllm_alone": alone,
+                "kvstash": {**kvstash, "hit_bytes": counters.get("hit_bytes", 0),
+                            "hit_needed_bytes": counters.get("hit_needed_bytes", 0)},
+                "within_one_block_per_group_while_decoding": within,
+                "kvstash_holds_at_most_one_more_per_group": no_more}
+
     def workload(self, prompts: Sequence[np.ndarray], store: BenchStore) -> list[Row]:
         """Each prompt in turn to the baseline, the prefix-cache engine and one of the two
         kvstash engines of `store` (alternating), in rotating order; saves land between."""
@@ -799,10 +930,25 @@ def summarize(rows: dict[str, Row], batch: int, tokens: int) -> list[dict[str, A
             r["prefix_cache_cached_tokens"] = min(ideal.cached_tokens, default=0)
             r["ttft_vs_prefix_cache_with_connector"] = _paired(
                 row.ttft_s, rows["noop-prefix-cache"].ttft_s)
+            r.update(_hit_bytes(row, batch))
             if batch == 1:  # concurrent loads overlap: their times do not add up to a rate
                 r.update(_load_rates(row))
         out.append(r)
     return out
+
+
+def _hit_bytes(row: Row, batch: int) -> dict[str, Any]:
+    """Payload bytes a hit engine read per hit (a request that loaded any chunk) over the
+    counted rounds, and the bytes those hits needed (of a sliding-window layer only its
+    part inside the window)."""
+    requests = sum(1 for n in row.cached_tokens if n > 0)
+
+    def per_hit(name: str) -> float:
+        total = row.counters_after.get(name, 0.0) - row.counters_before.get(name, 0.0)
+        return total / requests if requests else 0.0
+
+    return {"read_bytes_per_hit": per_hit("hit_bytes"),
+            "needed_bytes_per_hit": per_hit("hit_needed_bytes")}
 
 
 def _load_rates(row: Row) -> dict[str, Any]:
@@ -951,6 +1097,31 @@ def format_table(single: list[dict[str, Any]], title: str) -> str:
     return out
 
 
+def format_hit_bytes(single: list[dict[str, Any]], needed: dict[str, Any],
+                     held: dict[str, Any] | None) -> str:
+    """Bytes each hit read and needed, and (a hybrid model) blocks held per group."""
+    lines = [f"a hit of {needed['chunks']} chunks needs {needed['needed_bytes']:,} bytes "
+             f"({needed['full_layers']} full-attention layers x {needed['chunks']} chunks + "
+             f"{needed['sliding_layers']} sliding layers x {needed['chunks_in_window']} "
+             f"in the window, {needed['layer_part_bytes']:,} bytes a layer part; whole "
+             f"chunks {needed['whole_bytes']:,})"]
+    for r in single:
+        if r["kind"] == "hit":
+            lines.append(f"  {r['name']}: read {r['read_bytes_per_hit']:,.0f} bytes a hit, "
+                         f"needed {r['needed_bytes_per_hit']:,.0f}")
+    if held is not None:
+        for who in ("vllm_alone", "kvstash"):
+            h = held[who]
+            lines.append(f"  blocks held per group ({', '.join(h['groups'])}), {who}: after "
+                         f"the prefill {h['after_prefill']}, while decoding "
+                         f"{h['while_decoding']}")
+        lines.append(f"  within one block per group while decoding: "
+                     f"{held['within_one_block_per_group_while_decoding']}; kvstash never "
+                     f"holds more than one block over vLLM alone: "
+                     f"{held['kvstash_holds_at_most_one_more_per_group']}")
+    return "\n".join(lines)
+
+
 def _gb(nbytes: float) -> str:
     return f"{nbytes / 1e9:.3f} GB"
 
@@ -1083,6 +1254,7 @@ def run(args: argparse.Namespace) -> int:
                 if args.concurrency > 0 and args.batches > 0:
                     concurrent = summarize(bench.rounds(args.concurrency, args.batches, 0),
                                            args.concurrency, args.cached_tokens + 1)
+                held = bench.blocks_held()
                 flow = None
                 if workload and any(s.scheme == "file" for s in stores):
                     store = next(s for s in stores if s.scheme == "file")
@@ -1103,6 +1275,9 @@ def run(args: argparse.Namespace) -> int:
         if flow:
             print()
             print(format_workload(flow))
+        needed = hit_bytes_needed(model_dir, args.dtype, args.cached_tokens, args.chunk_tokens)
+        print()
+        print(format_hit_bytes(single, needed, held))
         result = {
             "command": "bench vllm", "title": title, "model": model_desc, "dtype": args.dtype,
             "vllm": info["vllm"], "block_size": block,
@@ -1117,6 +1292,7 @@ def run(args: argparse.Namespace) -> int:
             "engine_start_s": bench.start_s,
             "targets": {"hit_vs_prefix_cache": HIT_TARGET, "miss_cost": MISS_TARGET},
             "single": single, "concurrent": concurrent, "workload": flow,
+            "hit_bytes": needed, "blocks_held": held,
         }
         if args.json:
             write_json(args.json, result)

@@ -155,6 +155,18 @@ class InPlaceTarget(LoadTarget, Protocol):
         failure."""
 
 
+class LeanTarget(LoadTarget, Protocol):
+    """A `LoadTarget` that needs only some of each chunk's byte ranges."""
+
+    def wanted(self, i: int) -> Sequence[int] | None:
+        """The ranges of chunk i the engine needs, as indices into the layout's
+        `read_spans`, in order (None: every one), e.g. no sliding-window layer outside the
+        window at the hit's end. Where ranged reads are in use (`partial_reads`), only
+        those are read and verified; the staging bytes of the others are left as they are,
+        so `place(i)` must copy nothing of them anywhere the engine reads. Called on the
+        thread that starts the load, for every chunk."""
+
+
 class SegmentInPlaceTarget(Protocol):
     """A `SegmentTarget` that can also take segment s of chunk i where it finally goes."""
 
@@ -196,6 +208,9 @@ class LoadHandle:
         self.deadline = started
         self.stalled = False
         self.fetch: concurrent.futures.Future[None] | None = None
+        # Bytes read of each chunk where a load reads some of its ranges (`LeanTarget`);
+        # None: every chunk's `staging_nbytes` (or its whole payload).
+        self.nbytes: list[int] | None = None
 
     def done(self) -> bool:
         return self.fetch is None or self.fetch.done()
@@ -836,9 +851,13 @@ class KVConnector:
         gives it, else into staging, then `target.place(i)`). The rest are read by the
         store's plan on its loop (`DirectReads` through ChunkIO, else `PlainGets`), each
         verified and placed (`target.place(i)`) on the I/O thread that read it, as it
-        lands, in any order. Past the first chunk that cannot be used no further read
-        starts. Chunks not placed by the deadline fail, and `handle.stalled` says a read
-        may still write their staging. A bypassed store (the breaker), or staging the
+        lands, in any order. A `LeanTarget` that needs only some ranges of some chunks
+        (a sliding-window layer outside the window) has, where ranged reads are in use,
+        every chunk read by range instead (`RangeReads`: its header, then the ranges it
+        needs, each checked against its segments), and nothing else of it is read. Past
+        the first chunk that cannot be used no further read starts. Chunks not placed by
+        the deadline fail, and `handle.stalled` says a read may still write their staging.
+        A bypassed store (the breaker), or staging the
         engine cannot give, starts nothing and fails every chunk. Poll `handle.done()`;
         `handle.result()` says which chunks were placed."""
         return self._start_load(list(keys), list(tokens), target, deadline_s, place_on_io=True)
@@ -924,8 +943,15 @@ class KVConnector:
         layout = self._require_layout()
         handle = LoadHandle(len(keys), time.monotonic())
         placer = target if place_on_io else None
+        wanted = self._wanted(target, len(keys), layout)
+        if wanted is not None:
+            spans = layout.read_spans
+            handle.nbytes = [sum(spans[s][1] for s in w) for w in wanted]
 
         def fetch(dests: Sequence[Any]) -> Coroutine[Any, Any, None] | None:
+            if wanted is not None:  # each chunk's ranges the engine needs, nothing else
+                return self._spans.fetch(keys, tokens, dests, handle, layout, placer, 0,
+                                         wanted)
             first = self._read_here(keys, tokens, dests, layout,
                                     None if placer is None else placer.place,
                                     lambda i, ok: _resolve(handle.chunks[i], ok), placer)
@@ -938,6 +964,18 @@ class KVConnector:
             return plan.fetch(keys, tokens, dests, handle, layout, placer, first)
 
         return self._start(handle, target, deadline_s, self.chunk_io is None, fetch)
+
+    def _wanted(self, target: LoadTarget, n: int, layout: ChunkLayout | EngineLayout
+                ) -> list[list[int]] | None:
+        """Per chunk, the ranges of it a `LeanTarget` needs, where ranged reads are in use
+        (`partial_reads`) and some chunk needs fewer than all; None: the load reads as
+        any other (whole chunks, or this reader's ranges of every one)."""
+        ask = getattr(target, "wanted", None)  # LeanTarget's runtime check, without its cost
+        if self._spans_whole or not callable(ask):
+            return None
+        every = list(range(len(layout.read_spans)))
+        wanted = [every if (w := ask(i)) is None else list(w) for i in range(n)]
+        return wanted if any(len(w) < len(every) for w in wanted) else None
 
     def resident(self, keys: Sequence[str]) -> bool:
         """Whether every chunk of `keys` would be read from the page cache on the thread that
@@ -1009,8 +1047,13 @@ class KVConnector:
         layout = self._require_layout()
         elapsed = time.monotonic() - handle.started
         # what this reader read of each chunk: its ranges, or all of it where read whole
-        nbytes = placed * (layout.payload_nbytes if self._spans_whole and layout.partial
-                           else layout.staging_nbytes)
+        if handle.nbytes is not None:  # the ranges each chunk's engine needed
+            got = [i for i, f in enumerate(handle.chunks)
+                   if f.done() and not f.cancelled() and f.result()][:placed]
+            nbytes = sum(handle.nbytes[i] for i in got)
+        else:
+            nbytes = placed * (layout.payload_nbytes if self._spans_whole and layout.partial
+                               else layout.staging_nbytes)
         if placed == planned or handle.stalled:
             self.policy.observe_load(nbytes, elapsed)
         self._count(hit_tokens=placed * self.chunk_tokens, hit_bytes=nbytes,

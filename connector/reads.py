@@ -296,7 +296,8 @@ class ChunkReads(Protocol):
 
     def fetch(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
               handle: LoadHandle, layout: Layout, placer: LoadTarget | None,
-              first: int) -> Coroutine[Any, Any, None]: ...
+              first: int, wanted: Sequence[Sequence[int]] | None = None
+              ) -> Coroutine[Any, Any, None]: ...
 
     def fetch_segments(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
                        handle: SegmentLoad, layout: Layout, target: SegmentTarget,
@@ -316,15 +317,17 @@ class PlainGets:
 
     async def fetch(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
                     handle: LoadHandle, layout: Layout, placer: LoadTarget | None,
-                    first: int) -> None:
+                    first: int, wanted: Sequence[Sequence[int]] | None = None) -> None:
         """Every chunk with one batched store call; each verified as it lands, on the
         store's I/O thread, placed there too when `placer` is given, and its future
         resolved there, so nobody waits on a hop through the loop; past the first chunk
         that cannot be used no further read is started. The deadline resolves what is left
-        as failed."""
+        as failed. `wanted`: per chunk, the indices of the layout's `read_spans` to read
+        (`LeanTarget`), by `_fetch_spans`."""
         done = handle.chunks
-        if layout.partial:
-            await self._fetch_spans(keys, tokens, dests, handle, layout, placer, first)
+        if layout.partial or wanted is not None:
+            await self._fetch_spans(keys, tokens, dests, handle, layout, placer, first,
+                                    wanted)
             return
 
         def landed(j: int, header: ChunkHeader | None, why: str | None = None) -> bool:
@@ -354,13 +357,17 @@ class PlainGets:
 
     async def _fetch_spans(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
                            handle: LoadHandle, layout: Layout, placer: LoadTarget | None,
-                           first: int) -> None:
+                           first: int, wanted: Sequence[Sequence[int]] | None = None
+                           ) -> None:
         """A reader of part of each chunk (`layout.partial`: a tensor-parallel rank's
-        heads): per chunk its header, then its ranges (`_read_spans`), each checked
-        against the segments it covers, packed into staging and placed. Chunks after
-        the first that cannot be used are not read."""
+        heads; `wanted`: per chunk, the indices of those ranges it needs): per chunk its
+        header, then its ranges (`_read_spans`), each checked against the segments it
+        covers, in their places in staging, and placed. Chunks after the first that
+        cannot be used are not read."""
         done = handle.chunks
-        spans = staged_spans(layout)
+        staged = staged_spans(layout)
+        spans = [staged if wanted is None else [staged[s] for s in wanted[i]]
+                 for i in range(len(keys))]
         gate = asyncio.Semaphore(self.ctx.max_in_flight)
         failed = [len(keys)]  # the first chunk that could not be used
 
@@ -368,7 +375,8 @@ class PlainGets:
             ok = False
             async with gate:
                 if i < failed[0] and not done[i].done():
-                    ok = await self._read_spans(keys[i], tokens[i], dests[i], layout, spans)
+                    ok = await self._read_spans(keys[i], tokens[i], dests[i], layout,
+                                                spans[i])
             if ok and placer is not None:
                 ok = await asyncio.to_thread(self._place, keys[i], placer, i)
             if not ok:
@@ -509,7 +517,8 @@ class RangeReads(PlainGets):
     async def _read_spans(self, key: str, tokens: Any, dest: Any, layout: Layout,
                           spans: list[tuple[int, int, int]]) -> bool:
         """The header, then each of `spans` ranged into its place in `dest`, each checked
-        against the segments it covers (nothing else of the chunk is read)."""
+        against the segments it covers (nothing else of the chunk is read). Spans that
+        follow each other in the payload and in staging are read as one range."""
         ctx = self.ctx
         header = await self.ranges.read_header(key)
         if not ctx.accept(key, tokens, None, layout, header):
@@ -521,20 +530,33 @@ class RangeReads(PlainGets):
                         key, ctx.store)
             return False
         out = host_view(dest)
+        runs = merged_spans(spans)
         got = await asyncio.gather(*(
             self.ranges.read_range_into(key, header, off, out[at : at + size])
-            for off, size, at in spans))
+            for off, size, at in runs))
         if not all(got):
             ctx.count(load_misses=1)
             return False
         try:
-            for off, size, at in spans:
+            for off, size, at in runs:
                 header.verify_span(off, out[at : at + size])
         except ChunkError as exc:
-            ctx.count(verify_failures=1)
-            log.warning("chunk %s from %s rejected: %s", key, ctx.store, exc)
+            self._rejected(key, exc)
             return False
         return True
+
+    def _rejected(self, key: str, exc: ChunkError) -> None:
+        """A range of `key` failed its checksums: counted, logged, and told to a store
+        that quarantines what its readers reject (a file:// directory's `record_read`),
+        so the chunk is written again, whole, by the next engine that computes it."""
+        self.ctx.count(verify_failures=1)
+        log.warning("chunk %s from %s rejected: %s", key, self.ctx.store, exc)
+        record = getattr(self.ranges, "record_read", None)
+        if callable(record):
+            try:
+                record(key, None, corrupt=str(exc))
+            except Exception as err:  # noqa: BLE001 - a quarantine that fails: still a miss
+                log.warning("chunk %s from %s not quarantined: %s", key, self.ctx.store, err)
 
     async def fetch_segments(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
                              handle: SegmentLoad, layout: Layout, target: SegmentTarget,
@@ -563,8 +585,7 @@ class RangeReads(PlainGets):
             try:
                 header.verify_span(off, dests[i][at : at + size])
             except ChunkError as exc:
-                ctx.count(verify_failures=1)
-                log.warning("chunk %s from %s rejected: %s", keys[i], ctx.store, exc)
+                self._rejected(keys[i], exc)
                 return False
             if handle.alive(i):
                 target.place_segment(i, s)
@@ -646,6 +667,19 @@ def staged_spans(layout: Layout) -> list[tuple[int, int, int]]:
     for off, size in layout.read_spans:
         out.append((off, size, at))
         at += size
+    return out
+
+
+def merged_spans(spans: Sequence[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """`spans` ((payload offset, length, staging offset), in order) with each run that
+    follows on in both the payload and staging made one span: one read, one check of the
+    segments it covers."""
+    out: list[tuple[int, int, int]] = []
+    for off, size, at in spans:
+        if out and out[-1][0] + out[-1][1] == off and out[-1][2] + out[-1][1] == at:
+            out[-1] = (out[-1][0], out[-1][1] + size, out[-1][2])
+        else:
+            out.append((off, size, at))
     return out
 
 

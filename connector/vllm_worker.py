@@ -97,7 +97,12 @@ class _ChunkTarget:
         # Per chunk, the layers (payload order) the hit needs (`layers_needed`): a
         # sliding-window layer's part of a chunk outside the window at the hit's end is
         # placed nowhere (its blocks are vLLM's null block).
-        self.layers = worker.layers_needed(len(chunks))
+        self.needed = worker.layers_needed(len(chunks))
+        # What is read of each chunk (`wanted`): those layers, and any other whose group
+        # holds a block of the chunk that is not the null block (none where vLLM keeps
+        # the window alone): no block vLLM keeps for the request is left unread.
+        self.layers = [sorted(set(needed) | worker.layers_holding(chunk))
+                       for chunk, needed in zip(chunks, self.needed, strict=True)]
         self.kind = kind or worker.core.staging_kind(worker._device())
         self.bufs: dict[int, torch.Tensor] = {}
         self.after = worker._step_began  # on a GPU: placements wait for work queued before
@@ -111,6 +116,13 @@ class _ChunkTarget:
     def staging(self, i: int) -> torch.Tensor:
         self.bufs[i] = self.worker._take_buffer(self.kind)
         return self.bufs[i]
+
+    def wanted(self, i: int) -> list[int] | None:
+        """The layers of chunk i to read (connector.core.LeanTarget: one range of the
+        payload a layer, so a layer's index is its range's); None: all of them. The
+        others' staging bytes are placed nowhere: their blocks are all the null block."""
+        layers = self.layers[i]
+        return None if len(layers) == len(self.worker._kv) else layers
 
     def place(self, i: int) -> None:  # on an I/O thread, as chunk i lands
         self.worker._paged().place(self.chunks[i], self.bufs[i], after=self.after)
@@ -224,6 +236,19 @@ class KvstashWorker:
             return [[] for _ in range(chunks)]
         names = [layer.name for layer in self.cache.layers]
         return layers_needed(chunks, self.chunk_tokens, self.settings.groups.layer_windows(names))
+
+    def layers_holding(self, chunk: ChunkRef) -> set[int]:
+        """The layers (payload order) whose KV cache group holds a block of `chunk`, from
+        its `first` on, that is not vLLM's null block (every layer of a model with one
+        group)."""
+        if self.cache is None:
+            return set()
+        groups = self.cache.layer_group
+        if not chunk.groups:
+            return set(range(len(groups)))
+        held = {g for g in set(groups)
+                if any(b != NULL_BLOCK_ID for b in chunk.ids(g)[chunk.first :])}
+        return {i for i, g in enumerate(groups) if g in held}
 
     def keys(self, chunks: list[ChunkRef], rank: int) -> list[str]:
         """Store keys of `chunks` in `rank`'s key space."""
@@ -406,7 +431,7 @@ class KvstashWorker:
         `get_block_ids_with_load_errors` (vLLM recomputes them)."""
         if self.cache is not None:
             segments = self.cache.segments
-            needed = [layers for layers, good in zip(target.layers, ok, strict=True) if good]
+            needed = [layers for layers, good in zip(target.needed, ok, strict=True) if good]
             self.core.count(hit_needed_bytes=sum(segments[i] for ls in needed for i in ls))
         if self.settings.groups.fails_whole_requests:
             if not all(ok):

@@ -652,15 +652,16 @@ def test_a_gemma3_shaped_model_keeps_vllms_hybrid_manager_and_hits_across_proces
     """vLLM's hybrid KV cache manager stays on with kvstash (the engine's config says so).
     A fresh process loads FULL's 3 chunks and continues exactly like A's own prefix
     cache. A hit needs a sliding layer only inside the window at its end (the last
-    block, in chunk 2): 3 full-attention parts and 3 sliding parts of 12."""
+    block, in chunk 2): 3 full-attention parts and 3 sliding parts of 12, and reads no
+    more than those."""
     a, b = gemma3.a, gemma3.b
     assert a.hybrid_manager and b.hybrid_manager
     assert [g.num_cached_tokens for g in a.generations[:2]] == [0, 3 * CHUNK]
     assert b.generations[0].num_cached_tokens == 3 * CHUNK, b.log[-4000:]
     same_output(a.generations[1], b.generations[0])
     part = CHUNK * 2 * 2 * 64 * 2  # tokens, K|V, KV heads, head dim, bf16
-    assert b.metrics["vllm:kvstash_hit_bytes"] == 3 * 4 * part
     assert b.metrics["vllm:kvstash_hit_needed_bytes"] == 6 * part
+    assert 0 < b.metrics["vllm:kvstash_hit_bytes"] <= b.metrics["vllm:kvstash_hit_needed_bytes"]
     assert "quarantined" not in b.log and len(stored_chunks(gemma3.store)) == 6
 
 

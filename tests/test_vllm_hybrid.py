@@ -102,8 +102,8 @@ def test_a_hit_places_each_layer_into_its_groups_blocks_and_the_window_alone(tmp
     outside the window at the hit's end (blocks 0-2 of 6 with a 40-token window, as
     vLLM's SlidingWindowManager pads them), its full group real blocks everywhere. Each
     layer's part of a chunk lands in its own group's blocks; no layer writes another
-    group's blocks or the null block; the bytes the hit needs (3 full-attention parts, 2
-    sliding ones) are counted."""
+    group's blocks or the null block; the hit reads the bytes it needs (3 full-attention
+    parts, 2 sliding ones: not chunk 0's sliding part) and no others."""
     url = f"file://{tmp_path}/kv"
     config = hybrid_kv_cache_config(window=40)
     writer = V1Engine(url, kv_cache_config=config, chunk_tokens=CHUNK_TOKENS)
@@ -139,7 +139,52 @@ def test_a_hit_places_each_layer_into_its_groups_blocks_and_the_window_alone(tmp
     assert not sliding[r_full].any() and not full[r_sliding[3:]].any()
     assert (sliding[0] == 7).all() and (full[0] == 7).all()
     part = CHUNK_TOKENS * 2 * 16 * 2  # one layer of one chunk: K|V x 16 wide x bf16
-    assert counters["hit_bytes"] == 6 * part and counters["hit_needed_bytes"] == 5 * part
+    assert counters["hit_bytes"] == counters["hit_needed_bytes"] == 5 * part
+
+
+def test_a_sliding_layer_of_a_chunk_outside_the_window_is_never_read(tmp_path):
+    """Chunk 0's sliding-layer part flipped in its file (a 40-token window at the end of a
+    96-token hit leaves chunk 0's sliding blocks to vLLM's null block): the hit reads
+    around it, whole and exact; read whole, the chunk would fail its checksum and the
+    request would be a miss."""
+    from storage.codec import decode_header
+
+    root = tmp_path / "kv"
+    config = hybrid_kv_cache_config(window=40)
+    writer = V1Engine(f"file://{root}", kv_cache_config=config, chunk_tokens=CHUNK_TOKENS)
+    reader = V1Engine(f"file://{root}", kv_cache_config=config, chunk_tokens=CHUNK_TOKENS)
+    w_sliding, w_full = [1, 2, 3, 4, 5, 6], [11, 12, 13, 14, 15, 16]
+    r_sliding, r_full = [0, 0, 0, 7, 8, 9], [21, 22, 23, 24, 25, 26]
+    try:
+        write_hybrid_prompt(writer, w_sliding, w_full)
+        path = next(p for p in root.rglob("*.kv")
+                    if decode_header(p.read_bytes()).matches_tokens(PROMPT[:CHUNK_TOKENS]))
+        data = bytearray(path.read_bytes())
+        data[decode_header(bytes(data)).header_len] ^= 0xFF  # chunk 0's layer 0 (sliding)
+        path.chmod(0o644)
+        path.write_bytes(bytes(data))
+        req = make_request(PROMPT)
+        assert reader.lookup(req) == (96, True)
+        reader.scheduler.update_state_after_alloc(req, group_blocks(r_sliding, r_full), 96)
+        done: set[str] = set()
+
+        def step() -> bool:
+            _, recving, errors = reader.step()
+            assert errors == set()
+            done.update(recving)
+            return req.request_id in done
+
+        wait_until(step)
+        counters = reader.worker.counters
+    finally:
+        writer.shutdown()
+        reader.shutdown()
+    assert counters["verify_failures"] == counters["failed_chunks"] == 0
+    assert counters["loaded_chunks"] == 3
+    for r, w in zip(r_full, w_full, strict=True):
+        assert torch.equal(reader.kv["layers.1.attn"][r], writer.kv["layers.1.attn"][w])
+    for r, w in zip(r_sliding[3:], w_sliding[3:], strict=True):
+        assert torch.equal(reader.kv["layers.0.attn"][r], writer.kv["layers.0.attn"][w])
 
 
 def test_a_chunk_is_not_saved_with_a_sliding_block_vllm_freed_and_handed_to_another(tmp_path):
@@ -282,3 +327,21 @@ def _empty_step():
         num_scheduled_tokens={}, total_num_scheduled_tokens=0,
         scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
         finished_req_ids=set(), free_encoder_mm_hashes=[])
+
+
+def test_the_bench_reports_the_bytes_a_hit_needs_by_the_formula(tmp_path):
+    """`kvstash bench vllm`'s figure for a Gemma-3-shaped config (5 sliding layers with a
+    128-token window, 1 full): a hit of 8 chunks of 256 needs 8 full-attention parts and 1
+    chunk's 5 sliding parts, 13 of 48; the formula and `layers_needed` agree."""
+    import json
+
+    from bench.vllm import hit_bytes_needed
+
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    (tmp_path / "config.json").write_text(json.dumps({
+        "num_hidden_layers": 6, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 64, "hidden_size": 256, "sliding_window": 128, "layer_types": types}))
+    got = hit_bytes_needed(tmp_path, "bfloat16", 2048, 256)
+    part = 256 * 2 * 2 * 64 * 2
+    assert got["layer_part_bytes"] == part and got["chunks_in_window"] == 1
+    assert got["needed_bytes"] == 13 * part and got["whole_bytes"] == 48 * part
