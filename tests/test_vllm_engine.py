@@ -53,9 +53,9 @@ from tests.vllm_engine_fixtures import (  # noqa: E402
 )
 
 # Part of the default suite. An engine process takes 30-60 s on a loaded 2-core machine
-# and the first test of a module also starts the one its fixtures share: past the
-# suite's 300 s default when the machine is busy.
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+# and the first test of a module also starts the ones its fixtures share (`own_stores`:
+# nine engines, two at a time): past the suite's 300 s default when the machine is busy.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url
 
 CHUNK = 256
@@ -417,20 +417,30 @@ def preempt_then_load(model: Path, store: str) -> SimpleNamespace:
 
 @pytest.fixture(scope="module")
 def own_stores(model, tmp_path_factory: pytest.TempPathFactory):
-    """Runs on stores of their own, two at a time: a sliding-window Mistral and an MLA
-    DeepSeek-V3, each saved by its process A and read by a fresh process B
-    (`save_then_load`), and the Llama under preemption (`preempt_then_load`)."""
+    """Runs on stores (and models) of their own, two at a time, each lane in order, the
+    longest first: the Gemma-3-shaped model's three engines (`gemma3_runs`); an MLA
+    DeepSeek-V3 and a sliding-window Mistral, each saved by its process A and read by a
+    fresh process B (`save_then_load`); the Llama under preemption (`preempt_then_load`);
+    the Mamba-2 hybrid (`mamba2_run`)."""
     swa, mla = tmp_path_factory.mktemp("swa"), tmp_path_factory.mktemp("mla")
     pre = tmp_path_factory.mktemp("preempt")
+    g3, mamba = tmp_path_factory.mktemp("gemma3"), tmp_path_factory.mktemp("mamba2")
+    # the models are built here, one after the other (each seeds torch's global generator)
+    gemma3_model, mla_model = build_tiny_gemma3(g3 / "model"), build_tiny_mla(mla / "model")
+    swa_model, mamba2_model = (build_tiny_sliding_window(swa / "model"),
+                               build_tiny_granite4(mamba / "model"))
     # MLA: vLLM's reference MLA backend for CPUs, which every x86 CPU runs (where AMX is
     # there, vLLM picks another by default); vLLM's CPU platform turns its own prefix
     # cache off for MLA, and A turns it back on for the reference
-    mla_runs, swa_runs, preempted = side_by_side(
-        partial(save_then_load, build_tiny_mla(mla / "model"), f"file://{mla}/kv",
-                prefix_caching=True, tensor_parallel_size=2, attention_backend="CPU_MLA"),
-        partial(save_then_load, build_tiny_sliding_window(swa / "model"), f"file://{swa}/kv"),
-        partial(preempt_then_load, model, f"file://{pre}/kv"))
-    return SimpleNamespace(swa=swa_runs, mla=mla_runs, preempted=preempted)
+    gemma3_runs_, mla_runs, swa_runs, preempted, mamba2 = side_by_side(
+        partial(gemma3_runs, gemma3_model, g3),
+        partial(save_then_load, mla_model, f"file://{mla}/kv", prefix_caching=True,
+                tensor_parallel_size=2, attention_backend="CPU_MLA"),
+        partial(save_then_load, swa_model, f"file://{swa}/kv"),
+        partial(preempt_then_load, model, f"file://{pre}/kv"),
+        partial(mamba2_run, mamba2_model, mamba))
+    return SimpleNamespace(swa=swa_runs, mla=mla_runs, preempted=preempted,
+                           gemma3=gemma3_runs_, mamba2=mamba2)
 
 
 def test_a_sliding_window_model_hits_across_processes(own_stores):
@@ -632,20 +642,24 @@ def test_pd_a_decode_instance_loads_what_the_prefill_instance_stored_before_its_
     assert "P/D prefill saves" not in (tmp_path / "prefill.log").read_text()
 
 
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory):
-    """A Gemma-3-shaped model (3 layers with a 128-token window, 1 full-attention layer;
+def gemma3_runs(model: Path, root: Path) -> SimpleNamespace:
+    """`model`, a Gemma-3-shaped model (3 layers with a 128-token window, 1 full-attention layer;
     vLLM's hybrid manager keeps them in 4 KV cache groups), one engine at a time: A computes
     FULL (saves its 3 chunks), FULL again (from its own prefix cache: the reference of a
     hit) and CORRUPT (saves it: the reference of a miss); CORRUPT's second chunk is
     damaged; fresh processes B (FULL) and C (CORRUPT) read them."""
-    root = tmp_path_factory.mktemp("gemma3")
-    model, store = build_tiny_gemma3(root / "model"), f"file://{root}/kv"
+    store = f"file://{root}/kv"
     a = run_engine(model, store, [FULL, FULL, CORRUPT], chunk_tokens=CHUNK)
     damage_second_chunk_of_corrupt(root / "kv")
     b = run_engine(model, store, [FULL], chunk_tokens=CHUNK)
     c = run_engine(model, store, [CORRUPT], chunk_tokens=CHUNK)
     return SimpleNamespace(a=a, b=b, c=c, store=store)
+
+
+@pytest.fixture(scope="module")
+def gemma3(own_stores):
+    """`gemma3_runs`, in a lane of `own_stores`."""
+    return own_stores.gemma3
 
 
 def test_a_gemma3_shaped_model_keeps_vllms_hybrid_manager_and_hits_across_processes(gemma3):
@@ -676,12 +690,20 @@ def test_a_corrupt_chunk_of_a_gemma3_shaped_model_is_a_miss_with_the_right_outpu
     assert all(stored_chunks(gemma3.store).values())
 
 
-def test_a_mamba2_hybrid_starts_with_kvstash_off_and_says_why(tmp_path):
+def mamba2_run(model: Path, root: Path) -> SimpleNamespace:
+    """A Granite-4-shaped Mamba-2 hybrid's engine: one 100-token prompt (of its own
+    generator: the lane runs beside others that draw from `_rng`)."""
+    own = random.Random(19)
+    prompt = [own.randrange(3, VOCAB) for _ in range(100)]
+    run = run_engine(model, f"file://{root}/kv", [prompt], chunk_tokens=CHUNK)
+    return SimpleNamespace(run=run, root=root)
+
+
+def test_a_mamba2_hybrid_starts_with_kvstash_off_and_says_why(own_stores):
     """A Granite-4-shaped Mamba-2 hybrid: its SSM state is not stored, so kvstash stays
     out of its way: the engine starts with vLLM's hybrid manager on, says in one line
     that kvstash is off for the model and why, and saves nothing."""
-    model = build_tiny_granite4(tmp_path / "model")
-    run = run_engine(model, f"file://{tmp_path}/kv", [_tokens(100)], chunk_tokens=CHUNK)
+    run, root = own_stores.mamba2.run, own_stores.mamba2.root
     assert run.hybrid_manager and len(run.generations[0].token_ids) == 8
     assert run.log.count("kvstash is off for") == 1 and "MambaSpec" in run.log
-    assert not list(tmp_path.rglob("*.kv"))
+    assert not list(root.rglob("*.kv"))

@@ -76,7 +76,7 @@ def test_a_second_engine_hits_the_local_tier_without_asking_the_bucket_even_when
             partial(run_engine, model, _store(root, refused), [FIRST, SECOND],
                     **LOAD_EVERY_HIT),
             partial(run_engine, model, _store(root, stalled.endpoint), [FIRST, SECOND],
-                    **LOAD_EVERY_HIT))
+                    **LOAD_EVERY_HIT), width=3)
         assert counted.requests == before, counted.methods  # no HEAD, no GET, no PUT
         for run in (b, c, d):
             assert [g.num_cached_tokens for g in run.generations] == [2 * CHUNK] * 2

@@ -93,7 +93,7 @@ def loaders(model, writers):
         partial(run_engine, model, f"file://{writers.dir1}", [NEXT], chunk_tokens=CHUNK,
                 tensor_parallel_size=2, kv_pieces=True),
         partial(run_engine, model, f"file://{damaged}", [NEXT], chunk_tokens=CHUNK,
-                tensor_parallel_size=2))
+                tensor_parallel_size=2), width=3)
     return SimpleNamespace(tp1=l1, tp2=l2, damaged=l3)
 
 

@@ -240,7 +240,7 @@ def count_chunks(store: str | list[str]) -> int:
 
 
 def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | dict], *,
-               max_tokens: int = 8, logprobs: int = 5, timeout: float = 300,
+               max_tokens: int = 8, logprobs: int = 5, timeout: float = 600,
                kv_events: dict[str, Any] | None = None, multi: bool = False,
                async_scheduling: bool = False, prefix_caching: bool = False,
                tensor_parallel_size: int = 1, attention_backend: str | None = None,
@@ -252,7 +252,8 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
     core each; `attention_backend`: vLLM's, by name, instead of the platform's choice;
     `kv_blocks`: the KV cache's blocks, vLLM's `num_gpu_blocks_override`, at least
     `max_model_len` / 128 + 1; `kv_pieces`: after the prompts, `kv_pieces` of every
-    worker rank)."""
+    worker rank; `timeout`: the whole process's, its start included, which takes
+    minutes beside other engines on a busy 2-core machine)."""
     config = (multi_connector_config if multi else kv_transfer_config)(store, **extra)
     with tempfile.TemporaryDirectory(prefix="kvstash-engine-") as tmp:
         result = Path(tmp) / "result.json"
@@ -289,15 +290,17 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
 T = TypeVar("T")
 
 
-def side_by_side(*runs: Callable[[], T]) -> list[T]:
-    """Independent engine runs (or sequences of them), two at a time; their results in
-    order. An engine's start is mostly Python imports, one core at a time in each of its
-    three processes: on 2 cores two engines side by side took 1.05x one engine's time
-    (36 s against 35 s), three 1.6x. That is without vLLM's OpenMP binding (`nobind`),
-    which these tests do not measure: with it every worker imports most of vLLM pinned to
-    the first core of its list (GOMP_CPU_AFFINITY binds the thread that loads torch), the
-    same core for every engine, and two took 1.4x, three 2.3x."""
-    with ThreadPoolExecutor(2) as pool:
+def side_by_side(*runs: Callable[[], T], width: int = 2) -> list[T]:
+    """Independent engine runs (or sequences of them), `width` at a time, in the order
+    given (the longest sequence first keeps every lane busy); their results in order. An
+    engine's start is mostly Python imports, one core at a time in each of its three
+    processes: on 2 cores two engines side by side took 1.05x one engine's time (36 s
+    against 35 s), three 1.6x (so three runs at once beat two and then one alone). That
+    is without vLLM's OpenMP binding (`nobind`), which these tests do not measure: with
+    it every worker imports most of vLLM pinned to the first core of its list
+    (GOMP_CPU_AFFINITY binds the thread that loads torch), the same core for every
+    engine, and two took 1.4x, three 2.3x."""
+    with ThreadPoolExecutor(width) as pool:
         return [f.result() for f in [pool.submit(run) for run in runs]]
 
 
