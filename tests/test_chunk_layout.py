@@ -60,26 +60,7 @@ class Staging:
         pass
 
 
-pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url
-
-
-@pytest.fixture(params=["memory", "file", "s3", "http"])
-def store_url(request, tmp_path: Path):
-    """memory://, file://, s3:// (moto on loopback: ranged GETs) and http:// (a kvserver
-    over a directory: Range requests)."""
-    if request.param == "memory":
-        yield "memory://"
-    elif request.param == "file":
-        yield f"file://{tmp_path}/kv"
-    elif request.param == "s3":
-        from tests.s3_fixtures import with_prefix
-
-        yield with_prefix(request.getfixturevalue("moto_s3_url"))
-    else:
-        from tests.kvserver_fixtures import running_kvserver
-
-        with running_kvserver("--store", f"file://{tmp_path}/served") as server:
-            yield server.url
+pytest_plugins = ("tests.ranged_store_fixtures",)  # store_url: memory, file, s3, http
 
 
 def test_the_payload_is_head_major_with_one_segment_per_layer_and_head():

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -32,24 +31,7 @@ SENTINEL = 0xA5  # staging bytes no read wrote
 # and 2, chunk 2 every layer.
 WANTED = [[2], [1, 2], None]
 
-pytest_plugins = ("tests.s3_fixtures",)  # moto_s3_url
-
-
-@pytest.fixture(params=["memory", "file", "s3", "http"])
-def store_url(request, tmp_path: Path):
-    if request.param == "memory":
-        yield "memory://"
-    elif request.param == "file":
-        yield f"file://{tmp_path}/kv"
-    elif request.param == "s3":
-        from tests.s3_fixtures import with_prefix
-
-        yield with_prefix(request.getfixturevalue("moto_s3_url"))
-    else:
-        from tests.kvserver_fixtures import running_kvserver
-
-        with running_kvserver("--store", f"file://{tmp_path}/served") as server:
-            yield server.url
+pytest_plugins = ("tests.ranged_store_fixtures",)  # store_url: memory, file, s3, http
 
 
 def payload(i: int) -> np.ndarray:

@@ -97,6 +97,19 @@ def write_hybrid_prompt(engine: V1Engine, sliding: list[int], full: list[int]):
     assert engine.worker.flush()
 
 
+def load_until_done(reader: V1Engine, req) -> None:
+    """Step `reader` until `req`'s load is reported done, with no load errors."""
+    done: set[str] = set()
+
+    def step() -> bool:
+        _, recving, errors = reader.step()
+        assert errors == set()
+        done.update(recving)
+        return req.request_id in done
+
+    wait_until(step)
+
+
 def test_a_hit_places_each_layer_into_its_groups_blocks_and_the_window_alone(tmp_path):
     """A reader with the hybrid manager on: its sliding group holds vLLM's null block
     outside the window at the hit's end (blocks 0-2 of 6 with a 40-token window, as
@@ -118,15 +131,7 @@ def test_a_hit_places_each_layer_into_its_groups_blocks_and_the_window_alone(tmp
         ext, is_async = reader.lookup(req)
         assert (ext, is_async) == (96, True)
         reader.scheduler.update_state_after_alloc(req, group_blocks(r_sliding, r_full), ext)
-        done: set[str] = set()
-
-        def step() -> bool:
-            _, recving, errors = reader.step()
-            assert errors == set()
-            done.update(recving)
-            return req.request_id in done
-
-        wait_until(step)
+        load_until_done(reader, req)
         counters = reader.worker.counters
     finally:
         writer.shutdown()
@@ -166,15 +171,7 @@ def test_a_sliding_layer_of_a_chunk_outside_the_window_is_never_read(tmp_path):
         req = make_request(PROMPT)
         assert reader.lookup(req) == (96, True)
         reader.scheduler.update_state_after_alloc(req, group_blocks(r_sliding, r_full), 96)
-        done: set[str] = set()
-
-        def step() -> bool:
-            _, recving, errors = reader.step()
-            assert errors == set()
-            done.update(recving)
-            return req.request_id in done
-
-        wait_until(step)
+        load_until_done(reader, req)
         counters = reader.worker.counters
     finally:
         writer.shutdown()
