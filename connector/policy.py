@@ -112,6 +112,11 @@ DEVICE_PRIOR = {"cpu": (1e12, 0.02), "cuda": (1e15, 0.02)}
 # noise more than by their tokens: a 1-token and a 3-token suffix step say nothing of 256).
 FIT_SPAN = 8
 RATE_TOKENS = 1024  # the prompt length a reported token rate is for (attention grows with it)
+# A store's speed (its loads, its lookups) is judged from at least this many of its
+# operations, the lower median of the last JUDGE_KEEP: a first request that pays for a
+# connection, a thread pool or a cold cache does not turn later hits into recomputes.
+JUDGE_MIN_SAMPLES = 2
+JUDGE_KEEP = 8
 
 
 @dataclass(frozen=True)
@@ -287,8 +292,10 @@ class LoadPolicy:
         # far bucket's one-chunk load is nearly all of it), its slope the bandwidth.
         self.loads = PrefillModel(alpha)
         self._stalls = Ewma(alpha)  # 1 for a load that delivered nothing, else 0
-        # Seconds from a lookup's start to the store's answer, given up on or not.
-        self.lookup_seconds = Ewma(alpha)
+        # Seconds from a lookup's start to the store's answer, given up on or not: the
+        # last `JUDGE_KEEP`, judged by their lower median once there are JUDGE_MIN_SAMPLES.
+        self._lookup_seconds: deque[float] = deque(maxlen=JUDGE_KEEP)
+        self._loads_seen = 0
         self.wait_factor = wait_factor
         self.min_wait_s = min_wait_s
         self.max_wait_s = max_wait_s
@@ -313,6 +320,7 @@ class LoadPolicy:
         if tokens > 0 and nbytes > 0:
             self._loaded_bytes_per_token = nbytes / tokens
         if seconds > 0:
+            self._loads_seen += 1
             self.store_bytes_per_s.add(nbytes / seconds)
             self._stalls.add(0.0 if nbytes else 1.0)
             self.loads.add(nbytes, seconds)
@@ -329,8 +337,10 @@ class LoadPolicy:
     def load_s(self, nbytes: int) -> float | None:
         """A load of `nbytes`: fixed cost plus bytes over bandwidth, fitted to loads of
         several sizes (`PrefillModel` over bytes), and slower by recent stalls (a load that
-        delivered nothing); inf after stalls alone; None before any load."""
-        if self.store_bytes_per_s.value is None:
+        delivered nothing); inf after stalls alone; None before JUDGE_MIN_SAMPLES loads
+        (a store's first request often pays for a connection and threads to start: one
+        slow load alone must not make every later hit a recompute)."""
+        if self._loads_seen < JUDGE_MIN_SAMPLES:
             return None
         fit = self.loads.estimate()
         stalled = self._stalls.value or 0.0
@@ -360,8 +370,21 @@ class LoadPolicy:
 
     def observe_lookup(self, seconds: float) -> None:
         """How long a lookup took the store to answer (also one given up on meanwhile).
-        Any thread: one float assignment."""
-        self.lookup_seconds.add(seconds)
+        Any thread: one append to a bounded deque."""
+        self._lookup_seconds.append(seconds)
+
+    @property
+    def lookups_timed(self) -> int:
+        """How many recent lookups' times are held (at most JUDGE_KEEP)."""
+        return len(self._lookup_seconds)
+
+    def lookup_s(self) -> float | None:
+        """How long this store's lookups take: the lower median of the recent ones, None
+        before JUDGE_MIN_SAMPLES (a cold first lookup alone does not stop lookups)."""
+        recent = sorted(self._lookup_seconds)
+        if len(recent) < JUDGE_MIN_SAMPLES:
+            return None
+        return recent[(len(recent) - 1) // 2]
 
     def lookup_patience_s(self, tokens: int, probe: bool = False) -> float | None:
         """How long a lookup of `tokens` is worth waiting for: a hit found after that
@@ -378,7 +401,7 @@ class LoadPolicy:
         load = None if probe or per_token is None else self.load_s(int(tokens * per_token))
         if load is not None:
             patience = max(0.0, recompute - load)
-        answer = self.lookup_seconds.value
+        answer = self.lookup_s()
         return 0.0 if answer is not None and answer > patience else patience
 
     def lookup_probe(self) -> bool:

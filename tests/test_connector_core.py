@@ -214,10 +214,12 @@ def test_policy_loads_when_the_store_beats_recompute_and_declines_otherwise():
     assert policy.plan(4, 16, 1 << 20).chunks == 4  # nothing measured yet: optimistic
     policy.observe_prefill(1000, 1.0)  # 1000 tokens/s: 4 chunks recompute in 64 ms
     policy.observe_load(1 << 30, 1.0)  # 1 GiB/s: 4 MiB load in 4 ms
+    policy.observe_load(1 << 30, 1.0)
     assert policy.plan(4, 16, 1 << 20).reason == "load"
     slow = LoadPolicy(probe_every=3)
     slow.observe_prefill(1000, 1.0)
     slow.observe_load(1 << 20, 1.0)  # 1 MiB/s: 4 s to load what recomputes in 64 ms
+    slow.observe_load(1 << 20, 1.0)
     reasons = [slow.plan(4, 16, 1 << 20).reason for _ in range(3)]
     assert reasons == ["declined", "declined", "probe"]
     assert not LoadPolicy(adaptive=False).plan(4, 16, 1 << 20).reason == "declined"
@@ -234,6 +236,7 @@ def test_policy_deadline_is_bounded_by_the_recompute_it_saves():
 def test_the_connector_declines_a_hit_that_would_load_slower_than_recompute():
     conn = saved(connector(policy=LoadPolicy(probe_every=0)))
     conn.policy.observe_prefill(10**9, 1.0)  # an engine that recomputes 1e9 tokens/s
+    conn.policy.observe_load(1, 1.0)
     conn.policy.observe_load(1, 1.0)
     plan = conn.plan(conn.lookup(TOKENS))
     assert plan.chunks == 0 and conn.stats()["declined_tokens"] == 160

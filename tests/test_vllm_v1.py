@@ -887,11 +887,13 @@ def test_the_policy_declines_stored_chunks_that_load_slower_than_a_recompute(tmp
     reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
     try:
         write_prompt(writer, list(range(1, 8)))
-        # the reader's workers measured loads at 1 MB/s and prefill at 10,000 tokens/s
-        reader.scheduler.update_connector_output(worker_stats(
-            loads=1, loaded_chunks=1, hit_bytes=10**6, load_seconds=1.0,
-            prefill_tokens=10_000, prefill_seconds=1.0,
-        ))
+        # the reader's workers measured two loads at 1 MB/s (a store is judged from two)
+        # and prefill at 10,000 tokens/s
+        for _ in range(2):
+            reader.scheduler.update_connector_output(worker_stats(
+                loads=1, loaded_chunks=1, hit_bytes=10**6, load_seconds=1.0,
+                prefill_tokens=10_000, prefill_seconds=1.0,
+            ))
         assert reader.lookup(make_request(PROMPT)) == (0, False)
         counters = reader.scheduler.counters
     finally:
