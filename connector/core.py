@@ -853,8 +853,11 @@ class KVConnector:
         verified and placed (`target.place(i)`) on the I/O thread that read it, as it
         lands, in any order. A `LeanTarget` that needs only some ranges of some chunks
         (a sliding-window layer outside the window) has, where ranged reads are in use,
-        every chunk read by range instead (`RangeReads`: its header, then the ranges it
-        needs, each checked against its segments), and nothing else of it is read. Past
+        every chunk read by range instead: its header, then the ranges it needs, each
+        checked against its segments, into staging, then placed; nothing else of it is
+        read. The leading chunks whose header and those ranges are in the page cache are
+        read so here (`ResidentReads`, `read_resident_spans_into`), the rest on the loop
+        (`RangeReads`). Past
         the first chunk that cannot be used no further read starts. Chunks not placed by
         the deadline fail, and `handle.stalled` says a read may still write their staging.
         A bypassed store (the breaker), or staging the
@@ -949,19 +952,18 @@ class KVConnector:
             handle.nbytes = [sum(spans[s][1] for s in w) for w in wanted]
 
         def fetch(dests: Sequence[Any]) -> Coroutine[Any, Any, None] | None:
-            if wanted is not None:  # each chunk's ranges the engine needs, nothing else
-                return self._spans.fetch(keys, tokens, dests, handle, layout, placer, 0,
-                                         wanted)
+            # `wanted`: each chunk's ranges the engine needs, nothing else.
             first = self._read_here(keys, tokens, dests, layout,
                                     None if placer is None else placer.place,
-                                    lambda i, ok: _resolve(handle.chunks[i], ok), placer)
+                                    lambda i, ok: _resolve(handle.chunks[i], ok), placer,
+                                    wanted=wanted)
             if first == len(keys):  # all read here: no hop through the loop
                 if placer is not None:
                     ok = [f.result() for f in handle.chunks]
                     self._account(handle, sum(ok), len(ok))
                 return None
-            plan = self._spans if layout.partial else self._whole
-            return plan.fetch(keys, tokens, dests, handle, layout, placer, first)
+            plan = self._spans if layout.partial or wanted is not None else self._whole
+            return plan.fetch(keys, tokens, dests, handle, layout, placer, first, wanted)
 
         return self._start(handle, target, deadline_s, self.chunk_io is None, fetch)
 
@@ -992,13 +994,17 @@ class KVConnector:
     def _read_here(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
                    layout: ChunkLayout | EngineLayout, place: Callable[[int], None] | None,
                    settle: Callable[[int, bool], None], target: Any = None,
-                   placed: Callable[[int], None] | None = None) -> int:
+                   placed: Callable[[int], None] | None = None,
+                   wanted: list[list[int]] | None = None) -> int:
         """`ResidentReads.read_here` of the leading chunks, for host staging (one target's
-        staging is all for the GPU, or none); 0 where there is no such plan."""
+        staging is all for the GPU, or none); 0 where there is no such plan. A reader of
+        part of each chunk (`layout.partial`) is read here only by `wanted` ranges."""
         resident = self._here()
-        if resident is None or not keys or layout.partial or for_gpu(dests[0]):
+        if (resident is None or not keys or (layout.partial and wanted is None)
+                or for_gpu(dests[0])):
             return 0
-        return resident.read_here(keys, tokens, dests, layout, place, settle, target, placed)
+        return resident.read_here(keys, tokens, dests, layout, place, settle, target, placed,
+                                  wanted)
 
     def _start(self, handle: H, target: LoadTarget, deadline_s: float | None,
                host: bool, fetch: Callable[[Sequence[Any]], Any], lazy: bool = False) -> H:

@@ -4,8 +4,8 @@
 for each way of reading it has, as a reference typed by that capability:
 
 - `ResidentReads` (`SupportsResidentReads`: a local file:// directory): the leading chunks
-  whose bytes are all in the page cache, read on the thread that starts the load, with no
-  hand-off to an I/O thread; `LayerFileReads`, a local directory's layer-pipelined loads,
+  whose bytes are all in the page cache (a lean load's: whose header and wanted ranges
+  are), read on the thread that starts the load, with no hand-off to an I/O thread; `LayerFileReads`, a local directory's layer-pipelined loads,
   on the layers thread beside the engine's forward (or on the engine's thread before it).
 - `DirectReads` (`SupportsDirectReads`: ChunkIO, into buffers on any device), `RangeReads`
   (`SupportsRangeReads`: a header, then each layer's byte range) and `PlainGets` (any
@@ -125,31 +125,50 @@ class ResidentReads:
     def read_here(self, keys: list[str], tokens: list[Any], dests: Sequence[Any],
                   layout: Layout, place: Callable[[int], None] | None,
                   settle: Callable[[int, bool], None], target: Any = None,
-                  placed: Callable[[int], None] | None = None) -> int:
+                  placed: Callable[[int], None] | None = None,
+                  wanted: Sequence[Sequence[int]] | None = None) -> int:
         """Read, verify and `place` the leading chunks all in the page cache, up to
         RESIDENT_LOAD_BYTES, and `settle(i, placed)` each. Where `target` is an
         `InPlaceTarget` that gives chunk i's destination (and `place` is given), the chunk
         is read straight there instead of into its staging buffer, and `placed(i)` runs in
-        place of `place(i)`. Returns how many leading chunks have their answer (all of them
-        once one failed); the rest are read by the loop's plan. The caller does not call
-        this for a GPU's staging: its host has the cores to read in parallel, and a large
-        hit is bandwidth, not hand-offs (docs/benchmarks/2026-11-27-gpu.md)."""
+        place of `place(i)`. `wanted` (a `LeanTarget`'s): per chunk, the indices of the
+        layout's `read_spans` to read; only those (header and ranges in the page cache)
+        are read, each into its place in staging, checked against its segments, then
+        `place(i)` (`read_resident_spans_into`). Returns how many leading chunks have their
+        answer (all of them once one failed); the rest are read by the loop's plan. The
+        caller does not call this for a GPU's staging: its host has the cores to read in
+        parallel, and a large hit is bandwidth, not hand-offs
+        (docs/benchmarks/2026-11-27-gpu.md)."""
         budget = RESIDENT_LOAD_BYTES
         # What InPlaceTarget's runtime check asks, without its cost.
-        in_place = place is not None and callable(getattr(target, "destination", None))
+        in_place = (wanted is None and place is not None
+                    and callable(getattr(target, "destination", None)))
+        staged = staged_spans(layout) if wanted is not None else []
         for i, key in enumerate(keys):
-            if budget < layout.payload_nbytes:
-                return i
+            parts = None
             try:
-                parts = target.destination(i) if in_place else None
-                got = self.store.read_resident_into(key, host_view(dests[i]) if parts is None
-                                                    else parts)
+                if wanted is not None:
+                    runs = merged_spans([staged[s] for s in wanted[i]])
+                    nbytes = sum(size for _, size, _ in runs)
+                    if budget < nbytes:
+                        return i
+                    out = host_view(dests[i])
+                    got = self.store.read_resident_spans_into(
+                        key, [(off, size) for off, size, _ in runs],
+                        [out[at : at + size] for _, size, at in runs])
+                else:
+                    nbytes = layout.payload_nbytes
+                    if budget < nbytes:
+                        return i
+                    parts = target.destination(i) if in_place else None
+                    got = self.store.read_resident_into(
+                        key, host_view(dests[i]) if parts is None else parts)
             except Exception as exc:  # noqa: BLE001 - the normal path reads it (or fails)
                 log.debug("resident read of %s failed: %s", key, exc)
                 return i
             if not isinstance(got, tuple):  # NOT_RESIDENT
                 return i
-            budget -= layout.payload_nbytes
+            budget -= nbytes
             header, why = got  # the store checked the payload, as direct reads do
             then = place if parts is None else placed
             ok = self.ctx.usable(key, tokens[i], None, layout, header, why,

@@ -143,6 +143,14 @@ class SupportsResidentReads(Protocol):
         (None, why) with `why` "missing", "corrupt" or "io"; else NOT_RESIDENT, having
         read nothing: the caller reads the chunk the normal way."""
 
+    def read_resident_spans_into(self, key: str, spans: Sequence[tuple[int, int]],
+                                 outs: Sequence[Any]
+                                 ) -> tuple[ChunkHeader | None, str | None] | _NotResident:
+        """`read_resident_into` of part of a chunk: its header, then payload bytes
+        [offset, offset + length) of each of `spans` (runs of whole segments) into
+        `outs[j]`, each checked against the segments it covers; nothing else of the chunk
+        is read. NOT_RESIDENT unless the header and every span are in the page cache."""
+
     def open_segments(self, key: str) -> tuple[SegmentFile | None, str | None] | _NotResident:
         """Blocking, on the calling thread, and only where it cannot wait on a network:
         `key`'s chunk open for reads of its payload by segment (`SegmentFile.head`, then

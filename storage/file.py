@@ -1103,6 +1103,81 @@ class FileStore(Store):
             self._count_get(None if got[0] is None else got[0].total_len)
         return got
 
+    def read_resident_spans_into(self, key: str, spans: Sequence[tuple[int, int]],
+                                 outs: Sequence[Any]) -> tuple[ChunkHeader | None, str | None] | Any:
+        """See SupportsResidentReads: payload bytes [offset, offset + length) of each of
+        `spans` (each a run of whole segments) into `outs[j]` (one buffer of that length
+        each) on the calling thread, only where the store's directory is local and the
+        header and every span are in the page cache (else NOT_RESIDENT: the caller reads
+        them the normal way). Nothing else of the chunk is read. Each span is checked against the segments it
+        covers unless this very file was verified whole before; accounted as
+        `read_resident_into`: a corrupt file is quarantined, a span that is not a run of
+        whole segments (no segment checksums, another layout) is a miss ("corrupt")."""
+        if not self._local:
+            return NOT_RESIDENT
+        check_key(key)
+        views = [memoryview(o).cast("B") for o in outs]
+        opened = self._open_for_read(key)
+        if opened is None:
+            self._count_get(None)
+            return None, "missing"
+        fd, path = opened
+        all_cached = self.residency.all_cached
+        try:
+            st = os.fstat(fd)
+            known = self.known_header(key, st)
+            # Spans follow a header of HEADER_SIZE until the header says otherwise (a
+            # longer one: checked again once read).
+            base = HEADER_SIZE if known is None else known.header_len
+            if (all_cached(fd, 0, min(base, st.st_size)) is not True
+                    or any(all_cached(fd, base + off, size) is not True for off, size in spans)):
+                return NOT_RESIDENT
+            header, read = known, -1
+            if header is None:
+                head = bytearray(HEADER_SIZE)
+                # The header and a first span at the payload's start in one read.
+                with_first = bool(spans) and spans[0][0] == 0
+                got = read_parts_at(fd, [memoryview(head), *(views[:1] if with_first else [])], 0)
+                try:
+                    header = decode_header(head, key)
+                    read = 0 if with_first and got == HEADER_SIZE + views[0].nbytes else -1
+                except TruncatedHeader:
+                    header = _read_header(fd, key)
+                if header.header_len != base and any(
+                        all_cached(fd, header.header_len + off, size) is not True
+                        for off, size in spans):
+                    return NOT_RESIDENT
+            if st.st_size != header.total_len:
+                raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
+            if not header.aligned(spans) or any(
+                    v.nbytes != size for v, (_, size) in zip(views, spans, strict=True)):
+                self._count_get(None)
+                return None, "corrupt"  # not this reader's to judge: left alone
+            for j, ((off, size), view) in enumerate(zip(spans, views, strict=True)):
+                if j != read and read_into_at(fd, view, header.header_len + off) != size:
+                    raise ChunkError("short read")
+                if known is None and not header.span_intact(off, [view]):
+                    raise ChunkError(f"payload bytes at {off} fail their segment checksums "
+                                     f"for {key}")
+            if known is None and sum(size for _, size in spans) == header.payload_len:
+                self.note_verified(key, st, header)
+        except ChunkError as exc:
+            self._quarantine(key, path, str(exc))
+            self._count_get(None)
+            return None, "corrupt"
+        except OSError as exc:
+            if exc.errno in _MISS_ERRNOS:
+                self._count_get(None)
+                return None, "missing"
+            self.counters["errors"] += 1
+            self._count_get(None)
+            return None, "io"
+        finally:
+            os.close(fd)
+        self._touch(key, path, st)
+        self._count_get(header.total_len)
+        return header, None
+
     def open_segments(self, key: str) -> tuple[SegmentFile | None, str | None] | Any:
         """See SupportsResidentReads: `key`'s chunk file open for reads by segment on the
         calling thread, or (None, "missing"); NOT_RESIDENT for a directory that is not

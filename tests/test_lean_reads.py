@@ -10,6 +10,7 @@ hit needs, and a hybrid engine's blocks): tests/test_vllm_hybrid.py.
 from __future__ import annotations
 
 import contextlib
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -20,7 +21,9 @@ import pytest
 from connector import KVConnector
 from connector.layout import CanonLayout
 from hashing import Namespace, chunk_keys
-from storage.codec import decode_header
+from storage.codec import HEADER_SIZE, decode_header
+from storage.file import FileStore
+from tests.pagecache_fixtures import DeclaredResidency
 
 LAYERS, HEADS, DIM, CHUNK = 3, 2, 8, 32
 CANONICAL = CanonLayout(((HEADS, 2, DIM),) * LAYERS, CHUNK, "bfloat16")
@@ -46,12 +49,14 @@ class LeanStaging:
         self.bufs = [np.full(CANONICAL.payload_nbytes, SENTINEL, dtype=np.uint8)
                      for _ in wanted]
         self.placed: list[int] = []
+        self.threads: set[int] = set()
 
     def staging(self, i: int) -> np.ndarray:
         return self.bufs[i]
 
     def place(self, i: int) -> None:
         self.placed.append(i)
+        self.threads.add(threading.get_ident())
 
     def wanted(self, i: int) -> list[int] | None:
         return self.want[i]
@@ -90,6 +95,71 @@ def test_a_lean_load_reads_the_layers_each_chunk_needs_and_nothing_else(store_ur
                 assert set(layer(target.bufs[i], s)) == {SENTINEL}
     assert counters["hit_bytes"] == (1 + 2 + 3) * PART
     assert counters["verify_failures"] == 0
+
+
+def cached_reader(root: Any, residency: DeclaredResidency
+                  ) -> tuple[KVConnector, list[str], list[Any]]:
+    """A ranged reader of TOKENS' 3 chunks in a file:// store, saved by a writer; the
+    reader's page cache is as `residency` declares it."""
+    ns = Namespace(model="test/lean", dtype="bfloat16", layout=CANONICAL.name,
+                   chunk_tokens=CHUNK, salt=uuid.uuid4().hex)
+    keys = chunk_keys(TOKENS, ns)
+    with KVConnector(f"file://{root}", ns, layout=CANONICAL.reader()) as writer:
+        writer.save(TOKENS, payload)
+        assert writer.flush(10)
+    reader = KVConnector(FileStore(root, residency=residency), ns, layout=CANONICAL.reader(),
+                         partial_reads="ranges")
+    return reader, keys, [TOKENS[i * CHUNK : (i + 1) * CHUNK] for i in range(len(keys))]
+
+
+def test_a_lean_load_of_page_cached_chunks_reads_only_their_wanted_ranges_on_the_callers_thread(
+        tmp_path):
+    """Chunks of a local directory in the page cache: a lean load reads each chunk's
+    header and wanted ranges on the thread that starts it (the page-cache plan, counted in
+    `resident_chunks`), places them before `load_async` returns, and never needs the
+    ranges it does not want: those are declared out of the page cache (a read of them
+    would have to wait on the disk) and left unread."""
+    residency = DeclaredResidency()
+    reader, keys, tokens = cached_reader(tmp_path / "kv", residency)
+    with reader:
+        for i, want in enumerate(WANTED):
+            for s in range(LAYERS):
+                if want is not None and s not in want:
+                    residency.drop(reader.store.chunk_path(keys[i]), HEADER_SIZE + s * PART,
+                                   PART)
+        target = LeanStaging(WANTED)
+        handle = reader.load_async(keys, tokens, target)
+        assert handle.done() and handle.result(0) == [True] * 3  # no hop through the loop
+        counters = reader.counters()
+    assert target.placed == [0, 1, 2] and target.threads == {threading.get_ident()}
+    for i, want in enumerate(WANTED):
+        for s in range(LAYERS):
+            if want is None or s in want:
+                assert layer(target.bufs[i], s) == layer(payload(i), s)
+            else:
+                assert set(layer(target.bufs[i], s)) == {SENTINEL}
+    assert counters["resident_chunks"] == 3
+    assert counters["hit_bytes"] == (1 + 2 + 3) * PART
+
+
+def test_a_page_cached_range_a_lean_load_needs_that_is_damaged_is_a_miss_and_quarantined(
+        tmp_path):
+    """A flipped byte in a wanted range of chunk 1, read from the page cache on the
+    caller's thread: chunk 1 and those after it are a miss, the file is quarantined (the
+    next engine that computes the chunk writes it again), and chunk 0 is placed."""
+    reader, keys, tokens = cached_reader(tmp_path / "kv", DeclaredResidency())
+    with reader:
+        path = reader.store.chunk_path(keys[1])
+        data = bytearray(path.read_bytes())
+        data[decode_header(bytes(data), keys[1]).header_len + PART + 5] ^= 0xFF
+        path.chmod(0o644)
+        path.write_bytes(bytes(data))
+        target = LeanStaging(WANTED)
+        assert reader.load_async(keys, tokens, target).result(10) == [True, False, False]
+        counters = reader.counters()
+        assert not path.exists()
+    assert target.placed == [0]
+    assert counters["verify_failures"] == 1 and counters["resident_chunks"] == 2
 
 
 def test_a_range_no_chunk_needs_is_never_read_and_one_it_needs_is_verified(tmp_path):
