@@ -79,6 +79,16 @@ def saved(url: str, **reader: Any) -> Iterator[tuple[KVConnector, list[str], lis
         yield loader, keys, [TOKENS[i * CHUNK : (i + 1) * CHUNK] for i in range(len(keys))]
 
 
+def assert_only_wanted_layers_landed(target: LeanStaging) -> None:
+    """Each chunk's wanted layers are the writer's bytes; the others were never written."""
+    for i, want in enumerate(WANTED):
+        for s in range(LAYERS):
+            if want is None or s in want:
+                assert layer(target.bufs[i], s) == layer(payload(i), s)
+            else:
+                assert set(layer(target.bufs[i], s)) == {SENTINEL}
+
+
 def test_a_lean_load_reads_the_layers_each_chunk_needs_and_nothing_else(store_url):
     """With ranged reads on, each chunk's wanted layers land bit-identical in their places
     in staging, the others are not written, and the hit counts only the bytes read."""
@@ -87,12 +97,7 @@ def test_a_lean_load_reads_the_layers_each_chunk_needs_and_nothing_else(store_ur
         assert reader.load_async(keys, tokens, target).result(10) == [True] * 3
         counters = reader.counters()
     assert sorted(target.placed) == [0, 1, 2]
-    for i, want in enumerate(WANTED):
-        for s in range(LAYERS):
-            if want is None or s in want:
-                assert layer(target.bufs[i], s) == layer(payload(i), s)
-            else:
-                assert set(layer(target.bufs[i], s)) == {SENTINEL}
+    assert_only_wanted_layers_landed(target)
     assert counters["hit_bytes"] == (1 + 2 + 3) * PART
     assert counters["verify_failures"] == 0
 
@@ -132,12 +137,7 @@ def test_a_lean_load_of_page_cached_chunks_reads_only_their_wanted_ranges_on_the
         assert handle.done() and handle.result(0) == [True] * 3  # no hop through the loop
         counters = reader.counters()
     assert target.placed == [0, 1, 2] and target.threads == {threading.get_ident()}
-    for i, want in enumerate(WANTED):
-        for s in range(LAYERS):
-            if want is None or s in want:
-                assert layer(target.bufs[i], s) == layer(payload(i), s)
-            else:
-                assert set(layer(target.bufs[i], s)) == {SENTINEL}
+    assert_only_wanted_layers_landed(target)
     assert counters["resident_chunks"] == 3
     assert counters["hit_bytes"] == (1 + 2 + 3) * PART
 
