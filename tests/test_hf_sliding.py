@@ -20,6 +20,7 @@ from connector import KVConnector  # noqa: E402
 from connector.hf import (  # noqa: E402
     CachedPrefill,
     continue_from_cache,
+    namespace_for,
     recompute_tolerance,
     recording_cache,
 )
@@ -155,3 +156,25 @@ def test_decoding_after_a_sliding_window_hit_matches_the_models_own_cache(store_
             assert torch.equal(step.logits, ref_step.logits)
             nxt = step.logits[:, -1:].argmax(-1)
     prefill.connector.close()
+
+
+def test_a_linear_attention_hybrid_is_refused_with_its_layer_types():
+    """Qwen3-Next-shaped (Gated DeltaNet layers beside full attention): transformers' cache
+    keeps a linear-attention layer's recurrent state only as it is at the end of a forward
+    (`output_final_state`), not at each chunk boundary a chunk would have to hold, so
+    `CachedPrefill` refuses the model at once, naming the layer types, rather than storing
+    a state it cannot check."""
+    from transformers import AutoModelForCausalLM, Qwen3NextConfig
+
+    config = Qwen3NextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_value_heads=2,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        num_experts=2, num_experts_per_tok=1, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, full_attention_interval=2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    assert "linear_attention" in model.config.layer_types
+    with pytest.raises(ValueError, match=r"only full-attention and sliding-window layers "
+                                         r"are supported, model has \['full_attention', "
+                                         r"'linear_attention'\]"):
+        namespace_for(model, chunk_tokens=32)
