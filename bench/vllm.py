@@ -722,10 +722,12 @@ class Bench:
             engine(f"{s.scheme}-save", prefix_caching=False, store=s.url)
             # A local tier's loading engine loads every hit (`adaptive: false`): its rows
             # measure a hit from the bucket and the same hit again from the directory,
-            # whatever the policy would choose over that link.
+            # whatever the policy would choose over that link; so does every loading
+            # engine with --load-every-hit.
+            every = bool(s.promoted_url) or args.load_every_hit
             engine(f"{s.scheme}-load", prefix_caching=False, store=s.load_url or s.url,
                    connector={"load_mode": args.load_mode,
-                              **({"adaptive": False} if s.promoted_url else {})})
+                              **({"adaptive": False} if every else {})})
         # A hybrid model (a sliding window beside full attention): the blocks a request
         # holds per KV cache group, with kvstash (a hit from the first store) and with
         # vLLM alone, from in-process engines' KV cache managers.
@@ -1194,6 +1196,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--load-mode", default="auto", choices=["auto", "async", "layerwise"],
                    help="the loading engines' load_mode (default auto, the connector's: within "
                         "the step for chunks all in the page cache, else between steps)")
+    p.add_argument("--load-every-hit", action="store_true",
+                   help="the loading engines load every hit they find (the connector's "
+                        "adaptive: false) instead of choosing between load and recompute")
     p.add_argument("--stores", default=",".join(STORES),
                    help=f"stores to measure, comma-separated (default {','.join(STORES)})")
     add_s3_arguments(p)
@@ -1283,7 +1288,7 @@ def run(args: argparse.Namespace) -> int:
             "vllm": info["vllm"], "block_size": block,
             "max_num_batched_tokens": info["max_num_batched_tokens"],
             "chunk_tokens": args.chunk_tokens, "cached_tokens": args.cached_tokens,
-            "load_mode": args.load_mode,
+            "load_mode": args.load_mode, "load_every_hit": args.load_every_hit,
             "reserved_cpus": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU", RESERVED_CPUS),
             "omp_threads_bind": os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto"),
             "prompt_tokens": args.cached_tokens + 1, "repeat": args.repeat,

@@ -67,7 +67,8 @@ def bench_run(tmp_path_factory):
     done = subprocess.run(
         [sys.executable, "-m", "kvstash.cli", "bench", "vllm",
          "--cached-tokens", str(CACHED_TOKENS), "--chunk-tokens", str(CHUNK_TOKENS),
-         "--stores", "file", "--repeat", "1", "--warmup", "0", "--concurrency", "2",
+         "--stores", "file", "--load-every-hit",  # rows of hits, whatever the policy's choice
+         "--repeat", "1", "--warmup", "0", "--concurrency", "2",
          "--batches", "1",
          "--workload", "long-doc", "--docs", "1", "--questions", "2",
          "--json", str(out / "result.json"), "--plot", str(out / "result.png"),
