@@ -76,6 +76,18 @@ def test_the_payload_is_head_major_with_one_segment_per_layer_and_head():
     assert header.span_segments(head // 2, head) is None
 
 
+def keys_and_tokens(ns: Namespace) -> tuple[list[str], list[list[int]]]:
+    """TOKENS' chunk keys under `ns`, and each chunk's token ids."""
+    keys = chunk_keys(TOKENS, ns)
+    return keys, [TOKENS[i * CHUNK : (i + 1) * CHUNK] for i in range(len(keys))]
+
+
+def assert_heads_2_3(target: Staging) -> None:
+    """Each chunk's staging holds exactly heads 2-3 of every layer, in layer order."""
+    for i, buf in enumerate(target.bufs):
+        assert buf.tobytes() == b"".join(head_range(i, layer, 2, 2) for layer in range(LAYERS))
+
+
 def test_a_rank_reads_its_heads_of_every_layer_and_nothing_else(store_url):
     """A reader of heads 2-3 (rank 1 of TP=2) loads chunks a writer of every head saved:
     its staging holds exactly those heads' bytes of each layer, and it counts its share
@@ -84,16 +96,14 @@ def test_a_rank_reads_its_heads_of_every_layer_and_nothing_else(store_url):
     reader_layout = CANONICAL.reader([(2, 2)] * LAYERS)
     assert reader_layout.partial and reader_layout.staging_nbytes * 2 == CANONICAL.payload_nbytes
 
-    keys = chunk_keys(TOKENS, ns)
-    tokens = [TOKENS[i * CHUNK : (i + 1) * CHUNK] for i in range(len(keys))]
+    keys, tokens = keys_and_tokens(ns)
     with (KVConnector(store_url, ns, layout=CANONICAL.reader()) as writer,
           KVConnector(store_url, ns, layout=reader_layout, partial_reads="ranges") as reader):
         writer.save(TOKENS, payload)
         assert writer.flush(10)
         target = Staging(len(keys), reader_layout.staging_nbytes)
         assert reader.load_async(keys, tokens, target).result(10) == [True] * 3
-        for i, buf in enumerate(target.bufs):
-            assert buf.tobytes() == b"".join(head_range(i, layer, 2, 2) for layer in range(LAYERS))
+        assert_heads_2_3(target)
         assert reader.counters()["hit_bytes"] == 3 * reader_layout.staging_nbytes
 
 
@@ -104,16 +114,14 @@ def test_by_default_a_rank_reads_ranges_on_this_host_and_whole_chunks_over_a_net
     ranged read is a network request (s3://, http://), keeping its heads either way."""
     ns = namespace()
     layout = CANONICAL.reader([(2, 2)] * LAYERS)
-    keys = chunk_keys(TOKENS, ns)
-    tokens = [TOKENS[i * CHUNK : (i + 1) * CHUNK] for i in range(len(keys))]
+    keys, tokens = keys_and_tokens(ns)
     with (KVConnector(store_url, ns, layout=CANONICAL.reader()) as writer,
           KVConnector(store_url, ns, layout=layout) as reader):
         writer.save(TOKENS, payload)
         assert writer.flush(10)
         target = Staging(len(keys), layout.staging_nbytes)
         assert reader.load_async(keys, tokens, target).result(10) == [True] * 3
-        for i, buf in enumerate(target.bufs):
-            assert buf.tobytes() == b"".join(head_range(i, layer, 2, 2) for layer in range(LAYERS))
+        assert_heads_2_3(target)
         local = store_url.startswith(("memory://", "file://"))
         per_chunk = layout.staging_nbytes if local else CANONICAL.payload_nbytes
         assert reader.counters()["hit_bytes"] == 3 * per_chunk
@@ -129,8 +137,7 @@ def test_a_rank_may_read_whole_chunks_and_keep_its_heads(moto_s3_url, layered):
     url = with_prefix(moto_s3_url)
     ns = namespace()
     layout = CANONICAL.reader([(2, 2)] * LAYERS)
-    keys = chunk_keys(TOKENS, ns)
-    tokens = [TOKENS[i * CHUNK : (i + 1) * CHUNK] for i in range(len(keys))]
+    keys, tokens = keys_and_tokens(ns)
     with (KVConnector(url, ns, layout=CANONICAL.reader()) as writer,
           KVConnector(url, ns, layout=layout, partial_reads="whole") as reader):
         writer.save(TOKENS, payload)
@@ -142,8 +149,7 @@ def test_a_rank_may_read_whole_chunks_and_keep_its_heads(moto_s3_url, layered):
         else:
             handle = reader.load_async(keys, tokens, target)
         assert handle.result(10) == [True] * 3
-        for i, buf in enumerate(target.bufs):
-            assert buf.tobytes() == b"".join(head_range(i, layer, 2, 2) for layer in range(LAYERS))
+        assert_heads_2_3(target)
         assert reader.counters()["hit_bytes"] == 3 * CANONICAL.payload_nbytes  # all read
 
 
@@ -162,8 +168,7 @@ def test_a_corrupt_head_fails_the_readers_of_it_and_no_other(tmp_path: Path):
         data[header_len + CANONICAL.layer_offsets[1] + 5] ^= 0x40
         path.chmod(0o644)
         path.write_bytes(bytes(data))
-    keys = chunk_keys(TOKENS, ns)
-    tokens = [TOKENS[i * CHUNK : (i + 1) * CHUNK] for i in range(len(keys))]
+    keys, tokens = keys_and_tokens(ns)
     results = {}
     for first in (2, 0):  # the intact readers first: the file store quarantines a bad chunk
         layout = CANONICAL.reader([(first, 2)] * LAYERS)
