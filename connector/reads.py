@@ -216,6 +216,13 @@ class LayerFileReads:
         whole = in_place and not wait  # no forward waits for layer 0 before the rest
         files: list[Any] = [None] * len(keys)
         by_segment: list[int] = []  # chunks read a segment at a time
+        # A target that gives a chunk's blocks in one list (`InPlaceTarget`) is asked once
+        # a chunk, not once a layer: the whole payload is then one range of `read_all`.
+        whole_destination = getattr(target, "destination", None) if whole else None
+
+        def whole_chunk(i: int) -> list[list[memoryview]] | None:
+            views = whole_destination(i) if callable(whole_destination) else None
+            return None if views is None else [views]
 
         def staged(i: int, s: int) -> list[memoryview]:
             _, size, at = spans[s]
@@ -247,8 +254,9 @@ class LayerFileReads:
                     continue
                 files[i] = f
                 if whole:  # every layer's blocks, then header and layers in one read
-                    segments = [target.segment_destination(i, s)  # type: ignore[attr-defined]
-                                for s in range(len(spans))]
+                    segments = (whole_chunk(i) if contiguous else None) or [
+                        target.segment_destination(i, s)  # type: ignore[attr-defined]
+                        for s in range(len(spans))]
                     got = (f.read_all(segments) if contiguous and None not in segments
                            else False)
                     if got is None:

@@ -331,6 +331,36 @@ def test_read_here_every_layer_lands_on_the_calling_thread_before_the_call_retur
     conn.close()
 
 
+class WholeChunkEngine(LayerEngine):
+    """A cache that also gives a chunk's blocks in one list (`InPlaceTarget.destination`),
+    as vLLM's paged cache does."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.whole: list[int] = []
+
+    def destination(self, i: int) -> list[memoryview] | None:
+        self.whole.append(i)
+        return [memoryview(self.kv[i])[s * self.seg : (s + 1) * self.seg]
+                for s in range(LAYOUT.layers)]
+
+
+def test_read_here_a_target_with_a_chunks_blocks_in_one_list_is_asked_once_a_chunk(tmp_path):
+    """On the engine's thread a chunk's blocks are asked for once (not once a layer), the
+    whole payload one checked range: each segment still against its own checksum, so a
+    flipped byte in one layer of chunk 2 fails chunk 2 and no other."""
+    conn = file_connector(tmp_path)
+    flip_byte(conn.store.chunk_path(keys_of(conn)[2]), 7)  # chunk 2, last layer
+    engine = WholeChunkEngine(N)
+    assert layered(conn, engine, here=True).result(0) == [i != 2 for i in range(N)]
+    assert engine.whole == list(range(N)) and engine.direct == []
+    for i in range(N):
+        if i != 2:
+            assert np.array_equal(engine.kv[i], payload_of(i))
+    assert conn.stats()["verify_failures"] == 1
+    conn.close()
+
+
 @pytest.mark.parametrize("in_place", [True, False])
 def test_read_here_a_chunk_not_in_the_page_cache_is_missed_not_waited_for(tmp_path, residency,
                                                                          in_place):
