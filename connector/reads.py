@@ -218,11 +218,10 @@ class LayerFileReads:
         by_segment: list[int] = []  # chunks read a segment at a time
         # A target that gives a chunk's blocks in one list (`InPlaceTarget`) is asked once
         # a chunk, not once a layer: the whole payload is then one range of `read_all`.
-        whole_destination = getattr(target, "destination", None) if whole else None
-
-        def whole_chunk(i: int) -> list[list[memoryview]] | None:
-            views = whole_destination(i) if callable(whole_destination) else None
-            return None if views is None else [views]
+        destination: Callable[[int], list[memoryview] | None] | None = getattr(
+            target, "destination", None)
+        if not (whole and contiguous and callable(destination)):
+            destination = None
 
         def staged(i: int, s: int) -> list[memoryview]:
             _, size, at = spans[s]
@@ -254,7 +253,8 @@ class LayerFileReads:
                     continue
                 files[i] = f
                 if whole:  # every layer's blocks, then header and layers in one read
-                    segments = (whole_chunk(i) if contiguous else None) or [
+                    views = destination(i) if destination is not None else None
+                    segments = [views] if views is not None else [
                         target.segment_destination(i, s)  # type: ignore[attr-defined]
                         for s in range(len(spans))]
                     got = (f.read_all(segments) if contiguous and None not in segments
