@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import functools
 import itertools
 import logging
 import os
@@ -996,44 +997,24 @@ class FileStore(Store):
         `verify=`, or with `resident_only` as a connector's direct reads check it (every
         payload not verified before); `resident_only` also reads nothing and answers
         NOT_RESIDENT unless every byte of the file is in the page cache."""
+        return self._read_open(key, functools.partial(
+            self._read_payload, key, parts, resident_only))
+
+    def _read_open(self, key: str, read: Callable[[int, os.stat_result], Any]
+                   ) -> tuple[ChunkHeader | None, str | None] | Any:
+        """`read(fd, st)` of `key`'s chunk file, opened here and closed after: (its
+        header, None), or (None, why) on a miss: "missing", "corrupt" (a ChunkError:
+        quarantined) or "io". `read` may answer NOT_RESIDENT or (None, "corrupt") (left
+        alone) itself; a read that answers a header refreshes the chunk's LRU place."""
         opened = self._open_for_read(key)
         if opened is None:
             return None, "missing"
         fd, path = opened
         try:
             st = os.fstat(fd)
-            if resident_only and self.residency.all_cached(fd, 0, st.st_size) is not True:
-                return NOT_RESIDENT
-            room = -1 if parts is None else sum(p.nbytes for p in parts)
-            # An unchanged, already verified file needs its header neither read nor parsed.
-            known = self.known_header(key, st)
-            header, read = known, False
-            if header is None and parts is not None and st.st_size == HEADER_SIZE + room:
-                # A chunk of the asked size with the usual 4 KiB header: header and
-                # payload in one read. A longer header is read again below, and so is
-                # its payload where it still fits `parts`.
-                head = bytearray(HEADER_SIZE)
-                if read_parts_at(fd, [memoryview(head), *parts], 0) != st.st_size:
-                    raise ChunkError("short read")
-                try:
-                    header, read = decode_header(head, key), True
-                except TruncatedHeader:
-                    pass
-            if header is None:
-                header = _read_header(fd, key)
-            if st.st_size != header.total_len:
-                raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
-            if parts is not None:
-                if room < header.payload_len or (len(parts) > 1 and room != header.payload_len):
-                    return None, "corrupt"  # another layout's chunk: not this reader's to judge
-                if len(parts) == 1:
-                    parts = [parts[0][: header.payload_len]]
-                if not read and read_parts_at(fd, parts, header.header_len) != header.payload_len:
-                    raise ChunkError("short read")
-                check = known is None if resident_only else self._needs_payload_check(key, st)
-                if check:
-                    header.verify_payload(parts if len(parts) > 1 else parts[0])
-                    self.note_verified(key, st, header)
+            got = read(fd, st)
+            if not isinstance(got, ChunkHeader):
+                return got
         except ChunkError as exc:
             self._quarantine(key, path, str(exc))
             return None, "corrupt"
@@ -1045,7 +1026,44 @@ class FileStore(Store):
         finally:
             os.close(fd)
         self._touch(key, path, st)
-        return header, None
+        return got, None
+
+    def _read_payload(self, key: str, parts: list[memoryview] | None, resident_only: bool,
+                      fd: int, st: os.stat_result) -> ChunkHeader | tuple[None, str] | Any:
+        """`_read_sync`'s read of an open chunk file (`_read_open`)."""
+        if resident_only and self.residency.all_cached(fd, 0, st.st_size) is not True:
+            return NOT_RESIDENT
+        room = -1 if parts is None else sum(p.nbytes for p in parts)
+        # An unchanged, already verified file needs its header neither read nor parsed.
+        known = self.known_header(key, st)
+        header, read = known, False
+        if header is None and parts is not None and st.st_size == HEADER_SIZE + room:
+            # A chunk of the asked size with the usual 4 KiB header: header and
+            # payload in one read. A longer header is read again below, and so is
+            # its payload where it still fits `parts`.
+            head = bytearray(HEADER_SIZE)
+            if read_parts_at(fd, [memoryview(head), *parts], 0) != st.st_size:
+                raise ChunkError("short read")
+            try:
+                header, read = decode_header(head, key), True
+            except TruncatedHeader:
+                pass
+        if header is None:
+            header = _read_header(fd, key)
+        if st.st_size != header.total_len:
+            raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
+        if parts is not None:
+            if room < header.payload_len or (len(parts) > 1 and room != header.payload_len):
+                return None, "corrupt"  # another layout's chunk: not this reader's to judge
+            if len(parts) == 1:
+                parts = [parts[0][: header.payload_len]]
+            if not read and read_parts_at(fd, parts, header.header_len) != header.payload_len:
+                raise ChunkError("short read")
+            check = known is None if resident_only else self._needs_payload_check(key, st)
+            if check:
+                header.verify_payload(parts if len(parts) > 1 else parts[0])
+                self.note_verified(key, st, header)
+        return header
 
     def prefix_len_now(self, keys: Sequence[str]) -> int | None:
         """See SupportsResidentReads: `prefix_len` on this thread; None for a directory
@@ -1117,66 +1135,51 @@ class FileStore(Store):
             return NOT_RESIDENT
         check_key(key)
         views = [memoryview(o).cast("B") for o in outs]
-        opened = self._open_for_read(key)
-        if opened is None:
-            self._count_get(None)
-            return None, "missing"
-        fd, path = opened
+        got = self._read_open(key, functools.partial(self._read_spans, key, spans, views))
+        if got is not NOT_RESIDENT:
+            self._count_get(None if got[0] is None else got[0].total_len)
+        return got
+
+    def _read_spans(self, key: str, spans: Sequence[tuple[int, int]], views: list[memoryview],
+                    fd: int, st: os.stat_result) -> ChunkHeader | tuple[None, str] | Any:
+        """`read_resident_spans_into`'s read of an open chunk file (`_read_open`)."""
         all_cached = self.residency.all_cached
-        try:
-            st = os.fstat(fd)
-            known = self.known_header(key, st)
-            # Spans follow a header of HEADER_SIZE until the header says otherwise (a
-            # longer one: checked again once read).
-            base = HEADER_SIZE if known is None else known.header_len
-            if (all_cached(fd, 0, min(base, st.st_size)) is not True
-                    or any(all_cached(fd, base + off, size) is not True for off, size in spans)):
+        known = self.known_header(key, st)
+        # Spans follow a header of HEADER_SIZE until the header says otherwise (a
+        # longer one: checked again once read).
+        base = HEADER_SIZE if known is None else known.header_len
+        if (all_cached(fd, 0, min(base, st.st_size)) is not True
+                or any(all_cached(fd, base + off, size) is not True for off, size in spans)):
+            return NOT_RESIDENT
+        header, read = known, -1
+        if header is None:
+            head = bytearray(HEADER_SIZE)
+            # The header and a first span at the payload's start in one read.
+            with_first = bool(spans) and spans[0][0] == 0
+            got = read_parts_at(fd, [memoryview(head), *(views[:1] if with_first else [])], 0)
+            try:
+                header = decode_header(head, key)
+                read = 0 if with_first and got == HEADER_SIZE + views[0].nbytes else -1
+            except TruncatedHeader:
+                header = _read_header(fd, key)
+            if header.header_len != base and any(
+                    all_cached(fd, header.header_len + off, size) is not True
+                    for off, size in spans):
                 return NOT_RESIDENT
-            header, read = known, -1
-            if header is None:
-                head = bytearray(HEADER_SIZE)
-                # The header and a first span at the payload's start in one read.
-                with_first = bool(spans) and spans[0][0] == 0
-                got = read_parts_at(fd, [memoryview(head), *(views[:1] if with_first else [])], 0)
-                try:
-                    header = decode_header(head, key)
-                    read = 0 if with_first and got == HEADER_SIZE + views[0].nbytes else -1
-                except TruncatedHeader:
-                    header = _read_header(fd, key)
-                if header.header_len != base and any(
-                        all_cached(fd, header.header_len + off, size) is not True
-                        for off, size in spans):
-                    return NOT_RESIDENT
-            if st.st_size != header.total_len:
-                raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
-            if not header.aligned(spans) or any(
-                    v.nbytes != size for v, (_, size) in zip(views, spans, strict=True)):
-                self._count_get(None)
-                return None, "corrupt"  # not this reader's to judge: left alone
-            for j, ((off, size), view) in enumerate(zip(spans, views, strict=True)):
-                if j != read and read_into_at(fd, view, header.header_len + off) != size:
-                    raise ChunkError("short read")
-                if known is None and not header.span_intact(off, [view]):
-                    raise ChunkError(f"payload bytes at {off} fail their segment checksums "
-                                     f"for {key}")
-            if known is None and sum(size for _, size in spans) == header.payload_len:
-                self.note_verified(key, st, header)
-        except ChunkError as exc:
-            self._quarantine(key, path, str(exc))
-            self._count_get(None)
-            return None, "corrupt"
-        except OSError as exc:
-            if exc.errno in _MISS_ERRNOS:
-                self._count_get(None)
-                return None, "missing"
-            self.counters["errors"] += 1
-            self._count_get(None)
-            return None, "io"
-        finally:
-            os.close(fd)
-        self._touch(key, path, st)
-        self._count_get(header.total_len)
-        return header, None
+        if st.st_size != header.total_len:
+            raise ChunkError(f"file is {st.st_size} bytes, header says {header.total_len}")
+        if not header.aligned(spans) or any(
+                v.nbytes != size for v, (_, size) in zip(views, spans, strict=True)):
+            return None, "corrupt"  # not this reader's to judge: left alone
+        for j, ((off, size), view) in enumerate(zip(spans, views, strict=True)):
+            if j != read and read_into_at(fd, view, header.header_len + off) != size:
+                raise ChunkError("short read")
+            if known is None and not header.span_intact(off, [view]):
+                raise ChunkError(f"payload bytes at {off} fail their segment checksums "
+                                 f"for {key}")
+        if known is None and sum(size for _, size in spans) == header.payload_len:
+            self.note_verified(key, st, header)
+        return header
 
     def open_segments(self, key: str) -> tuple[SegmentFile | None, str | None] | Any:
         """See SupportsResidentReads: `key`'s chunk file open for reads by segment on the
