@@ -389,19 +389,25 @@ class LoadPolicy:
     def lookup_patience_s(self, tokens: int, probe: bool = False) -> float | None:
         """How long a lookup of `tokens` is worth waiting for: a hit found after that
         loses to recomputing them, its load coming on top. Recompute less the predicted
-        load (recompute alone before a load was measured, and for a `probe`:
-        `lookup_probe`), and 0 where this store's lookups take longer than that (the wait
-        would almost always be lost); None (until the lookup's own timeout) before any
+        load (before loads are judged, less this store's lookup time, the least a load
+        can take; recompute alone for a `probe`: `lookup_probe`), and 0 where this
+        store's lookups take longer than that (the wait would almost always be lost); None (until the lookup's own timeout) before any
         forward was measured, or for a policy that loads every hit."""
         recompute = self._measured_recompute_s(tokens) if self.adaptive else None
         if recompute is None:
             return None
         patience = recompute
+        answer = self.lookup_s()
         per_token = self._loaded_bytes_per_token or self._bytes_per_token
         load = None if probe or per_token is None else self.load_s(int(tokens * per_token))
+        if load is None and not probe:
+            # No load judged yet: one takes at least the store's round trip, as long as
+            # its lookups take. (Waiting the whole recompute for an answer that a load
+            # then comes on top of lost every request of a store as slow to answer as
+            # recompute, and none of them loaded, so the store was never judged.)
+            load = answer
         if load is not None:
             patience = max(0.0, recompute - load)
-        answer = self.lookup_s()
         return 0.0 if answer is not None and answer > patience else patience
 
     def lookup_probe(self) -> bool:

@@ -239,6 +239,30 @@ def test_a_lookup_slower_than_the_time_a_hit_could_still_win_in_is_not_waited_fo
     assert policy.lookup_patience_s(CHUNK_TOKENS, probe=True) == recompute
 
 
+def test_before_loads_are_judged_a_lookup_is_waited_for_recompute_less_its_own_time():
+    # A bucket 100 ms away (lookups 0.15 s), recompute 0.2 s, one slow first load (not
+    # judged alone): a hit found at 0.15 s would still need its load on top, at least a
+    # round trip more. Waiting the whole recompute for it held every request 0.2 s and
+    # then recomputed (twice recompute), and no hit ever loaded to judge the store by.
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=4)
+    forwards(policy, lambda n: 0.010 + n * 0.19 / 2048, [1, 2049], times=2)
+    recompute = policy.recompute_s(2048)
+    assert 0.18 < recompute < 0.21
+    policy.observe_load(4 << 20, 0.4)
+    policy.plan(8, CHUNK_TOKENS, 512 << 10)
+    assert policy.load_s(4 << 20) is None  # one load: not judged
+    assert policy.lookup_patience_s(2048) == pytest.approx(recompute)  # no lookup timed
+    policy.observe_lookup(0.15)
+    policy.observe_lookup(0.15)
+    assert policy.lookup_patience_s(2048) == 0.0
+    assert policy.lookup_patience_s(2048, probe=True) == pytest.approx(recompute)
+    # A store that answers fast is waited for recompute less its answer's time.
+    policy.observe_lookup(0.01)
+    policy.observe_lookup(0.01)
+    policy.observe_lookup(0.01)
+    assert policy.lookup_patience_s(2048) == pytest.approx(recompute - 0.01)
+
+
 def test_before_any_forward_is_measured_the_prior_does_not_bound_waits():
     # The prior errs fast on purpose: a fresh engine would give up every lookup of a
     # bucket 30 ms away (its prior puts 2048 tokens at a few ms) and never find a hit.
