@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import http.client
 import logging
 import re
@@ -71,6 +70,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from hashing import is_valid_key
 from storage.base import PROBE_KEY, Store, check_blob, check_key, check_tenant
+from storage.buffers import unfilled_bytearray
 from storage.codec import HEADER_SIZE, ChunkError, ChunkHeader, TruncatedHeader, decode_header
 from storage.errors import StoreError, StoreUnavailable
 from storage.options import StoreURL
@@ -120,20 +120,6 @@ def _split(start: int, end: int, size: int) -> list[tuple[int, int]]:
     n = max(1, int((end - start) / size + 0.75))
     step = -(-(end - start) // n)
     return [(s, min(s + step, end)) for s in range(start, end, step)]
-
-
-# CPython's public constructor of a bytearray from (NULL, n) leaves its bytes as they are:
-# `bytearray(n)` would write all n once more before the reads overwrite them.
-_bytearray_from = ctypes.pythonapi.PyByteArray_FromStringAndSize
-_bytearray_from.argtypes = (ctypes.c_char_p, ctypes.c_ssize_t)
-_bytearray_from.restype = ctypes.py_object
-
-
-def _unfilled(n: int) -> bytearray:
-    """A bytearray of `n` bytes with no zero-fill, for a blob whose every byte a read then
-    writes: a read that ends early is a miss, and the buffer is dropped unseen."""
-    blob: bytearray = _bytearray_from(None, n)
-    return blob
 
 
 class _Missing(Exception):
@@ -259,7 +245,7 @@ def _get_into_start(client: Any, bucket: str, name: str, rng: str, key: str, out
 
 
 def _get_blob_start(client: Any, bucket: str, name: str, rng: str, key: str, verify: bool,
-                    stop: _Stop) -> tuple[Any, int, int, tuple[ChunkHeader, bytes] | None]:
+                    stop: _Stop) -> tuple[Any, int, int, tuple[ChunkHeader, bytearray] | None]:
     """The first GET of a whole blob (a reader thread): (its body, the object size, the bytes
     this response carries, and the whole object when this response is all of it: then read
     into a buffer of its own with no zero-fill, checked (and verified) here, and the body
@@ -273,11 +259,8 @@ def _get_blob_start(client: Any, bucket: str, name: str, rng: str, key: str, ver
         total, first = _object_size(resp), int(resp["ContentLength"])
         if first < total:
             return body, total, first, None
-        fp: Any = getattr(body._raw_stream, "_fp", None)
-        # http.client reads a known length into one new bytes object (read(n) would copy)
-        whole = fp.read() if hasattr(fp, "isclosed") else body.read()
-        if len(whole) != first:
-            raise ConnectionError(f"response ended after {len(whole)} of {first} bytes")
+        whole = unfilled_bytearray(first)
+        _fill(body, memoryview(whole), stop)
     except BaseException:
         body.close()
         raise
@@ -447,9 +430,9 @@ class S3Store(Store):
         async with self._op("get range"):
             await self._in_thread(reads, _get_range, self.opts.bucket, name, start, end, dest)
 
-    async def _read_blob(self, key: str) -> tuple[ChunkHeader, bytes | bytearray]:
-        """The whole verified blob: the body of a one-request object as it was read (bytes);
-        a larger one in one buffer (not zero-filled) allocated once the first GET's
+    async def _read_blob(self, key: str) -> tuple[ChunkHeader, bytearray]:
+        """The whole verified blob, in one `unfilled_bytearray`: a one-request object's
+        sized by its Content-Length; a larger one's allocated once the first GET's
         Content-Range gives the size, the other ranges started at once and landing in place
         while the first body streams (a join of pieces would cost a copy of every byte).
         Raises `_Missing`, StoreUnavailable, ClientError or ChunkError (a corrupt object).
@@ -465,7 +448,7 @@ class S3Store(Store):
                 if whole is not None:  # one request: read, checked and verified
                     return whole
                 try:
-                    blob = _unfilled(total)
+                    blob = unfilled_bytearray(total)
                     view = memoryview(blob)
                     tasks = [loop.create_task(self._read_range(reads, name, s, e, view[s:e]))
                              for s, e in _split(first, total, opts.range_size)]
@@ -608,8 +591,9 @@ class S3Store(Store):
         return await self._guarded(key, ranged()) is True
 
     async def get(self, key: str) -> bytes | None:
-        """The verified blob, with no copy after the network: bytes for a chunk of one
-        request (up to 1.25 x `range_size`), else a bytearray filled in place."""
+        """The verified blob, with no copy after the network: a bytearray filled in place
+        (`unfilled_bytearray`), by one request up to 1.25 x `range_size`, else by
+        parallel ranges."""
         check_key(key)
         got = await self._guarded_read(key, None)
         blob = None if got is None else got[1]
