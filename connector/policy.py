@@ -391,8 +391,9 @@ class LoadPolicy:
         loses to recomputing them, its load coming on top. Recompute less the predicted
         load (before loads are judged, less this store's lookup time, the least a load
         can take; recompute alone for a `probe`: `lookup_probe`), and 0 where this
-        store's lookups take longer than that (the wait would almost always be lost); None (until the lookup's own timeout) before any
-        forward was measured, or for a policy that loads every hit."""
+        store's lookups take longer than that (the wait would almost always be lost);
+        None (until the lookup's own timeout) before any forward was measured, or for a
+        policy that loads every hit."""
         recompute = self._measured_recompute_s(tokens) if self.adaptive else None
         if recompute is None:
             return None

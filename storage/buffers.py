@@ -24,7 +24,7 @@ import sys
 from collections.abc import Callable
 
 HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)  # Linux's value (the only caller)
 
 # CPython's public constructor of a bytearray from (NULL, n) leaves its bytes as they are:
 # `bytearray(n)` would write all n once more before the reads overwrite them.
@@ -57,8 +57,9 @@ def unfilled_bytearray(n: int) -> bytearray:
         raise ValueError(f"buffer size must be >= 0, not {n}")
     blob: bytearray = _bytearray_from(None, n)
     if _madvise is not None and n >= 2 * HUGE_PAGE:
-        start = -_address(blob) % HUGE_PAGE + _address(blob)
-        span = (_address(blob) + n - start) // HUGE_PAGE * HUGE_PAGE
+        at = _address(blob)
+        start = at + -at % HUGE_PAGE
+        span = (at + n - start) // HUGE_PAGE * HUGE_PAGE
         _madvise(start, span, _MADV_HUGEPAGE)  # an error leaves plain pages: nothing to do
     return blob
 

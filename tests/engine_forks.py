@@ -18,6 +18,7 @@ The protocol on the pipes is one JSON object a line: the test side sends
 from __future__ import annotations
 
 import atexit
+import contextlib
 import itertools
 import json
 import os
@@ -26,7 +27,9 @@ import select
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Any, TextIO
@@ -74,13 +77,14 @@ class EngineForks:
             self._proc.stdin.flush()
         pid = None
         try:
-            deadline = _monotonic() + timeout
+            deadline = time.monotonic() + timeout
             while True:
                 try:
-                    msg = answers.get(timeout=max(0.0, deadline - _monotonic()))
+                    msg = answers.get(timeout=max(0.0, deadline - time.monotonic()))
                 except queue.Empty:
                     if pid is not None:
-                        _kill_group(pid)
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(pid, signal.SIGKILL)
                     raise subprocess.TimeoutExpired("engine fork", timeout) from None
                 if msg.get("gone"):
                     raise RuntimeError("the engine-forking process died:\n"
@@ -113,23 +117,10 @@ def shared_forks(root: Path, env: dict[str, str]) -> EngineForks:
     global _shared
     with _shared_lock:
         if _shared is None or _shared._proc.poll() is not None:
-            log = Path(os.environ.get("TMPDIR", "/tmp")) / f"kvstash-engine-forks-{os.getpid()}.log"
+            log = Path(tempfile.gettempdir()) / f"kvstash-engine-forks-{os.getpid()}.log"
             _shared = EngineForks(root, env, log)
             atexit.register(_shared.close)
         return _shared
-
-
-def _monotonic() -> float:
-    import time
-
-    return time.monotonic()
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 # -- the forking process ------------------------------------------------------------------

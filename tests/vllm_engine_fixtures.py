@@ -270,8 +270,9 @@ def run_engine(model: Path, store: str | list[str], prompts: list[list[int] | di
     as `vllm serve` runs them on CPU; otherwise the engine core runs in the engine
     process (VLLM_ENABLE_V1_MULTIPROCESSING=0) and, at one rank, so does the worker
     (vLLM's one-process executor, where the connector's scheduler and worker sides
-    share a process as they do in vLLM's engine core on a GPU): one vLLM import instead
-    of three, under half the start. Ranks beyond one are worker processes either way.)"""
+    share a process as they do in vLLM's engine core on a GPU), where the engine starts
+    with no import of vLLM at all (the fork has it). Ranks beyond one are worker
+    processes either way.)"""
     config = (multi_connector_config if multi else kv_transfer_config)(store, **extra)
     with tempfile.TemporaryDirectory(prefix="kvstash-engine-") as tmp:
         result = Path(tmp) / "result.json"
