@@ -123,6 +123,12 @@ class ChunkHeader:
         if _checksum(payload, self.payload_len, "payload") != self.payload_checksum:
             raise ChunkError(f"payload checksum mismatch for {self.key}")
 
+    def verify_digest(self, digest: int) -> None:
+        """Raise ChunkError unless `digest` (the xxh3-64 of exactly `payload_len` payload
+        bytes, hashed as they were read) is this header's payload checksum."""
+        if digest != self.payload_checksum:
+            raise ChunkError(f"payload checksum mismatch for {self.key}")
+
     def verify_contents(self, payload: Any) -> None:
         """Raise ChunkError unless `payload` (one buffer) matches every checksum this header
         carries: the whole payload's and each segment's, in one pass over the bytes. A

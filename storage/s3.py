@@ -66,6 +66,7 @@ from typing import Any
 
 import aiohttp
 import urllib3.exceptions
+import xxhash
 from botocore.exceptions import BotoCoreError, ClientError
 
 from hashing import is_valid_key
@@ -175,10 +176,12 @@ def _shut(body: Any) -> None:
         body._raw_stream.shutdown()
 
 
-def _fill(body: Any, dest: memoryview, stop: _Stop) -> None:
+def _fill(body: Any, dest: memoryview, stop: _Stop, digest: Any = None) -> None:
     """Read exactly `dest.nbytes` body bytes into `dest` (a reader thread), ending at the
     first slice boundary after `stop` is set. A body that ends early is a transport
-    failure (a cut connection), never a corrupt object."""
+    failure (a cut connection), never a corrupt object. `digest` (an xxh3 hasher) takes
+    each slice as it lands, while its bytes are still in the CPU's caches: verifying
+    the buffer afterwards would be a second pass over all of it from memory."""
     readinto = _body_readinto(body)
     stop.watch(body)
     pos, n = 0, dest.nbytes
@@ -188,7 +191,38 @@ def _fill(body: Any, dest: memoryview, stop: _Stop) -> None:
         got = readinto(dest[pos : min(n, pos + _SLICE)])
         if not got:
             raise ConnectionError(f"response ended after {pos} of {n} bytes")
+        if digest is not None:
+            digest.update(dest[pos : pos + got])
         pos += got
+
+
+def _payload_digest(verify: bool) -> Any:
+    """The hasher a one-request read feeds its payload to as it lands (`_fill`), if it
+    verifies."""
+    return xxhash.xxh3_64(seed=0) if verify else None
+
+
+def _read_head(body: Any, head: memoryview, first: int, key: str, stop: _Stop
+               ) -> tuple[ChunkHeader, memoryview]:
+    """Read and check a response's header: its first `HEADER_SIZE` bytes into `head`, and a
+    longer header's rest after them where `head` can hold it, else in a buffer of its own
+    -> (the header, the view its bytes are in)."""
+    view = head[: min(HEADER_SIZE, first)]
+    _fill(body, view, stop)
+    try:
+        return decode_header(view, key), view
+    except TruncatedHeader as short:
+        if short.header_len > first:
+            raise
+        if head.nbytes >= short.header_len:
+            _fill(body, head[view.nbytes : short.header_len], stop)
+            view = head[: short.header_len]
+        else:  # a new buffer: the failed decode's view may still hold the old one
+            longer = bytearray(short.header_len)
+            longer[: view.nbytes] = view
+            _fill(body, memoryview(longer)[view.nbytes :], stop)
+            view = memoryview(longer)
+        return decode_header(view, key), view
 
 
 def _release(body: Any) -> None:
@@ -216,31 +250,21 @@ def _get_into_start(client: Any, bucket: str, name: str, rng: str, key: str, out
         if stop.is_set():  # the caller is gone: nobody would close this body
             raise asyncio.CancelledError()
         total, first = _object_size(resp), int(resp["ContentLength"])
-        head = bytearray(min(HEADER_SIZE, first))
-        _fill(body, memoryview(head), stop)
-        try:
-            header = decode_header(head, key)
-        except TruncatedHeader as short:
-            if short.header_len > first:
-                raise
-            more = bytearray(short.header_len - len(head))
-            _fill(body, memoryview(more), stop)
-            head = head + more  # a new buffer: the failed decode's view may still hold `head`
-            header = decode_header(head, key)
+        header, _ = _read_head(body, memoryview(bytearray(HEADER_SIZE)), first, key, stop)
         if total != header.total_len:
             raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
         if out.nbytes < header.payload_len:
             raise _TooSmall()
         if first < total:
             return body, header, total, first
-        hlen = header.header_len
-        _fill(body, out[len(head) - hlen : first - hlen], stop)
+        digest = _payload_digest(verify)  # here, off the event loop
+        _fill(body, out[: header.payload_len], stop, digest)
     except BaseException:
         body.close()
         raise
     _release(body)
-    if verify:  # here, off the event loop (xxhash lets go of the GIL)
-        header.verify_payload(out[: header.payload_len])
+    if digest is not None:
+        header.verify_digest(digest.intdigest())
     return None, header, total, first
 
 
@@ -260,16 +284,18 @@ def _get_blob_start(client: Any, bucket: str, name: str, rng: str, key: str, ver
         if first < total:
             return body, total, first, None
         whole = unfilled_bytearray(first)
-        _fill(body, memoryview(whole), stop)
+        view = memoryview(whole)
+        header, _ = _read_head(body, view, first, key, stop)
+        if total != header.total_len:
+            raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+        digest = _payload_digest(verify)
+        _fill(body, view[header.header_len :], stop, digest)
     except BaseException:
         body.close()
         raise
     _release(body)
-    header = decode_header(whole, key)
-    if total != header.total_len:
-        raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
-    if verify:
-        header.verify_payload(memoryview(whole)[header.header_len :])
+    if digest is not None:
+        header.verify_digest(digest.intdigest())
     return None, total, first, (header, whole)
 
 

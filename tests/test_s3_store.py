@@ -92,6 +92,41 @@ async def test_a_chunk_whose_header_is_longer_than_4_kib_reads_into_a_buffer(s3_
     await store.close()
 
 
+@pytest.mark.parametrize("header_kib", [4, 8])
+async def test_a_one_request_chunk_is_checked_as_it_streams_and_a_flipped_byte_is_a_miss(
+        s3_server_url, ns, header_kib):
+    """A chunk read in one request (its payload hashed slice by slice as it lands, not
+    again afterwards), with a 4 or an 8 KiB header and a payload of no round size: `get`
+    returns it whole and `get_into` puts its payload in place; the same chunk with one
+    payload byte flipped, first or last, is a miss for both and is deleted."""
+    from hashing import chunk_keys
+    from storage.codec import encode_chunk
+
+    store = open_store(with_prefix(s3_server_url, range_size="4MiB"))
+    tokens = list(range(ns.chunk_tokens))
+    key = chunk_keys(tokens, ns)[0]
+    payload = os.urandom(3 * MiB + 123)
+    segments = [len(payload)] if header_kib == 4 else [len(payload) // 256] * 255 + [
+        len(payload) - 255 * (len(payload) // 256)]
+    blob = encode_chunk(key, tokens, payload, {"i": 0}, segments=segments)
+    assert len(blob) - len(payload) == header_kib * 1024
+    await store.put(key, blob)
+    assert await store.get(key) == blob
+    out = bytearray(4 * MiB)
+    header = await store.get_into(key, out)
+    assert header is not None and bytes(out[: header.payload_len]) == payload
+    for at in (header_kib * 1024, len(blob) - 1):
+        damaged = bytearray(blob)
+        damaged[at] ^= 0x01
+        for read in (store.get(key), store.get_into(key, out)):
+            raw_client(s3_server_url).put_object(Bucket=BUCKET, Key=store.prefix + key,
+                                                 Body=bytes(damaged))
+            assert await read is None
+            await store.flush()  # the corrupt object's deletion, before the next put
+    assert store.stats()["corrupt"] == 4
+    await store.close()
+
+
 async def test_ranged_reads_never_deadlock_the_inflight_limit(s3_server_url, ns):
     """One request in flight: a first GET gives its slot back before awaiting its ranges."""
     store = open_store(with_prefix(s3_server_url, range_size="1MiB", max_in_flight="1", timeout="20s"))
