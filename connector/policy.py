@@ -235,6 +235,17 @@ class PrefillModel:
             return 0.0, t / x
         return None if self._early.value is None else (0.0, 1.0 / self._early.value)
 
+    def one_size(self) -> tuple[float, float] | None:
+        """(size, seconds) of the largest class that speaks where no two classes are
+        `FIT_SPAN` apart and there is no prior: the estimate is then that class's rate
+        alone, which cannot tell a fixed part from the rest. None otherwise."""
+        points = self._points()
+        if self.prior is not None or not points or (
+                len(points) >= 2 and points[-1][2] >= FIT_SPAN * points[0][2]):
+            return None
+        x, t, _ = points[-1]
+        return x, t
+
     def estimate(self) -> tuple[float, float | None] | None:
         """(fixed seconds, marginal seconds per unit of `size`: None where a bigger
         forward costs no measurable time), or None before any forward (and no prior)."""
@@ -339,7 +350,14 @@ class LoadPolicy:
         several sizes (`PrefillModel` over bytes), and slower by recent stalls (a load that
         delivered nothing); inf after stalls alone; None before JUDGE_MIN_SAMPLES loads
         (a store's first request often pays for a connection and threads to start: one
-        slow load alone must not make every later hit a recompute)."""
+        slow load alone must not make every later hit a recompute).
+
+        Loads of one size alone cannot tell the store's round trip from its bandwidth: a
+        far store's one-chunk loads (all that probes and short hits give) are mostly round
+        trip, and their rate alone would price an eight-chunk hit at eight round trips and
+        decline a load that beats recompute. There the store's lookup time (a round trip
+        to the same store, `lookup_s`) is taken as the fixed part and the rest of those
+        loads' time as per byte; a load then made gives the fit its second size."""
         if self._loads_seen < JUDGE_MIN_SAMPLES:
             return None
         fit = self.loads.estimate()
@@ -347,6 +365,11 @@ class LoadPolicy:
         if fit is None or stalled >= 1.0:
             return float("inf")
         fixed, per_byte = fit
+        one, trip = self.loads.one_size(), self.lookup_s()
+        if one is not None and trip is not None:
+            size, seconds = one
+            fixed = min(trip, seconds)
+            per_byte = (seconds - fixed) / size
         return (fixed + (0.0 if per_byte is None else nbytes * per_byte)) / (1.0 - stalled)
 
     def _measured_recompute_s(self, tokens: int) -> float | None:

@@ -204,6 +204,36 @@ def test_a_far_stores_round_trips_are_a_fixed_cost_of_each_load_not_bandwidth():
     assert policy.load_s(512 << 10) > far(512 << 10) * 1.3
 
 
+def test_loads_of_one_size_take_the_stores_lookup_time_as_its_round_trip():
+    # A bucket 5 ms away whose one-chunk loads take 35 ms (10 ms of round trip, 25 ms of
+    # bytes) and whose lookups take 10 ms; recompute of 2048 tokens 0.23 s. Priced at the
+    # one-chunk rate, an 8-chunk hit would take 0.28 s and be declined; it takes 0.21 s.
+    def far(nbytes: int) -> float:
+        return 0.010 + 0.025 * nbytes / (512 << 10)
+
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    forwards(policy, lambda n: 0.010 + n * 0.23 / 2048, [1, 2049], times=2)
+    assert policy.recompute_s(2048) == pytest.approx(0.23, rel=0.01)
+    for _ in range(2):
+        policy.observe_load(512 << 10, far(512 << 10))
+    assert policy.load_s(4 << 20) == pytest.approx(8 * far(512 << 10))  # no round trip known
+    policy.observe_lookup(0.010)
+    policy.observe_lookup(0.010)
+    assert policy.load_s(4 << 20) == pytest.approx(far(4 << 20))
+    assert policy.load_s(512 << 10) == pytest.approx(far(512 << 10))
+    assert policy.plan(8, CHUNK_TOKENS, 512 << 10).reason == "load"
+    # Loads of a second size, FIT_SPAN apart, replace the lookup's share: the fit speaks.
+    for _ in range(2):
+        policy.observe_load(4 << 20, 0.150)
+    assert policy.load_s(4 << 20) == pytest.approx(0.150)
+    # A store whose lookups take longer than its loads: the whole load is round trip.
+    policy = LoadPolicy(probe_every=0)
+    for _ in range(2):
+        policy.observe_load(512 << 10, 0.030)
+        policy.observe_lookup(0.050)
+    assert policy.load_s(4 << 20) == pytest.approx(0.030)
+
+
 def test_a_load_chosen_to_beat_recompute_is_not_cut_off_before_it_can_arrive():
     # Recompute 0.14 s, a load predicted at 0.1 s: half the recompute (the old deadline)
     # would give up on it at 0.07 s, then recompute: 0.21 s for what either did in less.
