@@ -206,22 +206,32 @@ async def measure_store(url: str | list[str], size: int, count: int, concurrency
         first_s, got = await _timed(concurrency, [functools.partial(store.get_into, keys[i], buffers[i])
                                                   for i in range(count)])
         await check("first reads", got)
+        # This process's CPU time (every thread, user and system) per phase: the client's
+        # cost of a read, which a server on the same cores also competes for.
+        cpu: dict[str, list[float]] = {name: [] for name in times}
         for _ in range(rounds):
             if raw_get_round is not None:
+                c0 = time.process_time()
                 times["raw"].append(await asyncio.to_thread(raw_get_round, keys, buffers, concurrency))
+                cpu["raw"].append(time.process_time() - c0)
             # Each blob is used and dropped, as a caller's loop (and the baselines) would:
             # keeping all of them alive would time the first touch of fresh memory instead.
+            c0 = time.process_time()
             t, got = await _timed(concurrency, [functools.partial(_got_get, store, k) for k in keys])
+            cpu["get"].append(time.process_time() - c0)
             await check("gets", got)
             times["get"].append(t)
             await asyncio.sleep(AFTER_GET_S)
+            c0 = time.process_time()
             t, got = await _timed(concurrency, [functools.partial(store.get_into, keys[i], buffers[i])
                                                 for i in range(count)])
+            cpu["get_into"].append(time.process_time() - c0)
             await check("get_into", got)
             times["get_into"].append(t)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             got = await store.get_into_many(keys, buffers, max_in_flight=concurrency)
             times["get_into_many"].append(time.perf_counter() - t0)
+            cpu["get_into_many"].append(time.process_time() - c0)
             await check("get_into_many", got)
         for k in keys:
             await store.delete(k)
@@ -233,6 +243,8 @@ async def measure_store(url: str | list[str], size: int, count: int, concurrency
         **{f"{name}_gbps": nbytes / statistics.median(ts) / 1e9
            for name, ts in times.items() if name != "raw"},
     }
+    out["client_cpu_s_per_gb"] = {name: statistics.median(cs) / nbytes * 1e9
+                                  for name, cs in cpu.items() if cs}
     if times["raw"]:
         out["raw_same_objects_get_gbps"] = nbytes / statistics.median(times["raw"]) / 1e9
         # The raw reads run in the same rounds, just before the store's: the median of the
@@ -280,9 +292,12 @@ async def run(args: argparse.Namespace) -> int:
                              "get_ratio_paired": got.pop("get_ratio_paired"),
                              "get_into_many_ratio_paired": got.pop("get_into_many_ratio_paired")},
                             *base]
+                    cpu = got["client_cpu_s_per_gb"]
                     print(f"    vs {mod.RAW_GET_NAME} (N={conc}, same rounds): get "
                           f"{base[0]['get_ratio_paired']:.2f}x, get_into_many "
-                          f"{base[0]['get_into_many_ratio_paired']:.2f}x", flush=True)
+                          f"{base[0]['get_into_many_ratio_paired']:.2f}x; client CPU s/GB: "
+                          f"get {cpu['get']:.2f}, get_into_many {cpu['get_into_many']:.2f}, "
+                          f"boto3 {cpu['raw']:.2f}", flush=True)
                 raw = got.pop("raw_put_gbps", None)
                 if mod is not None and raw is not None:
                     base = [*base, {"name": mod.RAW_PUT_NAME, "put_gbps": raw, "get_gbps": None,

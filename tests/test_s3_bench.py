@@ -52,6 +52,17 @@ async def test_plain_boto3_at_the_stores_concurrency_reads_in_the_same_rounds(mo
     assert "N threads" in RAW_GET_NAME
 
 
+async def test_the_clients_cpu_per_gb_is_reported_for_the_store_and_plain_boto3(moto_s3_url):
+    """Beside the rates, `bench store` reports this process's CPU seconds per GB read (all
+    threads) for each of the store's reads and for plain boto3 in the same rounds: what a
+    read costs the client whatever the server (another process) spends."""
+    url = with_prefix(moto_s3_url, touch="0")
+    got = await measure_store(url, 256 * 1024, 3, 2, 2, functools.partial(raw_get_round, url))
+    cpu = got["client_cpu_s_per_gb"]
+    assert set(cpu) == {"raw", "get", "get_into", "get_into_many"}
+    assert all(v > 0 for v in cpu.values())
+
+
 async def test_lookups_at_once_are_timed_beside_plain_boto3_heads(moto_s3_url):
     """The extras: the store's lookups at once share their HEADs (one a key a round),
     where plain boto3 HEADs every lookup's keys."""
