@@ -205,11 +205,16 @@ class PrefillModel:
         return sorted((self.size(n), t, n) for n, t in (
             self._lower_median(s) for s in self._sizes.values() if len(s) >= self.min_samples))
 
+    @staticmethod
+    def _spanned(points: list[tuple[float, float, int]]) -> bool:
+        """Whether `points` hold two size classes `FIT_SPAN` apart: enough for a fit."""
+        return len(points) >= 2 and points[-1][2] >= FIT_SPAN * points[0][2]
+
     def _solve(self) -> tuple[float, float | None] | None:
         points = self._points()
         prior = self.prior
         self._basis = None
-        if len(points) >= 2 and points[-1][2] >= FIT_SPAN * points[0][2]:
+        if self._spanned(points):
             mx = sum(x for x, _, _ in points) / len(points)
             my = sum(t for _, t, _ in points) / len(points)
             sxx = sum((x - mx) ** 2 for x, _, _ in points)
@@ -240,8 +245,7 @@ class PrefillModel:
         `FIT_SPAN` apart and there is no prior: the estimate is then that class's rate
         alone, which cannot tell a fixed part from the rest. None otherwise."""
         points = self._points()
-        if self.prior is not None or not points or (
-                len(points) >= 2 and points[-1][2] >= FIT_SPAN * points[0][2]):
+        if self.prior is not None or not points or self._spanned(points):
             return None
         x, t, _ = points[-1]
         return x, t

@@ -120,8 +120,7 @@ class ChunkHeader:
     def verify_payload(self, payload: Any) -> None:
         """Raise ChunkError unless `payload` (a buffer, or a list of buffers that hold it
         in order) has this header's length and checksum."""
-        if _checksum(payload, self.payload_len, "payload") != self.payload_checksum:
-            raise ChunkError(f"payload checksum mismatch for {self.key}")
+        self.verify_digest(_checksum(payload, self.payload_len, "payload"))
 
     def verify_digest(self, digest: int) -> None:
         """Raise ChunkError unless `digest` (the xxh3-64 of exactly `payload_len` payload

@@ -202,15 +202,13 @@ def _payload_digest(verify: bool) -> Any:
     return xxhash.xxh3_64(seed=0) if verify else None
 
 
-def _read_head(body: Any, head: memoryview, first: int, key: str, stop: _Stop
-               ) -> tuple[ChunkHeader, memoryview]:
+def _read_head(body: Any, head: memoryview, first: int, key: str, stop: _Stop) -> ChunkHeader:
     """Read and check a response's header: its first `HEADER_SIZE` bytes into `head`, and a
-    longer header's rest after them where `head` can hold it, else in a buffer of its own
-    -> (the header, the view its bytes are in)."""
+    longer header's rest after them where `head` can hold it, else in a buffer of its own."""
     view = head[: min(HEADER_SIZE, first)]
     _fill(body, view, stop)
     try:
-        return decode_header(view, key), view
+        return decode_header(view, key)
     except TruncatedHeader as short:
         if short.header_len > first:
             raise
@@ -222,7 +220,7 @@ def _read_head(body: Any, head: memoryview, first: int, key: str, stop: _Stop
             longer[: view.nbytes] = view
             _fill(body, memoryview(longer)[view.nbytes :], stop)
             view = memoryview(longer)
-        return decode_header(view, key), view
+        return decode_header(view, key)
 
 
 def _release(body: Any) -> None:
@@ -250,7 +248,7 @@ def _get_into_start(client: Any, bucket: str, name: str, rng: str, key: str, out
         if stop.is_set():  # the caller is gone: nobody would close this body
             raise asyncio.CancelledError()
         total, first = _object_size(resp), int(resp["ContentLength"])
-        header, _ = _read_head(body, memoryview(bytearray(HEADER_SIZE)), first, key, stop)
+        header = _read_head(body, memoryview(bytearray(HEADER_SIZE)), first, key, stop)
         if total != header.total_len:
             raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
         if out.nbytes < header.payload_len:
@@ -285,7 +283,7 @@ def _get_blob_start(client: Any, bucket: str, name: str, rng: str, key: str, ver
             return body, total, first, None
         whole = unfilled_bytearray(first)
         view = memoryview(whole)
-        header, _ = _read_head(body, view, first, key, stop)
+        header = _read_head(body, view, first, key, stop)
         if total != header.total_len:
             raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
         digest = _payload_digest(verify)
