@@ -68,7 +68,8 @@ def listing_keys(n: int) -> list[str]:
 async def test_an_endless_key_listing_ends_by_its_deadline_in_bounded_memory():
     """Before: the listing never let the event loop run while bytes kept coming, so its
     1 s timeout fired only when the socket drained (20 s, 2.7 GiB); it was also read whole
-    before the first key was handed on."""
+    before the first key was handed on. The deadline may end it in any of three places
+    (the socket read, the wait for a piece, the check after parsing one), each a TimeoutError."""
     server = EndlessListingServer(listing_keys(1000))
     store = open_store(f"{server.url}?timeout=1s")
     rss_before = vm_rss()
@@ -76,7 +77,7 @@ async def test_an_endless_key_listing_ends_by_its_deadline_in_bounded_memory():
     listed = 0
     started = time.monotonic()
     try:
-        with pytest.raises(StoreUnavailable, match="took longer than"):
+        with pytest.raises(StoreUnavailable, match="TimeoutError"):
             async for _ in store.list_keys():
                 listed += 1
                 if listed % 65536 == 0:
