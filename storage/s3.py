@@ -10,7 +10,8 @@ A GET is never preceded by a HEAD: 404/403 is the miss. The first GET asks for t
 1.25 x `range_size` bytes (default 16 MiB, so a 16 MiB payload plus its 4 KiB header is
 one request); its Content-Range gives the object size, and the rest is fetched as
 parallel ranged GETs while the first body streams, straight into the destination buffer
-(`get_into` writes the payload into the caller's buffer). Every blob is verified (header
+(`get_into` writes the payload into the caller's buffer). Only a read alone splits (up
+to `split_reads` in flight): one beside others asks for the whole object at once. Every blob is verified (header
 and xxh3 payload checksum) and a corrupt object is deleted and counted as a miss.
 
 Every GET of chunk bytes (`get`, `get_into` and so `get_into_many`, and the ranged
@@ -60,7 +61,7 @@ import re
 import secrets
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -428,10 +429,27 @@ class S3Store(Store):
 
     # -- reads ---------------------------------------------------------------------------
 
-    def _first_range(self) -> str:
-        # 1.25x the range size, so a chunk just over a round size (payload + 4 KiB header)
-        # is still one request.
-        return f"bytes=0-{self.opts.range_size * 5 // 4 - 1}"
+    @contextlib.contextmanager
+    def _chunk_read(self) -> Iterator[str]:
+        """Counts a chunk read as in flight while it lasts and gives its first GET's Range.
+        While at most `split_reads` chunk reads are in flight (this one included) that is
+        the first 1.25 x `range_size` bytes (a chunk just over a round size, payload plus
+        header, is still one request) and a larger object's rest comes as parallel
+        ranges: they put an idle store's spare connections to work. Otherwise it is the
+        whole object in one request: the connections are busy with the other reads
+        already, and parallel ranges of one object would only add requests and a second
+        pass over its payload to verify it (ranges land out of order, so it cannot be
+        hashed as it lands)."""
+        token = object()
+        reading = self._conn.reading
+        reading.add(token)
+        try:
+            if len(reading) <= self.opts.split_reads:
+                yield f"bytes=0-{self.opts.range_size * 5 // 4 - 1}"
+            else:
+                yield "bytes=0-"
+        finally:
+            reading.discard(token)
 
     @staticmethod
     async def _in_thread(reads: BlockingReads, job: Callable[..., Any], *args: Any) -> Any:
@@ -454,7 +472,7 @@ class S3Store(Store):
         async with self._op("get range"):
             await self._in_thread(reads, _get_range, self.opts.bucket, name, start, end, dest)
 
-    async def _read_blob(self, key: str) -> tuple[ChunkHeader, bytearray]:
+    async def _read_blob(self, key: str, first_range: str) -> tuple[ChunkHeader, bytearray]:
         """The whole verified blob, in one `unfilled_bytearray`: a one-request object's
         sized by its Content-Length; a larger one's allocated once the first GET's
         Content-Range gives the size, the other ranges started at once and landing in place
@@ -467,7 +485,7 @@ class S3Store(Store):
             async with self._op("get"):
                 reads = await self._conn.blocking()
                 body, total, first, whole = await self._in_thread(
-                    reads, _get_blob_start, opts.bucket, name, self._first_range(), key,
+                    reads, _get_blob_start, opts.bucket, name, first_range, key,
                     opts.verify)
                 if whole is not None:  # one request: read, checked and verified
                     return whole
@@ -492,7 +510,7 @@ class S3Store(Store):
             await asyncio.to_thread(header.verify_payload, view[header.header_len :])
         return header, blob
 
-    async def _read_into(self, key: str, out: memoryview) -> ChunkHeader:
+    async def _read_into(self, key: str, out: memoryview, first_range: str) -> ChunkHeader:
         """Stream the payload into `out`; the header is parsed first so that every later
         byte lands in place. Raises like `_read_blob`, and `_TooSmall`.
         """
@@ -502,7 +520,7 @@ class S3Store(Store):
             async with self._op("get"):
                 reads = await self._conn.blocking()
                 body, header, total, first = await self._in_thread(
-                    reads, _get_into_start, opts.bucket, name, self._first_range(), key, out,
+                    reads, _get_into_start, opts.bucket, name, first_range, key, out,
                     opts.verify)
                 if body is None:  # one request: read and verified
                     return header
@@ -524,9 +542,10 @@ class S3Store(Store):
 
     async def _guarded_read(self, key: str, out: memoryview | None) -> tuple[ChunkHeader, Any] | None:
         """A read with every failure turned into a counted miss: (header, blob or None)."""
-        if out is None:
-            return await self._guarded(key, self._read_blob(key))
-        header = await self._guarded(key, self._read_into(key, out))
+        with self._chunk_read() as first_range:
+            if out is None:
+                return await self._guarded(key, self._read_blob(key, first_range))
+            header = await self._guarded(key, self._read_into(key, out, first_range))
         return None if header is None else (header, None)
 
     async def _guarded(self, key: str, read: Any) -> Any:

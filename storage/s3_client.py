@@ -54,6 +54,7 @@ class S3Options:
     read_timeout: float = 5.0
     timeout: float = 30.0
     range_size: int = 16 * MiB
+    split_reads: int = 1
     multipart_threshold: int = 64 * MiB
     part_size: int = 16 * MiB
     checksum: str = "when_required"
@@ -98,6 +99,7 @@ class S3Options:
             read_timeout=u.take("read_timeout", parse_seconds, 5.0),
             timeout=u.take("timeout", parse_seconds, 30.0),
             range_size=u.take("range_size", parse_size, 16 * MiB),
+            split_reads=u.take("split_reads", int, 1),
             multipart_threshold=u.take("multipart_threshold", parse_size, 64 * MiB),
             part_size=u.take("part_size", parse_size, 16 * MiB),
             checksum=choice("checksum", ("when_required", "when_supported"), "when_required"),
@@ -112,6 +114,8 @@ class S3Options:
             raise ConfigError(f"{u.redacted()}: give both access_key and secret_key, or neither")
         if opts.pool < 1 or opts.max_in_flight < 1 or opts.retries < 1:
             raise ConfigError(f"{u.redacted()}: pool, max_in_flight and retries must be >= 1")
+        if opts.split_reads < 0:
+            raise ConfigError(f"{u.redacted()}: split_reads must be >= 0")
         if opts.range_size < MiB or opts.part_size < 5 * MiB:
             raise ConfigError(f"{u.redacted()}: range_size must be >= 1MiB, part_size >= 5MiB")
         if endpoint and not endpoint.startswith(("http://", "https://")):
@@ -195,6 +199,9 @@ class S3Connection:
         # one line naming the URL option to change, once the server refused our requests
         self.refused: str | None = None
         self._blocking: Future[BlockingReads] | None = None
+        # chunk reads in flight, one token each (set updates are atomic under the GIL,
+        # and reads may run in several event loops)
+        self.reading: set[object] = set()
         self._blocking_pid = 0
         self._blocking_lock = threading.Lock()
 

@@ -59,16 +59,20 @@ async def test_put_is_create_only_and_get_verifies(store, ns):
 
 
 async def test_large_chunks_come_back_through_parallel_ranges(s3_server_url, ns):
-    """3.5 MiB with 1 MiB ranges: the first GET plus parallel ranged GETs, reassembled."""
+    """3.5 MiB with 1 MiB ranges: the first GET plus parallel ranged GETs, reassembled;
+    and with `split_reads=0`, one open-ended GET (`bytes=0-`) for the whole object."""
     store = open_store(with_prefix(s3_server_url, range_size="1MiB"))
     (key, _, blob), = make_chunks(ns, 1, payload_size=3 * MiB + MiB // 2 + 123)
     await store.put(key, blob)
-    assert await store.get(key) == blob
-    out = bytearray(4 * MiB)
-    header = await store.get_into(key, out)
-    assert header is not None and bytes(out[: header.payload_len]) == blob[header.header_len :]
-    assert await store.get_into(key, bytearray(MiB)) is None  # buffer too small: a miss
-    await store.close()
+    whole = open_store(with_prefix(s3_server_url, store.prefix.rstrip("/"), range_size="1MiB",
+                                   split_reads="0"))
+    for s in (store, whole):
+        assert await s.get(key) == blob
+        out = bytearray(4 * MiB)
+        header = await s.get_into(key, out)
+        assert header is not None and bytes(out[: header.payload_len]) == blob[header.header_len :]
+        assert await s.get_into(key, bytearray(MiB)) is None  # buffer too small: a miss
+        await s.close()
 
 
 async def test_a_chunk_whose_header_is_longer_than_4_kib_reads_into_a_buffer(s3_server_url, ns):
@@ -129,7 +133,8 @@ async def test_a_one_request_chunk_is_checked_as_it_streams_and_a_flipped_byte_i
 
 async def test_ranged_reads_never_deadlock_the_inflight_limit(s3_server_url, ns):
     """One request in flight: a first GET gives its slot back before awaiting its ranges."""
-    store = open_store(with_prefix(s3_server_url, range_size="1MiB", max_in_flight="1", timeout="20s"))
+    store = open_store(with_prefix(s3_server_url, range_size="1MiB", max_in_flight="1",
+                                   split_reads="3", timeout="20s"))
     chunks = make_chunks(ns, 3, payload_size=3 * MiB)
     for key, _, blob in chunks:
         await store.put(key, blob)
@@ -292,6 +297,42 @@ async def proxied(fault_proxy):
     s = open_store(s3_url(fault_proxy.endpoint, f"lookups-{time.monotonic_ns()}", touch="0"))
     yield s
     await s.close()
+
+
+@pytest.mark.parametrize("split_reads", [None, "4"])
+async def test_a_large_object_is_read_as_parallel_ranges_only_while_reads_leave_room(
+        fault_proxy, ns, split_reads):
+    """3.5 MiB chunks with 1 MiB ranges. Read alone, a chunk is four GETs: the first, then
+    the rest as three parallel ranges. Four read at once: the first to start splits, the
+    other three are one GET each for the whole object (the connections are busy already,
+    and a whole object is hashed as it lands), unless `split_reads` lets all four split."""
+    extra = {"range_size": "1MiB", "touch": "0"}
+    if split_reads is not None:
+        extra["split_reads"] = split_reads
+    store = open_store(s3_url(fault_proxy.endpoint, f"split-{time.monotonic_ns()}", **extra))
+    chunks = make_chunks(ns, 4, payload_size=3 * MiB + MiB // 2 + 123)
+    for key, _, blob in chunks:
+        await store.put(key, blob)
+    for read in ("get", "get_into"):
+        async def one(key: str) -> bytes | None:
+            if read == "get":
+                return await store.get(key)
+            out = bytearray(4 * MiB)
+            header = await store.get_into(key, out)
+            return None if header is None else bytes(out[: header.payload_len])
+
+        def expected(blob: bytes) -> bytes:
+            return blob if read == "get" else blob[len(blob) - (3 * MiB + MiB // 2 + 123):]
+
+        before = fault_proxy.methods["GET"]
+        assert await one(chunks[0][0]) == expected(chunks[0][2])
+        assert fault_proxy.methods["GET"] - before == 4
+        before = fault_proxy.methods["GET"]
+        got = await asyncio.gather(*(one(k) for k, _, _ in chunks))
+        assert got == [expected(b) for _, _, b in chunks]
+        assert fault_proxy.methods["GET"] - before == (4 + 3 if split_reads is None else 16)
+    assert store.stats()["hits"] == 10
+    await store.close()
 
 
 async def test_a_lookup_asks_about_the_first_chunk_alone(proxied, fault_proxy, ns):
