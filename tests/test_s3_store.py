@@ -313,23 +313,19 @@ async def test_a_large_object_is_read_as_parallel_ranges_only_while_reads_leave_
     chunks = make_chunks(ns, 4, payload_size=3 * MiB + MiB // 2 + 123)
     for key, _, blob in chunks:
         await store.put(key, blob)
-    for read in ("get", "get_into"):
-        async def one(key: str) -> bytes | None:
-            if read == "get":
-                return await store.get(key)
-            out = bytearray(4 * MiB)
-            header = await store.get_into(key, out)
-            return None if header is None else bytes(out[: header.payload_len])
+    payloads = [blob[len(blob) - (3 * MiB + MiB // 2 + 123) :] for _, _, blob in chunks]
 
-        def expected(blob: bytes) -> bytes:
-            return blob if read == "get" else blob[len(blob) - (3 * MiB + MiB // 2 + 123):]
+    async def payload_of(key: str) -> bytes | None:
+        out = bytearray(4 * MiB)
+        header = await store.get_into(key, out)
+        return None if header is None else bytes(out[: header.payload_len])
 
+    for one, expected in ((store.get, [b for _, _, b in chunks]), (payload_of, payloads)):
         before = fault_proxy.methods["GET"]
-        assert await one(chunks[0][0]) == expected(chunks[0][2])
+        assert await one(chunks[0][0]) == expected[0]
         assert fault_proxy.methods["GET"] - before == 4
         before = fault_proxy.methods["GET"]
-        got = await asyncio.gather(*(one(k) for k, _, _ in chunks))
-        assert got == [expected(b) for _, _, b in chunks]
+        assert await asyncio.gather(*(one(k) for k, _, _ in chunks)) == expected
         assert fault_proxy.methods["GET"] - before == (4 + 3 if split_reads is None else 16)
     assert store.stats()["hits"] == 10
     await store.close()
