@@ -310,10 +310,11 @@ async def test_a_large_object_is_read_as_parallel_ranges_only_while_reads_leave_
     if split_reads is not None:
         extra["split_reads"] = split_reads
     store = open_store(s3_url(fault_proxy.endpoint, f"split-{time.monotonic_ns()}", **extra))
-    chunks = make_chunks(ns, 4, payload_size=3 * MiB + MiB // 2 + 123)
+    size = 3 * MiB + MiB // 2 + 123
+    chunks = make_chunks(ns, 4, payload_size=size)
     for key, _, blob in chunks:
         await store.put(key, blob)
-    payloads = [blob[len(blob) - (3 * MiB + MiB // 2 + 123) :] for _, _, blob in chunks]
+    payloads = [blob[len(blob) - size :] for _, _, blob in chunks]
 
     async def payload_of(key: str) -> bytes | None:
         out = bytearray(4 * MiB)
