@@ -35,7 +35,9 @@ bytes).
 
 Failures. botocore retries throttling, 5xx and connection errors (`retries` attempts,
 `retry_mode` standard or adaptive) under `connect_timeout`/`read_timeout`, and each whole
-operation has a `timeout` deadline. A circuit breaker counts endpoint failures: once it
+operation has a `timeout` deadline. Nothing is sized by a server's word alone: an object
+over `max_chunk` (default 1 GiB) is a miss refused unread, and a read allocates an object's
+buffer only once its chunk header has matched the reported size. A circuit breaker counts endpoint failures: once it
 opens, gets answer "miss" and puts raise StoreUnavailable without a network call until a
 half-open probe succeeds. No botocore or aiohttp exception leaves this module.
 
@@ -133,6 +135,11 @@ class _TooSmall(Exception):
     """The caller's buffer cannot hold the payload: a miss."""
 
 
+class _TooLarge(Exception):
+    """The object is over `max_chunk`: a miss, left in place (a store opened with a larger
+    `max_chunk` may have written it)."""
+
+
 async def _cancel(tasks: list[asyncio.Task]) -> None:
     """Cancel and reap sibling range reads (after a failure; a no-op once they are done)."""
     for t in tasks:
@@ -204,13 +211,15 @@ def _payload_digest(verify: bool) -> Any:
     return xxhash.xxh3_64(seed=0) if verify else None
 
 
-def _read_head(body: Any, head: memoryview, first: int, key: str, stop: _Stop) -> ChunkHeader:
+def _read_head(body: Any, head: memoryview, first: int, key: str,
+               stop: _Stop) -> tuple[ChunkHeader, memoryview]:
     """Read and check a response's header: its first `HEADER_SIZE` bytes into `head`, and a
-    longer header's rest after them where `head` can hold it, else in a buffer of its own."""
+    longer header's rest after them where `head` can hold it, else in a buffer of its own.
+    Returns the header and a view of its bytes."""
     view = head[: min(HEADER_SIZE, first)]
     _fill(body, view, stop)
     try:
-        return decode_header(view, key)
+        return decode_header(view, key), view
     except TruncatedHeader as short:
         if short.header_len > first:
             raise
@@ -222,7 +231,7 @@ def _read_head(body: Any, head: memoryview, first: int, key: str, stop: _Stop) -
             longer[: view.nbytes] = view
             _fill(body, memoryview(longer)[view.nbytes :], stop)
             view = memoryview(longer)
-        return decode_header(view, key)
+        return decode_header(view, key), view
 
 
 def _release(body: Any) -> None:
@@ -236,13 +245,13 @@ def _release(body: Any) -> None:
         body.close()
 
 
-def _get_into_start(client: Any, bucket: str, name: str, rng: str, key: str, out: memoryview,
-                    verify: bool, stop: _Stop) -> tuple[Any, ChunkHeader, int, int]:
-    """The first GET of a `get_into` (a reader thread): the header is read and checked
-    first, so that every later byte lands in place in `out`. A chunk of one request is
-    read, and verified, here whole: (None, header, total, first). A larger one returns
-    its body, for the caller to start the other ranges before reading the rest of it:
-    (body, header, total, first). Raises `_TooSmall` when `out` cannot hold the payload."""
+def _open_chunk(client: Any, bucket: str, name: str, rng: str, key: str, max_chunk: int,
+                stop: _Stop) -> tuple[Any, ChunkHeader, memoryview, int, int]:
+    """The first GET of a chunk read (a reader thread), read up to the end of its checked
+    header: (body, header, the header's bytes, object size, bytes this response carries).
+    Nothing the size of the object is allocated here: an object over `max_chunk` is
+    refused before its body is read, and one whose header gives another size is corrupt.
+    Raises `_TooLarge`, ChunkError; the body is closed on any failure."""
     resp = client.get_object(Bucket=bucket, Key=name, Range=rng)
     body = resp["Body"]
     stop.watch(body)
@@ -250,53 +259,70 @@ def _get_into_start(client: Any, bucket: str, name: str, rng: str, key: str, out
         if stop.is_set():  # the caller is gone: nobody would close this body
             raise asyncio.CancelledError()
         total, first = _object_size(resp), int(resp["ContentLength"])
-        header = _read_head(body, memoryview(bytearray(HEADER_SIZE)), first, key, stop)
+        if total > max_chunk:
+            raise _TooLarge(f"a {total}-byte object is over max_chunk={max_chunk}")
+        header, head = _read_head(body, memoryview(bytearray(HEADER_SIZE)), first, key, stop)
         if total != header.total_len:
             raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
-        if out.nbytes < header.payload_len:
-            raise _TooSmall()
-        if first < total:
-            return body, header, total, first
-        digest = _payload_digest(verify)  # here, off the event loop
-        _fill(body, out[: header.payload_len], stop, digest)
+    except BaseException:
+        body.close()
+        raise
+    return body, header, head, total, first
+
+
+def _finish_one_request(body: Any, dest: memoryview, verify: bool, header: ChunkHeader,
+                        stop: _Stop) -> None:
+    """A one-request chunk's payload into `dest`, hashed as it lands and verified; its
+    connection back to the pool (a reader thread)."""
+    digest = _payload_digest(verify)
+    try:
+        _fill(body, dest, stop, digest)
     except BaseException:
         body.close()
         raise
     _release(body)
     if digest is not None:
         header.verify_digest(digest.intdigest())
+
+
+def _get_into_start(client: Any, bucket: str, name: str, rng: str, key: str, out: memoryview,
+                    verify: bool, max_chunk: int,
+                    stop: _Stop) -> tuple[Any, ChunkHeader, int, int]:
+    """The first GET of a `get_into` (a reader thread): the header is read and checked
+    first, so that every later byte lands in place in `out`. A chunk of one request is
+    read, and verified, here whole: (None, header, total, first). A larger one returns
+    its body, for the caller to start the other ranges before reading the rest of it:
+    (body, header, total, first). Raises `_TooSmall` when `out` cannot hold the payload."""
+    body, header, _, total, first = _open_chunk(client, bucket, name, rng, key, max_chunk,
+                                                stop)
+    if out.nbytes < header.payload_len:
+        body.close()
+        raise _TooSmall()
+    if first < total:
+        return body, header, total, first
+    _finish_one_request(body, out[: header.payload_len], verify, header, stop)
     return None, header, total, first
 
 
 def _get_blob_start(client: Any, bucket: str, name: str, rng: str, key: str, verify: bool,
-                    stop: _Stop) -> tuple[Any, int, int, tuple[ChunkHeader, bytearray] | None]:
-    """The first GET of a whole blob (a reader thread): (its body, the object size, the bytes
-    this response carries, and the whole object when this response is all of it: then read
-    into a buffer of its own with no zero-fill, checked (and verified) here, and the body
-    is done with)."""
-    resp = client.get_object(Bucket=bucket, Key=name, Range=rng)
-    body = resp["Body"]
-    stop.watch(body)
+                    max_chunk: int, stop: _Stop) -> tuple[Any, ChunkHeader, bytearray, int]:
+    """The first GET of a whole blob (a reader thread): (its body or None, the header, the
+    object's buffer with the header in place, the bytes this response carries). The
+    buffer is allocated once the header has given its size, with no zero-fill. A chunk
+    of one request is read and verified here whole (the body None); a larger one's body
+    is returned for the caller to start the other ranges before reading the rest of it."""
+    body, header, head, total, first = _open_chunk(client, bucket, name, rng, key,
+                                                   max_chunk, stop)
     try:
-        if stop.is_set():
-            raise asyncio.CancelledError()
-        total, first = _object_size(resp), int(resp["ContentLength"])
-        if first < total:
-            return body, total, first, None
-        whole = unfilled_bytearray(first)
-        view = memoryview(whole)
-        header = _read_head(body, view, first, key, stop)
-        if total != header.total_len:
-            raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
-        digest = _payload_digest(verify)
-        _fill(body, view[header.header_len :], stop, digest)
+        blob = unfilled_bytearray(total)
+        blob[: head.nbytes] = head
     except BaseException:
         body.close()
         raise
-    _release(body)
-    if digest is not None:
-        header.verify_digest(digest.intdigest())
-    return None, total, first, (header, whole)
+    if first < total:
+        return body, header, blob, first
+    _finish_one_request(body, memoryview(blob)[head.nbytes :], verify, header, stop)
+    return None, header, blob, first
 
 
 def _get_range(client: Any, bucket: str, name: str, start: int, end: int, dest: memoryview,
@@ -474,34 +500,30 @@ class S3Store(Store):
             await self._in_thread(reads, _get_range, self.opts.bucket, name, start, end, dest)
 
     async def _read_blob(self, key: str, first_range: str) -> tuple[ChunkHeader, bytearray]:
-        """The whole verified blob, in one `unfilled_bytearray`: a one-request object's
-        sized by its Content-Length; a larger one's allocated once the first GET's
-        Content-Range gives the size, the other ranges started at once and landing in place
-        while the first body streams (a join of pieces would cost a copy of every byte).
-        Raises `_Missing`, StoreUnavailable, ClientError or ChunkError (a corrupt object).
+        """The whole verified blob, in one `unfilled_bytearray` allocated once the first
+        GET's header has given its size; a larger object's other ranges started at once
+        and landing in place while the first body streams (a join of pieces would cost a
+        copy of every byte). Raises `_Missing`, `_TooLarge`, StoreUnavailable, ClientError
+        or ChunkError (a corrupt object).
         """
         name, opts, loop = self._name(key), self.opts, asyncio.get_running_loop()
         tasks: list[asyncio.Task] = []
         try:
             async with self._op("get"):
                 reads = await self._conn.blocking()
-                body, total, first, whole = await self._in_thread(
+                body, header, blob, first = await self._in_thread(
                     reads, _get_blob_start, opts.bucket, name, first_range, key,
-                    opts.verify)
-                if whole is not None:  # one request: read, checked and verified
-                    return whole
+                    opts.verify, opts.max_chunk)
+                if body is None:  # one request: read, checked and verified
+                    return header, blob
                 try:
-                    blob = unfilled_bytearray(total)
                     view = memoryview(blob)
                     tasks = [loop.create_task(self._read_range(reads, name, s, e, view[s:e]))
-                             for s, e in _split(first, total, opts.range_size)]
+                             for s, e in _split(first, header.total_len, opts.range_size)]
                 except BaseException:
                     body.close()
                     raise
-                await self._in_thread(reads, _fill_rest, body, view[:first])
-            header = decode_header(view[:first], key)
-            if total != header.total_len:
-                raise ChunkError(f"object is {total} bytes, header says {header.total_len}")
+                await self._in_thread(reads, _fill_rest, body, view[header.header_len : first])
             # Outside the first request's in-flight slot: with every slot held by a first
             # request waiting for its own ranges, nothing could make progress.
             await asyncio.gather(*tasks)
@@ -522,7 +544,7 @@ class S3Store(Store):
                 reads = await self._conn.blocking()
                 body, header, total, first = await self._in_thread(
                     reads, _get_into_start, opts.bucket, name, first_range, key, out,
-                    opts.verify)
+                    opts.verify, opts.max_chunk)
                 if body is None:  # one request: read and verified
                     return header
                 try:
@@ -554,6 +576,10 @@ class S3Store(Store):
         try:
             got = await read
         except (_Missing, _TooSmall):
+            return None
+        except _TooLarge as exc:
+            self.counters["errors"] += 1
+            log.debug("%s: get %s: %s", self, key, exc)
             return None
         except (StoreError, ClientError) as exc:
             if (isinstance(exc, ClientError) and _status(exc) in (400, 501)

@@ -28,6 +28,7 @@ from botocore.exceptions import BotoCoreError
 from botocore.session import Session
 
 from storage.breaker import BreakerOptions
+from storage.codec import HEADER_SIZE
 from storage.errors import ConfigError
 from storage.options import StoreURL, parse_bool, parse_seconds, parse_size
 
@@ -55,6 +56,7 @@ class S3Options:
     timeout: float = 30.0
     range_size: int = 16 * MiB
     split_reads: int = 1
+    max_chunk: int = 1 << 30
     multipart_threshold: int = 64 * MiB
     part_size: int = 16 * MiB
     checksum: str = "when_required"
@@ -100,6 +102,7 @@ class S3Options:
             timeout=u.take("timeout", parse_seconds, 30.0),
             range_size=u.take("range_size", parse_size, 16 * MiB),
             split_reads=u.take("split_reads", int, 1),
+            max_chunk=u.take("max_chunk", parse_size, 1 << 30),
             multipart_threshold=u.take("multipart_threshold", parse_size, 64 * MiB),
             part_size=u.take("part_size", parse_size, 16 * MiB),
             checksum=choice("checksum", ("when_required", "when_supported"), "when_required"),
@@ -116,6 +119,8 @@ class S3Options:
             raise ConfigError(f"{u.redacted()}: pool, max_in_flight and retries must be >= 1")
         if opts.split_reads < 0:
             raise ConfigError(f"{u.redacted()}: split_reads must be >= 0")
+        if opts.max_chunk < HEADER_SIZE:
+            raise ConfigError(f"{u.redacted()}: max_chunk must be at least {HEADER_SIZE} bytes")
         if opts.range_size < MiB or opts.part_size < 5 * MiB:
             raise ConfigError(f"{u.redacted()}: range_size must be >= 1MiB, part_size >= 5MiB")
         if endpoint and not endpoint.startswith(("http://", "https://")):
