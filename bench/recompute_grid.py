@@ -11,7 +11,13 @@ A third engine, started once, saves each round's prefix straight to moto (unshap
 the hit engines find it stored. Each round draws a fresh prefix of each `--prefixes`
 length plus one token; the hit engines get it with a different last token: their TTFT
 is "kvstash" and "load", and the "load" engine answers it once more with kvstash off for
-that request (no lookup, no save): "recompute". The hit engines compute nothing but
+that request (no lookup, no save): "recompute". With `--own-off` the kvstash engine
+answers it once more with kvstash off too ("kvstash_off"): kvstash / kvstash_off is the
+connector's own cost on one engine, apart from any difference between engine processes
+(off by default: those full prefills would teach the kvstash engine its prefill cost,
+which the grid means it to learn from its own choices). Each measured request follows a
+short request on the saver engine, so none of them runs on caches and threads its own engine's last
+request left warm (`--no-interlude` drops it). The hit engines compute nothing but
 1-token suffixes unless they decline a load, as a fresh engine serving a shared cache
 does: the case where a policy that learns its prefill cost from suffix steps alone goes
 wrong (docs/benchmarks/2026-11-29-vllm-lookup-bound.md). Reported per point: medians of
@@ -52,6 +58,7 @@ from bench.vllm import (
 )
 
 WITHIN = 1.10  # the target: kvstash within 10 % of min(recompute, load)
+TIMED = ("kvstash", "load", "recompute", "kvstash_off")  # each round's measured requests
 LOAD_ALL = {"adaptive": False, "load_deadline_s": 30.0, "lookup_timeout_s": 30.0}
 
 
@@ -135,7 +142,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     for e in engines.values():
                         e.wait_ready()
                     runs: dict[int, dict[str, list[Any]]] = {
-                        n: {"kvstash": [], "load": [], "recompute": [], "kvstash_hit": [],
+                        n: {"kvstash": [], "load": [], "recompute": [], "kvstash_off": [],
+                            "kvstash_hit": [],
                             "kvstash_did": [], "parts": []} for n in prefixes}
                     for r in range(args.warmup + args.repeat):
                         for n in prefixes:
@@ -148,13 +156,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                             order = ["kvstash", "load"] if r % 2 else ["load", "kvstash"]
                             got = {}
                             for name in order:
+                                _interlude(saver, rng, vocab, args.interlude)
                                 got[name] = engines[name].generate([asked])
+                            _interlude(saver, rng, vocab, args.interlude)
                             got["recompute"] = engines["load"].generate([asked], KVSTASH_OFF)
+                            if args.own_off:
+                                _interlude(saver, rng, vocab, args.interlude)
+                                got["kvstash_off"] = engines["kvstash"].generate([asked],
+                                                                                 KVSTASH_OFF)
                             did = _delta(last.get("kvstash", {}), got["kvstash"]["kvstash"])
-                            last = {name: got[name]["kvstash"] for name in engines}
+                            last = {"kvstash": got.get("kvstash_off", got["kvstash"])["kvstash"],
+                                    "load": got["recompute"]["kvstash"]}
                             if r < args.warmup:
                                 continue
-                            for name in ("kvstash", "load", "recompute"):
+                            for name in got:
                                 runs[n][name].append(_ttft(got[name]))
                             runs[n]["kvstash_hit"].append(
                                 got["kvstash"]["requests"][0]["cached_tokens"])
@@ -169,16 +184,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     shaper.wait()
                 points = []
                 for n, rows in runs.items():
-                    med = {k: statistics.median(rows[k]) for k in ("kvstash", "load", "recompute")}
+                    med = {k: statistics.median(rows[k]) for k in TIMED if rows[k]}
                     best = min(med["recompute"], med["load"])
                     parts = {name: {k: statistics.median(p[name][k] for p in rows["parts"])
                                     for k in ("held_s", "first_step_s", "other_s")}
-                             for name in ("kvstash", "load", "recompute")
-                             if all(p.get(name) for p in rows["parts"])}
+                             for name in TIMED if all(p.get(name) for p in rows["parts"])}
                     points.append({
                         "shape": shape, "prefix_tokens": n, "ttft_parts_s": parts,
                         "ttft_s": med, "rounds_s": rows,
                         "kvstash_vs_best": med["kvstash"] / best,
+                        **({"kvstash_vs_own_engine_off": med["kvstash"] / med["kvstash_off"]}
+                           if "kvstash_off" in med else {}),
                         "best": "load" if med["load"] <= med["recompute"] else "recompute",
                         "kvstash_loaded_rounds": sum(1 for h in rows["kvstash_hit"] if h),
                         "within_target": med["kvstash"] / best <= WITHIN,
@@ -190,7 +206,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             saver.stop()
             watch.close()
     return {"model": about, "chunk_tokens": args.chunk_tokens, "repeat": args.repeat,
-            "warmup": args.warmup, "target": WITHIN, "links": links}
+            "warmup": args.warmup, "interlude": args.interlude, "own_off": args.own_off,
+            "target": WITHIN, "links": links}
+
+
+def _interlude(saver: Engine, rng: np.random.Generator, vocab: int, on: bool) -> None:
+    """A short request on the saver engine (kvstash off), so that every measured request
+    follows another engine's step. Otherwise "recompute" always came right after its own
+    engine's request (its weights in the CPU's caches, its threads awake) and the
+    kvstash engine's after another engine's: a bias of 1-2 ms on a 20 ms step here."""
+    if on:
+        saver.generate([rng.integers(FIRST_TOKEN_ID, vocab, 16)], KVSTASH_OFF)
 
 
 def _line(p: dict[str, Any]) -> str:
@@ -201,7 +227,9 @@ def _line(p: dict[str, Any]) -> str:
     return (f"{p['shape']:>13} {p['prefix_tokens']:>5} tokens: kvstash {t['kvstash'] * 1e3:7.1f} ms"
             f"  recompute {t['recompute'] * 1e3:7.1f}  load {t['load'] * 1e3:7.1f}"
             f"  -> {p['kvstash_vs_best']:.2f}x of {p['best']}"
-            f" (loaded {p['kvstash_loaded_rounds']}/{len(p['rounds_s']['kvstash'])}){held}")
+            f" (loaded {p['kvstash_loaded_rounds']}/{len(p['rounds_s']['kvstash'])}){held}"
+            + (f"; {own:.2f}x of its engine with kvstash off"
+               if (own := p.get("kvstash_vs_own_engine_off")) else ""))
 
 
 def main() -> None:
@@ -216,6 +244,10 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=6)
     p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--own-off", action="store_true",
+                   help="also time each prompt on the kvstash engine with kvstash off")
+    p.add_argument("--no-interlude", dest="interlude", action="store_false",
+                   help="measure each request right after the last, whichever engine ran it")
     p.add_argument("--keep-logs", type=Path, default=None)
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()

@@ -72,6 +72,7 @@ class Namespace:
 
 # array('I') holds little-endian uint32 here: the fast path of `token_array` for lists.
 _ARRAY_U32 = array.array("I").itemsize == 4 and sys.byteorder == "little"
+_U32 = np.dtype("<u4")
 
 
 def token_array(token_ids: Any) -> np.ndarray:
@@ -89,6 +90,9 @@ def token_array(token_ids: Any) -> np.ndarray:
                 return np.frombuffer(array.array("I", token_ids), dtype="<u4")
         except (OverflowError, TypeError):
             pass
+    if (type(token_ids) is np.ndarray and token_ids.dtype == _U32 and token_ids.ndim == 1
+            and token_ids.flags.c_contiguous):
+        return token_ids  # already what this returns (every uint32 is a valid id)
     if hasattr(token_ids, "detach") and hasattr(token_ids, "cpu"):
         token_ids = token_ids.detach().cpu().numpy()
     try:

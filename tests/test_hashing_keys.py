@@ -89,6 +89,9 @@ def test_accepts_lists_arrays_and_tensors_alike():
     expected = chunk_keys(ids, NS)
     assert chunk_keys(np.array(ids, dtype=np.int64), NS) == expected
     assert chunk_keys(np.array(ids, dtype=np.uint32), NS) == expected
+    assert chunk_keys(np.array(ids, dtype=">u4"), NS) == expected
+    assert chunk_keys(np.array(ids + ids, dtype=np.uint32)[::2], NS) == chunk_keys(
+        ids[::2] + ids[::2], NS)
     assert chunk_keys(np.array([ids]), NS) == expected
     assert chunk_keys(tuple(ids), NS) == expected
     torch = pytest.importorskip("torch")
@@ -101,6 +104,14 @@ def test_accepts_lists_arrays_and_tensors_alike():
 def test_rejects_ids_that_are_not_uint32_with_a_clear_error(bad):
     with pytest.raises(InvalidTokenIds):
         chunk_keys(bad, NS)
+
+
+def test_a_little_endian_uint32_array_is_returned_as_it_is():
+    """The engines' own token arrays (a chunk's ids as saved) take no copy and no checks."""
+    ids = np.arange(1000, 1016, dtype="<u4")
+    assert token_array(ids) is ids
+    assert token_array(ids[::2]).flags.c_contiguous
+    assert token_array(ids[::2]).tolist() == ids[::2].tolist()
 
 
 def test_max_uint32_is_accepted():
