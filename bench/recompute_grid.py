@@ -16,8 +16,8 @@ answers it once more with kvstash off too ("kvstash_off"): kvstash / kvstash_off
 connector's own cost on one engine, apart from any difference between engine processes
 (off by default: those full prefills would teach the kvstash engine its prefill cost,
 which the grid means it to learn from its own choices). Each measured request follows a
-short request on the saver engine, so none of them runs on caches and threads its own engine's last
-request left warm (`--no-interlude` drops it). The hit engines compute nothing but
+short request on the saver engine, so none runs on caches its own engine's last request
+left warm (`--no-interlude` drops it). The hit engines compute nothing but
 1-token suffixes unless they decline a load, as a fresh engine serving a shared cache
 does: the case where a policy that learns its prefill cost from suffix steps alone goes
 wrong (docs/benchmarks/2026-11-29-vllm-lookup-bound.md). Reported per point: medians of
@@ -143,8 +143,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         e.wait_ready()
                     runs: dict[int, dict[str, list[Any]]] = {
                         n: {"kvstash": [], "load": [], "recompute": [], "kvstash_off": [],
-                            "kvstash_hit": [],
-                            "kvstash_did": [], "parts": []} for n in prefixes}
+                            "kvstash_hit": [], "kvstash_did": [], "parts": []}
+                        for n in prefixes}
                     for r in range(args.warmup + args.repeat):
                         for n in prefixes:
                             x = rng.integers(FIRST_TOKEN_ID, vocab, n)
@@ -212,9 +212,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _interlude(saver: Engine, rng: np.random.Generator, vocab: int, on: bool) -> None:
     """A short request on the saver engine (kvstash off), so that every measured request
-    follows another engine's step. Otherwise "recompute" always came right after its own
-    engine's request (its weights in the CPU's caches, its threads awake) and the
-    kvstash engine's after another engine's: a bias of 1-2 ms on a 20 ms step here."""
+    follows the same other engine's step. Without it "recompute" always came right after
+    its own engine's request (its weights in the CPU's caches) and the kvstash engine's
+    after another engine's, an order that could favour one side (it did not move the
+    256-token gap: docs/benchmarks/2026-11-30-recompute-grid-256.md)."""
     if on:
         saver.generate([rng.integers(FIRST_TOKEN_ID, vocab, 16)], KVSTASH_OFF)
 

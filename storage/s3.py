@@ -36,10 +36,11 @@ bytes).
 Failures. botocore retries throttling, 5xx and connection errors (`retries` attempts,
 `retry_mode` standard or adaptive) under `connect_timeout`/`read_timeout`, and each whole
 operation has a `timeout` deadline. Nothing is sized by a server's word alone: an object
-over `max_chunk` (default 1 GiB) is a miss refused unread, and a read allocates an object's
-buffer only once its chunk header has matched the reported size. A circuit breaker counts endpoint failures: once it
-opens, gets answer "miss" and puts raise StoreUnavailable without a network call until a
-half-open probe succeeds. No botocore or aiohttp exception leaves this module.
+over `max_chunk` (default 1 GiB) is a miss refused unread, and a read allocates an
+object's buffer only once its chunk header has matched the reported size. A circuit
+breaker counts endpoint failures: once it opens, gets answer "miss" and puts raise
+StoreUnavailable without a network call until a half-open probe succeeds. No botocore or
+aiohttp exception leaves this module.
 
 Checksums and signing. Defaults are `checksum=when_required` and `sign_payload=false`:
 botocore >= 1.36 adds CRC32 trailers / headers to every PUT and validates them on GET,
