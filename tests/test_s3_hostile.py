@@ -1,15 +1,13 @@
 """An S3 endpoint that lies about an object's size: the store answers a miss and
 allocates nothing of the claimed size.
 
-The endpoint here is a socket of our own that answers every request with one scripted
-reply, as no real S3 server would send it (moto and SeaweedFS only ever report true
-sizes). The store's real botocore client parses it.
+The endpoint here is a socket of our own that answers each connection's first request
+with one scripted reply and closes it, as no real S3 server would answer (moto and
+SeaweedFS only ever report true sizes). The store's real botocore client parses it.
 """
 
 from __future__ import annotations
 
-import socket
-import threading
 import tracemalloc
 
 import pytest
@@ -17,37 +15,11 @@ import pytest
 from storage import open_store
 from tests.s3_fixtures import s3_url, with_prefix
 from tests.store_helpers import make_chunks
+from tests.test_http_store_client import OneReplyServer
 
 pytest_plugins = ("tests.s3_fixtures",)
 
 TiB = 1 << 40
-
-
-class OneReplyS3:
-    """A listening socket that answers each connection's first request with `reply` and
-    closes it (botocore then opens a new one for its next request)."""
-
-    def __init__(self, reply: bytes):
-        self.reply = reply
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            with conn:
-                try:
-                    if conn.recv(65536):
-                        conn.sendall(self.reply)
-                except OSError:
-                    pass
-
-    def close(self) -> None:
-        self.sock.close()
 
 
 def partial_reply(body: bytes, claimed_total: int) -> bytes:
@@ -58,8 +30,8 @@ def partial_reply(body: bytes, claimed_total: int) -> bytes:
             b"Connection: close\r\n\r\n" % (len(body) - 1, claimed_total, len(body))) + body
 
 
-def store_at(server: OneReplyS3, **extra: str):
-    return open_store(s3_url(server.endpoint, "hostile", retries="1", timeout="3s",
+def store_at(server: OneReplyServer, **extra: str):
+    return open_store(s3_url(server.url, "hostile", retries="1", timeout="3s",
                              touch="0", **extra))
 
 
@@ -68,7 +40,7 @@ async def test_an_object_claiming_a_terabyte_is_a_miss_not_memory_error(ns, spli
     """Over `max_chunk` (1 GiB by default) an object is refused before its body is read:
     a miss for `get` and `get_into`, never a MemoryError into the caller."""
     (key, _, blob), = make_chunks(ns, 1, payload_size=64 * 1024)
-    server = OneReplyS3(partial_reply(blob, TiB))
+    server = OneReplyServer(partial_reply(blob, TiB))
     store = store_at(server, split_reads=split_reads)
     try:
         assert await store.get(key) is None
@@ -84,7 +56,7 @@ async def test_a_size_the_header_contradicts_allocates_nothing_of_that_size(ns):
     the header is read before any buffer the object's size exists, so the claim costs
     no allocation; the object is corrupt, a miss."""
     (key, _, blob), = make_chunks(ns, 1, payload_size=64 * 1024)
-    server = OneReplyS3(partial_reply(blob, 512 << 20))
+    server = OneReplyServer(partial_reply(blob, 512 << 20))
     store = store_at(server)
     tracemalloc.start()
     try:
