@@ -114,6 +114,7 @@ _ATIME_REFRESH_S = 60.0
 # bytes (or a sixteenth of `capacity=`, where less): a reader that quarantines on every
 # read of a rewritten chunk must not fill the disk with copies.
 QUARANTINE_MAX_BYTES = 256 << 20
+MAX_CHUNK = 1 << 30  # the largest file a read accepts (`max_chunk`), as http:// and s3://
 VERIFY_MODES = ("changed", "always", "header")
 
 
@@ -521,8 +522,11 @@ class FileStore(Store):
         ledger: RootLedger | None = None,
         residency: Residency | None = None,
         settle_s: float = _SETTLED_S,
+        max_chunk: int = MAX_CHUNK,
     ):
-        """`residency`: the page-cache oracle every read that plans by residency asks (see
+        """`max_chunk` (`max_chunk=` in the URL): the largest file a read accepts; a larger
+        one at a chunk's path (planted there, or a sparse file claiming terabytes) is a
+        miss left in place, never read into memory. `residency`: the page-cache oracle every read that plans by residency asks (see
         storage.pagecache; None: the kernel's, PAGE_CACHE; tests declare chunks resident or
         not through it). `settle_s` (`settle=` in the URL): how old a file's ctime must be
         before its verification is remembered (see `note_verified`); 0 remembers it at
@@ -555,6 +559,9 @@ class FileStore(Store):
         self._quarantined = 0  # files there
         self.residency = PAGE_CACHE if residency is None else residency
         self.settle_s = settle_s
+        if max_chunk < HEADER_SIZE:
+            raise ConfigError(f"max_chunk must be at least {HEADER_SIZE} bytes")
+        self.max_chunk = max_chunk
         self.url = url or f"file://{self.root}"
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()
@@ -603,6 +610,7 @@ class FileStore(Store):
             tmp_grace_s=u.take("tmp_grace", parse_seconds, 600.0),
             mode=u.take("mode", parse_mode, 0o600),
             settle_s=u.take("settle", parse_seconds, _SETTLED_S),
+            max_chunk=u.take("max_chunk", parse_size, MAX_CHUNK),
             url=u.url,
         )
         u.finish()
@@ -761,7 +769,7 @@ class FileStore(Store):
         fail because its buffers changed under the read (two destinations that are one
         block, say); such a file is kept, and only that read was a miss."""
         path = Path(path)
-        if recheck and _checks_whole(path, key):
+        if recheck and _checks_whole(path, key, self.max_chunk):
             self.counters["rechecked"] += 1
             log.warning("%s: chunk %s failed a check (%s) in the reader's buffers but checks "
                         "read again on its own: kept", self, key, why)
@@ -946,6 +954,8 @@ class FileStore(Store):
         fd, path = opened
         try:
             st = os.fstat(fd)
+            if self._oversize(key, st):
+                return None
             if as_file and self._vouch_unread(key, fd, st):
                 self._touch(key, path, st)
                 file, fd = BlobFile(fd, st.st_size), -1  # the caller closes it now
@@ -1012,6 +1022,8 @@ class FileStore(Store):
         fd, path = opened
         try:
             st = os.fstat(fd)
+            if self._oversize(key, st):
+                return None, "corrupt"
             got = read(fd, st)
             if not isinstance(got, ChunkHeader):
                 return got
@@ -1027,6 +1039,16 @@ class FileStore(Store):
             os.close(fd)
         self._touch(key, path, st)
         return got, None
+
+    def _oversize(self, key: str, st: os.stat_result) -> bool:
+        """Whether `key`'s file is over `max_chunk`: then a miss, counted as an error and
+        left in place unread (no chunk this store reads is that large)."""
+        if st.st_size <= self.max_chunk:
+            return False
+        self.counters["errors"] += 1
+        log.debug("%s: %s is %d bytes, over max_chunk=%d: a miss", self, key, st.st_size,
+                  self.max_chunk)
+        return True
 
     def _read_payload(self, key: str, parts: list[memoryview] | None, resident_only: bool,
                       fd: int, st: os.stat_result) -> ChunkHeader | tuple[None, str] | Any:
@@ -1625,7 +1647,7 @@ class FileStore(Store):
             tmp_grace_s=self.tmp_grace_s, mode=self.mode,
             url=f"{self.url.partition('#')[0]}#{tenant}", verified=self._verified,
             scope=tenant, family=self._family, ledger=self._ledger, residency=self.residency,
-            settle_s=self.settle_s,
+            settle_s=self.settle_s, max_chunk=self.max_chunk,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -1647,15 +1669,18 @@ class FileStore(Store):
         return out
 
 
-def _checks_whole(path: Path, key: str) -> bool:
+def _checks_whole(path: Path, key: str, max_chunk: int) -> bool:
     """Whether the regular file at `path` is a whole, valid chunk of `key`: header, length,
-    payload checksum and every segment's checksum, read into memory of its own."""
+    payload checksum and every segment's checksum, read into memory of its own (a file
+    over `max_chunk` is not read, and is not one)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return False
     try:
         size = os.fstat(fd).st_size
+        if size > max_chunk:
+            return False
         blob = read_at(fd, size)
         if len(blob) != size:
             return False

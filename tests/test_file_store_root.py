@@ -144,6 +144,39 @@ async def test_a_symlink_planted_as_a_chunk_is_never_read(tmp_path, ns):
     assert not os.path.lexists(path)  # the link itself is quarantined
 
 
+@pytest.mark.parametrize("verify", ["changed", "header"])
+async def test_a_sparse_file_claiming_a_terabyte_at_a_chunks_path_is_a_miss_left_unread(
+        tmp_path, ns, verify):
+    """A file over `max_chunk` (1 GiB by default) is never read into memory (a MemoryError
+    into the caller before, or gigabytes read where the host has them): a miss for every
+    read, the file left in place, the store's other chunks unaffected."""
+    root = tmp_path / "root"
+    (key, _, blob), (other, _, other_blob) = make_chunks(ns, 2)
+    store = FileStore(root, verify=verify)
+    await store.put(key, blob)
+    await store.put(other, other_blob)
+    path = _chunk_path(root, key)
+    os.truncate(path, 1 << 40)  # the chunk's own header, then a terabyte of holes
+    assert await store.get(key) is None
+    assert await store.get_into(key, bytearray(len(blob))) is None
+    assert await store.get_into_many([key], [bytearray(len(blob) - 4096)]) == [None]
+    assert store.counters["errors"] >= 2 and store.counters["corrupt"] == 0
+    assert os.path.getsize(path) == 1 << 40
+    assert await store.get(other) == other_blob
+
+
+async def test_max_chunk_bounds_the_files_a_read_accepts(tmp_path, ns):
+    root = tmp_path / "root"
+    (key, _, blob), = make_chunks(ns, 1, payload_size=2 << 20)
+    await FileStore(root).put(key, blob)
+    small = open_store(f"file://{root}?max_chunk=1MiB")
+    assert await small.get(key) is None
+    assert os.path.exists(_chunk_path(root, key))
+    assert await open_store(f"file://{root}").get(key) == blob
+    with pytest.raises(ConfigError, match="max_chunk"):
+        open_store(f"file://{root}?max_chunk=1KiB")
+
+
 async def test_quarantine_never_moves_a_chunk_through_a_symlink(tmp_path, ns):
     root, outside = tmp_path / "root", tmp_path / "outside"
     outside.mkdir()
