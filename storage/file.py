@@ -526,12 +526,13 @@ class FileStore(Store):
     ):
         """`max_chunk` (`max_chunk=` in the URL): the largest file a read accepts; a larger
         one at a chunk's path (planted there, or a sparse file claiming terabytes) is a
-        miss left in place, never read into memory. `residency`: the page-cache oracle every read that plans by residency asks (see
-        storage.pagecache; None: the kernel's, PAGE_CACHE; tests declare chunks resident or
-        not through it). `settle_s` (`settle=` in the URL): how old a file's ctime must be
-        before its verification is remembered (see `note_verified`); 0 remembers it at
-        once, for a filesystem whose timestamps are fine-grained, or a test whose files
-        change only where their mtime shows it."""
+        miss left in place, never read into memory. `residency`: the page-cache oracle
+        every read that plans by residency asks (see storage.pagecache; None: the
+        kernel's, PAGE_CACHE; tests declare chunks resident or not through it).
+        `settle_s` (`settle=` in the URL): how old a file's ctime must be before its
+        verification is remembered (see `note_verified`); 0 remembers it at once, for a
+        filesystem whose timestamps are fine-grained, or a test whose files change only
+        where their mtime shows it."""
         super().__init__()
         self.root = Path(root)
         # The root's own chunks are scope "", a tenant's `tenants/<scope>/`; `family` holds
@@ -560,7 +561,7 @@ class FileStore(Store):
         self.residency = PAGE_CACHE if residency is None else residency
         self.settle_s = settle_s
         if max_chunk < HEADER_SIZE:
-            raise ConfigError(f"max_chunk must be at least {HEADER_SIZE} bytes")
+            raise ConfigError(f"{url or root}: max_chunk must be at least {HEADER_SIZE} bytes")
         self.max_chunk = max_chunk
         self.url = url or f"file://{self.root}"
         self._lock = threading.Lock()
