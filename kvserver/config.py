@@ -7,9 +7,11 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from storage.codec import MAX_CHUNK
+
 # 256 tokens of a 70B model in fp32 are 640 MiB; larger chunks are a misconfiguration,
 # and the limit bounds what one request can make the server hold.
-DEFAULT_MAX_CHUNK_BYTES = 1024**3
+DEFAULT_MAX_CHUNK_BYTES = MAX_CHUNK  # the stores' own default `max_chunk`
 DEFAULT_PORT = 8765
 # A lookup carries ~52 bytes of JSON per key; 65536 keys is 16M tokens at 256-token chunks.
 DEFAULT_MAX_LOOKUP_KEYS = 65536

@@ -58,6 +58,9 @@ _NO_CHECKSUM = bytes(8)
 _TOKEN_DTYPE = np.dtype("<u4")  # token ids as headers hold them
 _META_CACHED_BYTES = 2048  # metas parsed once (`_meta`) are at most this long
 MAX_HEADER_SIZE = 64 * ALIGN
+# The largest chunk a store reads by default (its `max_chunk=`; kvserver's default
+# --max-chunk-bytes): a larger object or file at a chunk's name is a miss, never read.
+MAX_CHUNK = 1 << 30
 # A meta describes a layout in a few fields. Parsed JSON costs up to ~24x its bytes (an
 # empty object is 3 bytes and a 64-byte dict): these bound what one header may parse into
 # (~1 MiB), whoever wrote it.

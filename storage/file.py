@@ -83,6 +83,7 @@ from storage.base import (
 from storage.capabilities import NOT_RESIDENT
 from storage.codec import (
     HEADER_SIZE,
+    MAX_CHUNK,
     ChunkError,
     ChunkHeader,
     TruncatedHeader,
@@ -114,7 +115,6 @@ _ATIME_REFRESH_S = 60.0
 # bytes (or a sixteenth of `capacity=`, where less): a reader that quarantines on every
 # read of a rewritten chunk must not fill the disk with copies.
 QUARANTINE_MAX_BYTES = 256 << 20
-MAX_CHUNK = 1 << 30  # the largest file a read accepts (`max_chunk`), as http:// and s3://
 VERIFY_MODES = ("changed", "always", "header")
 
 

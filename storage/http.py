@@ -70,6 +70,7 @@ from storage.base import PROBE_KEY, Store, check_key
 from storage.breaker import BreakerOptions, CircuitBreaker
 from storage.codec import (
     HEADER_SIZE,
+    MAX_CHUNK,
     ChunkError,
     ChunkHeader,
     TruncatedHeader,
@@ -528,7 +529,7 @@ class HttpStore(Store):
         ca_file: str | None = None,
         unix_socket: str | None = None,
         fd: bool = True,
-        max_chunk: int = 1 << 30,
+        max_chunk: int = MAX_CHUNK,
         max_listing: int = _MAX_LISTING,
         url: str | None = None,
     ):
@@ -579,7 +580,7 @@ class HttpStore(Store):
             "ca_file": u.take("ca"),
             "unix_socket": u.take("unix_socket"),
             "fd": u.take("fd", parse_bool, True),
-            "max_chunk": u.take("max_chunk", parse_size, 1 << 30),
+            "max_chunk": u.take("max_chunk", parse_size, MAX_CHUNK),
             "max_listing": u.take("max_listing", int, _MAX_LISTING),
         }
         breaker = BreakerOptions.from_url(u, failures=3, cooldown_s=2.0)

@@ -247,9 +247,10 @@ def _release(body: Any) -> None:
 
 
 def _open_chunk(client: Any, bucket: str, name: str, rng: str, key: str, max_chunk: int,
-                stop: _Stop) -> tuple[Any, ChunkHeader, memoryview, int, int]:
+                stop: _Stop) -> tuple[Any, ChunkHeader, memoryview, int]:
     """The first GET of a chunk read (a reader thread), read up to the end of its checked
-    header: (body, header, the header's bytes, object size, bytes this response carries).
+    header: (body, header, the header's bytes, bytes this response carries); the object's
+    size is the header's `total_len`.
     Nothing the size of the object is allocated here: an object over `max_chunk` is
     refused before its body is read, and one whose header gives another size is corrupt.
     Raises `_TooLarge`, ChunkError; the body is closed on any failure."""
@@ -268,7 +269,7 @@ def _open_chunk(client: Any, bucket: str, name: str, rng: str, key: str, max_chu
     except BaseException:
         body.close()
         raise
-    return body, header, head, total, first
+    return body, header, head, first
 
 
 def _finish_one_request(body: Any, dest: memoryview, verify: bool, header: ChunkHeader,
@@ -288,21 +289,20 @@ def _finish_one_request(body: Any, dest: memoryview, verify: bool, header: Chunk
 
 def _get_into_start(client: Any, bucket: str, name: str, rng: str, key: str, out: memoryview,
                     verify: bool, max_chunk: int,
-                    stop: _Stop) -> tuple[Any, ChunkHeader, int, int]:
+                    stop: _Stop) -> tuple[Any, ChunkHeader, int]:
     """The first GET of a `get_into` (a reader thread): the header is read and checked
     first, so that every later byte lands in place in `out`. A chunk of one request is
-    read, and verified, here whole: (None, header, total, first). A larger one returns
-    its body, for the caller to start the other ranges before reading the rest of it:
-    (body, header, total, first). Raises `_TooSmall` when `out` cannot hold the payload."""
-    body, header, _, total, first = _open_chunk(client, bucket, name, rng, key, max_chunk,
-                                                stop)
+    read, and verified, here whole: (None, header, first). A larger one returns its body,
+    for the caller to start the other ranges before reading the rest of it: (body,
+    header, first). Raises `_TooSmall` when `out` cannot hold the payload."""
+    body, header, _, first = _open_chunk(client, bucket, name, rng, key, max_chunk, stop)
     if out.nbytes < header.payload_len:
         body.close()
         raise _TooSmall()
-    if first < total:
-        return body, header, total, first
+    if first < header.total_len:
+        return body, header, first
     _finish_one_request(body, out[: header.payload_len], verify, header, stop)
-    return None, header, total, first
+    return None, header, first
 
 
 def _get_blob_start(client: Any, bucket: str, name: str, rng: str, key: str, verify: bool,
@@ -312,15 +312,14 @@ def _get_blob_start(client: Any, bucket: str, name: str, rng: str, key: str, ver
     buffer is allocated once the header has given its size, with no zero-fill. A chunk
     of one request is read and verified here whole (the body None); a larger one's body
     is returned for the caller to start the other ranges before reading the rest of it."""
-    body, header, head, total, first = _open_chunk(client, bucket, name, rng, key,
-                                                   max_chunk, stop)
+    body, header, head, first = _open_chunk(client, bucket, name, rng, key, max_chunk, stop)
     try:
-        blob = unfilled_bytearray(total)
+        blob = unfilled_bytearray(header.total_len)
         blob[: head.nbytes] = head
     except BaseException:
         body.close()
         raise
-    if first < total:
+    if first < header.total_len:
         return body, header, blob, first
     _finish_one_request(body, memoryview(blob)[head.nbytes :], verify, header, stop)
     return None, header, blob, first
@@ -543,7 +542,7 @@ class S3Store(Store):
         try:
             async with self._op("get"):
                 reads = await self._conn.blocking()
-                body, header, total, first = await self._in_thread(
+                body, header, first = await self._in_thread(
                     reads, _get_into_start, opts.bucket, name, first_range, key, out,
                     opts.verify, opts.max_chunk)
                 if body is None:  # one request: read and verified
@@ -552,7 +551,7 @@ class S3Store(Store):
                     hlen, payload = header.header_len, out[: header.payload_len]
                     tasks = [loop.create_task(self._read_range(reads, name, s, e,
                                                                payload[s - hlen : e - hlen]))
-                             for s, e in _split(first, total, opts.range_size)]
+                             for s, e in _split(first, header.total_len, opts.range_size)]
                 except BaseException:
                     body.close()
                     raise
@@ -578,11 +577,7 @@ class S3Store(Store):
             got = await read
         except (_Missing, _TooSmall):
             return None
-        except _TooLarge as exc:
-            self.counters["errors"] += 1
-            log.debug("%s: get %s: %s", self, key, exc)
-            return None
-        except (StoreError, ClientError) as exc:
+        except (StoreError, ClientError, _TooLarge) as exc:
             if (isinstance(exc, ClientError) and _status(exc) in (400, 501)
                     and self.opts.checksum == "when_supported"):
                 self._refuse("get", _status(exc))

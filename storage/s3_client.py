@@ -28,7 +28,7 @@ from botocore.exceptions import BotoCoreError
 from botocore.session import Session
 
 from storage.breaker import BreakerOptions
-from storage.codec import HEADER_SIZE
+from storage.codec import HEADER_SIZE, MAX_CHUNK
 from storage.errors import ConfigError
 from storage.options import StoreURL, parse_bool, parse_seconds, parse_size
 
@@ -56,7 +56,7 @@ class S3Options:
     timeout: float = 30.0
     range_size: int = 16 * MiB
     split_reads: int = 1
-    max_chunk: int = 1 << 30
+    max_chunk: int = MAX_CHUNK
     multipart_threshold: int = 64 * MiB
     part_size: int = 16 * MiB
     checksum: str = "when_required"
@@ -102,7 +102,7 @@ class S3Options:
             timeout=u.take("timeout", parse_seconds, 30.0),
             range_size=u.take("range_size", parse_size, 16 * MiB),
             split_reads=u.take("split_reads", int, 1),
-            max_chunk=u.take("max_chunk", parse_size, 1 << 30),
+            max_chunk=u.take("max_chunk", parse_size, MAX_CHUNK),
             multipart_threshold=u.take("multipart_threshold", parse_size, 64 * MiB),
             part_size=u.take("part_size", parse_size, 16 * MiB),
             checksum=choice("checksum", ("when_required", "when_supported"), "when_required"),
