@@ -45,9 +45,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(published S3 per-connection figures)")
 
 
-def _with_endpoint(url: str, endpoint: str) -> str:
+def _through_shaper(url: str, endpoint: str) -> str:
+    """`url` with the shaping proxy as its endpoint. The proxy listens on loopback but
+    stands for a far bucket, so the store reads as it would from one: `split_reads=1`
+    (a far endpoint's default) unless the URL sets it."""
     parts = urlsplit(url)
     pairs = [p for p in parts.query.split("&") if p and not p.startswith("endpoint=")]
+    if not any(p.startswith("split_reads=") for p in pairs):
+        pairs.append("split_reads=1")
     return parts._replace(query="&".join([f"endpoint={endpoint}", *pairs])).geturl()
 
 
@@ -77,7 +82,7 @@ async def setup(args: argparse.Namespace, url: str) -> tuple[str, Callable[[], A
         proc.terminate()
         await asyncio.to_thread(proc.wait, 10)
 
-    return _with_endpoint(url, f"http://127.0.0.1:{port}"), stop
+    return _through_shaper(url, f"http://127.0.0.1:{port}"), stop
 
 
 def _client(opts: S3Options, checksums: str, pool: int = 10):

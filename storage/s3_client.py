@@ -73,6 +73,10 @@ class S3Options:
             raise ConfigError(f"{u.redacted()}: expected s3://bucket/prefix")
         prefix = u.path.strip("/")
         endpoint = u.take("endpoint")
+        try:
+            host = urlsplit(endpoint).hostname if endpoint else None
+        except ValueError as e:
+            raise ConfigError(f"{u.redacted()}: endpoint: {e}") from None
         pool = u.take("pool", int, 64)
 
         def choice(name: str, allowed: tuple[str, ...], default: str) -> str:
@@ -101,7 +105,7 @@ class S3Options:
             read_timeout=u.take("read_timeout", parse_seconds, 5.0),
             timeout=u.take("timeout", parse_seconds, 30.0),
             range_size=u.take("range_size", parse_size, 16 * MiB),
-            split_reads=u.take("split_reads", int, 1),
+            split_reads=u.take("split_reads", int, 0 if _on_this_host(host) else 1),
             max_chunk=u.take("max_chunk", parse_size, MAX_CHUNK),
             multipart_threshold=u.take("multipart_threshold", parse_size, 64 * MiB),
             part_size=u.take("part_size", parse_size, 16 * MiB),
@@ -125,7 +129,6 @@ class S3Options:
             raise ConfigError(f"{u.redacted()}: range_size must be >= 1MiB, part_size >= 5MiB")
         if endpoint and not endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"{u.redacted()}: endpoint must be an http:// or https:// URL")
-        host = urlsplit(endpoint).hostname if endpoint else None
         if opts.addressing == "virtual" and host and (host == "localhost" or _is_ip(host)):
             raise ConfigError(f"{u.redacted()}: addressing=virtual puts the bucket in the host "
                               f"name ({opts.bucket}.{host}), which cannot reach an IP-address or "
@@ -293,6 +296,20 @@ def _is_ip(host: str) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _on_this_host(host: str | None) -> bool:
+    """Whether an endpoint's host is this machine (`localhost` or a loopback address): a
+    server that shares the client's cores and has no network between them, so parallel
+    ranges of one object add requests and CPU and buy no bandwidth (`split_reads` 0)."""
+    if host is None:
+        return False
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _in_flight(u: Any, default: int) -> int:

@@ -61,7 +61,7 @@ async def test_put_is_create_only_and_get_verifies(store, ns):
 async def test_large_chunks_come_back_through_parallel_ranges(s3_server_url, ns):
     """3.5 MiB with 1 MiB ranges: the first GET plus parallel ranged GETs, reassembled;
     and with `split_reads=0`, one open-ended GET (`bytes=0-`) for the whole object."""
-    store = open_store(with_prefix(s3_server_url, range_size="1MiB"))
+    store = open_store(with_prefix(s3_server_url, range_size="1MiB", split_reads="1"))
     (key, _, blob), = make_chunks(ns, 1, payload_size=3 * MiB + MiB // 2 + 123)
     await store.put(key, blob)
     whole = open_store(with_prefix(s3_server_url, store.prefix.rstrip("/"), range_size="1MiB",
@@ -82,7 +82,7 @@ async def test_a_chunk_whose_header_is_longer_than_4_kib_reads_into_a_buffer(s3_
     from hashing import chunk_keys
     from storage.codec import encode_chunk
 
-    store = open_store(with_prefix(s3_server_url, range_size="1MiB"))
+    store = open_store(with_prefix(s3_server_url, range_size="1MiB", split_reads="1"))
     tokens = list(range(ns.chunk_tokens))
     key = chunk_keys(tokens, ns)[0]
     payload = os.urandom(3 * MiB)
@@ -291,6 +291,18 @@ def test_in_flight_limit_is_max_in_flight_and_the_former_inflight_still_reads():
         open_store(f"{base}&max_in_flight=5&inflight=2")
 
 
+@pytest.mark.parametrize("endpoint, split", [
+    ("http://127.0.0.1:9", 0), ("http://localhost:9", 0), ("http://[::1]:9", 0),
+    ("http://10.1.2.3:9", 1), ("https://s3.example.com", 1), (None, 1),
+])
+def test_a_server_on_this_host_reads_each_chunk_in_one_request_by_default(endpoint, split):
+    """`split_reads` defaults to 0 for a loopback endpoint (no network to spread over, the
+    server shares the client's cores) and to 1 elsewhere; the URL still decides."""
+    base = "s3://bucket/kv?region=us-east-1" + (f"&endpoint={endpoint}" if endpoint else "")
+    assert open_store(base).opts.split_reads == split
+    assert open_store(f"{base}&split_reads=2").opts.split_reads == 2
+
+
 @pytest.fixture
 async def proxied(fault_proxy):
     """A store whose requests go through a FaultProxy (moto behind it), which counts them."""
@@ -299,16 +311,15 @@ async def proxied(fault_proxy):
     await s.close()
 
 
-@pytest.mark.parametrize("split_reads", [None, "4"])
+@pytest.mark.parametrize("split_reads", ["1", "4"])
 async def test_a_large_object_is_read_as_parallel_ranges_only_while_reads_leave_room(
         fault_proxy, ns, split_reads):
     """3.5 MiB chunks with 1 MiB ranges. Read alone, a chunk is four GETs: the first, then
     the rest as three parallel ranges. Four read at once: the first to start splits, the
     other three are one GET each for the whole object (the connections are busy already,
-    and a whole object is hashed as it lands), unless `split_reads` lets all four split."""
-    extra = {"range_size": "1MiB", "touch": "0"}
-    if split_reads is not None:
-        extra["split_reads"] = split_reads
+    and a whole object is hashed as it lands), unless `split_reads` lets all four split.
+    (`split_reads=1` is the default for a far endpoint; the proxy here is on loopback.)"""
+    extra = {"range_size": "1MiB", "touch": "0", "split_reads": split_reads}
     store = open_store(s3_url(fault_proxy.endpoint, f"split-{time.monotonic_ns()}", **extra))
     size = 3 * MiB + MiB // 2 + 123
     chunks = make_chunks(ns, 4, payload_size=size)
@@ -327,7 +338,7 @@ async def test_a_large_object_is_read_as_parallel_ranges_only_while_reads_leave_
         assert fault_proxy.methods["GET"] - before == 4
         before = fault_proxy.methods["GET"]
         assert await asyncio.gather(*(one(k) for k, _, _ in chunks)) == expected
-        assert fault_proxy.methods["GET"] - before == (4 + 3 if split_reads is None else 16)
+        assert fault_proxy.methods["GET"] - before == (4 + 3 if split_reads == "1" else 16)
     assert store.stats()["hits"] == 10
     await store.close()
 
