@@ -11,7 +11,8 @@ A GET is never preceded by a HEAD: 404/403 is the miss. The first GET asks for t
 one request); its Content-Range gives the object size, and the rest is fetched as
 parallel ranged GETs while the first body streams, straight into the destination buffer
 (`get_into` writes the payload into the caller's buffer). Only a read alone splits (up
-to `split_reads` in flight): one beside others asks for the whole object at once. Every
+to `split_reads` in flight; an endpoint on loopback never splits by default): one
+beside others asks for the whole object at once. Every
 blob is verified (header and xxh3 payload checksum) and a corrupt object is deleted and
 counted as a miss.
 
