@@ -103,6 +103,8 @@ COUNTERS = {
     "prefill_tokens": "Prompt tokens the engine computed (what the policy learns recompute speed from).",
     "prefill_seconds": "Wall time of the engine's prefill steps.",
     "save_queued": "Chunks handed to the write-behind queue.",
+    "unsaved_chunks": ("New chunks not saved: a prefix this engine would not load (a hit "
+                       "of it could not beat recomputing it; vLLM, unless save_all)."),
     "saved_chunks": "Chunks written to the store.",
     "handoffs": "P/D prefills whose last step waited for their saves (kv_producer, do_remote_decode).",
     "handoff_seconds": "Time P/D prefills' last steps waited for their saves.",

@@ -46,7 +46,7 @@ OPTIONS = CORE_OPTIONS | frozenset({
     "store", "model", "chunk_tokens", "chunk_blocks", "salt", "load_mode",
     "lookup_wait_ms", "lookup_idle_wait_ms", "load_wait_ms",
     "save_queue_bytes", "save_delay_ms", "direct_io", "resident_reads",
-    "adaptive", "exit_flush_s", "handoff_timeout_s", "save_decode",
+    "adaptive", "exit_flush_s", "handoff_timeout_s", "save_decode", "save_all",
 })
 
 
@@ -317,6 +317,7 @@ class VllmSettings:
     producer: bool
     handoff_timeout_s: float  # 0: a P/D prefill replies without waiting for its saves
     save_decode: bool
+    save_all: bool  # also save a prefix this engine would not load (`_worth_saving`)
     kv_events: bool  # vLLM publishes KV events (--kv-events-config)
     exit_flush_s: float
     save_queue_bytes: int
@@ -378,6 +379,7 @@ class VllmSettings:
             # The tokens a request generates are saved too, a chunk as soon as its K/V is
             # computed: a chat's next turn (whose prompt holds this reply) hits them elsewhere.
             save_decode=_flag(extra.get("save_decode", True)),
+            save_all=_flag(extra.get("save_all", False)),
             kv_events=bool(events is not None and events.enable_kv_cache_events),
             exit_flush_s=float(extra.get("exit_flush_s", 4.0)),
             save_queue_bytes=int(extra.get("save_queue_bytes", 1024**3)),

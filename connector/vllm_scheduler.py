@@ -58,6 +58,9 @@ log = logging.getLogger("vllm.kvstash")
 # How long a request whose first chunk to load another request's async load is bringing in
 # waits for that load (then vLLM's prefix cache holds the chunk) before it loads its own.
 WAIT_FOR_OTHER_LOAD_S = 10.0
+# Chunks not saved for being too short (`_worth_saving`) remembered, to be saved after all
+# by a longer request that finds them in vLLM's own prefix cache.
+UNSAVED_REMEMBERED = 1 << 14
 
 
 @dataclass
@@ -89,6 +92,9 @@ class _Req:
     earlier_loaded: int = 0  # tokens loaded before a preemption (for the request's log line)
     handoff: bool = False  # a P/D prefill (`handoff_requested`), unless handoffs are off
     handed_off: bool = False  # its prompt is computed: the step that did it waited
+    worth_saving: bool = False  # long enough that a hit of it would be loaded (`_worth_saving`)
+    unsaved_chunks: int = 0  # its chunks not saved so far for being too short (counted once)
+    unsaved_from: int = 0  # of the chunks vLLM held at the lookup, the first never saved
     extra_keys: list[Any] = field(default_factory=list)  # KV events: `event_fields`, per block
     extra_mm: int = 0  # ... and the multimodal item the next block's keys start from
 
@@ -197,7 +203,7 @@ class KvstashScheduler:
         self.load_mode, self.auto_layerwise = settings.load_mode, settings.auto_layerwise
         self.loads, self.saves, self.producer = settings.loads, settings.saves, settings.producer
         self.handoff_timeout_s = settings.handoff_timeout_s
-        self.save_decode = settings.save_decode
+        self.save_decode, self.save_all = settings.save_decode, settings.save_all
         self.kv_events = settings.kv_events
         self.core = settings.core(worker=False)
         self.stats = CounterDeltas(self.core)
@@ -208,6 +214,11 @@ class KvstashScheduler:
         # Requests' INFO lines, written at the next step (`_write_request_lines`).
         self._request_lines: list[tuple[Any, ...]] = []
         self._chunk_nbytes_seen = 0  # one chunk's payload, as the workers report it
+        # vLLM's hash of the last block of each chunk computed here and not saved, for
+        # being too short to be worth loading (`_worth_saving`): a later request that finds
+        # it in vLLM's own prefix cache saves it after all once that request is worth saving.
+        # Bounded; a chunk forgotten here is only a chunk never saved (fewer hits elsewhere).
+        self._unsaved: collections.OrderedDict[Any, None] = collections.OrderedDict()
         self._collected: KvstashKVEvents | None = None  # the workers' events
         # A BlockStored goes out once every rank that saves (one per key space in
         # `lookup_ns`) has reported it; ranks' saves end in different steps, so the count
@@ -278,8 +289,9 @@ class KvstashScheduler:
             # trips of HEADs before it was scheduled). A P/D prefill still asks for all of
             # them: its decode reads them from the store.
             first = 0 if st.handoff else min(n, st.num_computed // self.chunk_tokens)
+            st.unsaved_from = self._first_unsaved(req, first)
             if n <= first:
-                st.saved_chunks = max(st.saved_chunks, first)
+                st.saved_chunks = max(st.saved_chunks, st.unsaved_from)
                 st.hit_chunks = 0
                 return 0
             st.keys, st.lookup_from = self._lookup_keys(req, n), first
@@ -305,7 +317,9 @@ class KvstashScheduler:
         # from it (its blocks reused) was not asked for, and ends the hit.
         local = st.num_computed // self.chunk_tokens
         stored = st.lookup_from + stored if local >= st.lookup_from else local
-        st.saved_chunks = max(st.saved_chunks, stored)  # already stored
+        # Already stored, but for a chunk vLLM held that no request here saved.
+        st.saved_chunks = max(st.saved_chunks, stored if st.unsaved_from >= st.lookup_from
+                              else min(stored, st.unsaved_from))
         st.stored = stored if answered else None
         # What is not in vLLM's own prefix cache yet is loaded only where it beats a recompute.
         local = min(local, stored)
@@ -423,6 +437,17 @@ class KvstashScheduler:
                     len(req.block_hashes) * self.block_size) // self.chunk_tokens
         held = min((len(ids) for ids in st.block_ids), default=0)
         limit = min(limit, held // self.chunk_blocks)
+        if limit > st.saved_chunks and not self._worth_saving(st, limit):
+            new = limit - max(st.saved_chunks, st.unsaved_chunks)
+            if new > 0:
+                self.core.count(unsaved_chunks=new)
+                st.unsaved_chunks = limit
+                hashes = req.block_hashes
+                for c in range(st.saved_chunks, limit):
+                    self._unsaved[hashes[(c + 1) * self.chunk_blocks - 1]] = None
+                while len(self._unsaved) > UNSAVED_REMEMBERED:
+                    self._unsaved.popitem(last=False)
+            return
         if limit > st.saved_chunks:
             # Chunks from the end of the stored prefix on were missing at the lookup; after
             # a failed load (saved_chunks cut below it) write-behind asks the store again,
@@ -438,8 +463,35 @@ class KvstashScheduler:
                       if NULL_BLOCK_ID not in c.all_ids()]
             if chunks:
                 out.append(ReqChunks(req.request_id, chunks, absent=absent, handoff=st.handoff))
+                if self._unsaved:
+                    for ref in chunks:
+                        self._unsaved.pop(ref.block_hash, None)
             st.saves_planned += len(chunks)
             st.saved_chunks = limit
+
+    def _worth_saving(self, st: _Req, chunks: int) -> bool:
+        """Whether a request's first `chunks` chunks are worth saving: a prefix this
+        engine would not load (its predicted load, the store's lookup included, takes
+        longer than recomputing it: `KVConnector.lookup_patience_s` is 0) is not written
+        (its gather would cost the step that computed it, and its writes the store's
+        requests, for no reader like this engine), until the request (its reply too,
+        with `save_decode`) grows long enough to be worth it; then it is saved from its
+        first chunk. A P/D prefill (its decode reads it) and `save_all` save everything."""
+        if st.worth_saving or st.handoff or self.save_all:
+            return True
+        st.worth_saving = self.core.lookup_patience_s(chunks * self.chunk_tokens) > 0
+        return st.worth_saving
+
+    def _first_unsaved(self, req: Request, held: int) -> int:
+        """Of a request's first `held` chunks (vLLM's own prefix cache holds them, so they
+        are not looked up and were taken as stored), the first that a request here
+        computed and did not save (`_worth_saving`); `held` where none."""
+        if self._unsaved:
+            hashes, k = req.block_hashes, self.chunk_blocks
+            for c in range(held):
+                if hashes[(c + 1) * k - 1] in self._unsaved:
+                    return c
+        return held
 
     def _forget_reused(self, scheduler_output: SchedulerOutput) -> None:
         """A sliding-window group's block outside the window is freed by vLLM (its place in

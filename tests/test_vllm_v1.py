@@ -903,6 +903,56 @@ def test_the_policy_declines_stored_chunks_that_load_slower_than_a_recompute(tmp
     assert counters["declined_tokens"] == 3 * CHUNK_TOKENS
 
 
+@pytest.mark.parametrize("save_all", [False, True])
+def test_a_prefix_not_worth_loading_is_saved_once_a_request_over_it_is(tmp_path, monkeypatch,
+                                                                         save_all):
+    """A prefix this engine would not load (its load, as the policy predicts it, takes
+    longer than recomputing it) is not gathered nor written: counted in `unsaved_chunks`.
+    A longer request over it that is worth loading saves it from its first chunk, also
+    the chunks vLLM's own prefix cache holds from the short one (taken as stored
+    otherwise). `save_all` saves the short one too. The policy's verdict is set here
+    (the policy itself: tests/test_policy.py): three chunks are not worth it, four are."""
+    url = f"file://{tmp_path}/kv"
+    engine = V1Engine(url, chunk_tokens=CHUNK_TOKENS, save_all=save_all)
+    reader = V1Engine(url, chunk_tokens=CHUNK_TOKENS, adaptive=False)
+    longer = PROMPT + list(range(5000, 5060))  # 160 tokens: 5 chunks
+    monkeypatch.setattr(engine.scheduler.core, "lookup_patience_s",
+                        lambda tokens, floor_s=0.0, probe=False:
+                        1.0 if tokens >= 4 * CHUNK_TOKENS else 0.0)
+    try:
+        short = make_request(PROMPT)
+        assert engine.lookup(short) == (0, False)  # not sent: a hit could not win
+        engine.scheduler.update_state_after_alloc(short, blocks(range(1, 8)), 0)
+        for kv in engine.kv.values():
+            kv[1:12] = torch.randn(11, *kv.shape[1:]).to(kv.dtype)
+        meta, _, _ = engine.step([short], {short.request_id: list(range(1, 8))},
+                                 {short.request_id: len(PROMPT)})
+        assert [len(r.chunks) for r in meta.saves] == ([3] if save_all else [])
+        assert engine.scheduler.request_finished(short, list(range(1, 8))) == (False, None)
+        assert engine.scheduler.core.counters()["unsaved_chunks"] == (0 if save_all else 3)
+        assert engine.worker.flush()
+        assert reader.lookup(make_request(PROMPT)) == ((96, True) if save_all else (0, False))
+
+        # vLLM's prefix cache holds the short one's 3 chunks (blocks 1-6).
+        again = make_request(longer)
+        assert engine.lookup(again, 3 * CHUNK_TOKENS) == (0, False)
+        ids = [1, 2, 3, 4, 5, 6, 8, 9, 10, 11]
+        engine.scheduler.update_state_after_alloc(again, blocks(ids), 0)
+        again.num_computed_tokens = 3 * CHUNK_TOKENS  # as vLLM sets it for its own hit
+        meta, _, _ = engine.step([again], {again.request_id: ids},
+                                 {again.request_id: len(longer) - 3 * CHUNK_TOKENS})
+        saved = [c.block_ids for r in meta.saves for c in r.chunks]
+        assert saved == ([[8, 9], [10, 11]] if save_all else [[1, 2], [3, 4], [5, 6], [8, 9], [10, 11]])
+        assert engine.worker.flush()
+        ext, _, errors = read_prompt(reader, list(range(20, 30)), prompt=longer)
+    finally:
+        engine.shutdown()
+        reader.shutdown()
+    assert ext == 4 * CHUNK_TOKENS and errors == set()  # the last token is always computed
+    for name in engine.kv:
+        assert torch.equal(reader.kv[name][20:28], engine.kv[name][[1, 2, 3, 4, 5, 6, 8, 9]])
+
+
 def test_loads_carry_the_policys_deadline_to_the_workers(tmp_path):
     url = f"file://{tmp_path}/kv"
     writer = V1Engine(url, chunk_tokens=CHUNK_TOKENS)
