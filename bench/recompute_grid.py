@@ -120,7 +120,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     with _moto_endpoint() as moto:
         store = BenchStore("s3", _s3_url(moto, prefix), "s3://", "moto on loopback")
         watch = StoreWatch([store])
-        saver = Engine("save", {**spec, "store": store.url}, logs / "engine-save.log")
+        # The saver stands for another host that writes every prefix for the others to
+        # read, whatever its own policy would think of loading it (`save_all`).
+        saver = Engine("save", {**spec, "store": store.url, "connector": {"save_all": True}},
+                       logs / "engine-save.log")
         saver.start()
         saver.wait_ready()
         try:

@@ -719,7 +719,10 @@ class Bench:
         engine("prefix-cache", prefix_caching=True, store=None)
         engine("noop-prefix-cache", prefix_caching=True, store=None, noop_connector=True)
         for s in self.stores:
-            engine(f"{s.scheme}-save", prefix_caching=False, store=s.url)
+            # It writes each prompt for the loading engine: all of it (`save_all`),
+            # whether or not its own policy would load a prompt that short.
+            engine(f"{s.scheme}-save", prefix_caching=False, store=s.url,
+                   connector={"save_all": True})
             # A local tier's loading engine loads every hit (`adaptive: false`): its rows
             # measure a hit from the bucket and the same hit again from the directory,
             # whatever the policy would choose over that link; so does every loading

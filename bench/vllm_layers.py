@@ -195,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
             return np.concatenate([prefix, suffix])
 
         print(f"starting the writer and the prefix-cache engine ({model_desc}) ...", flush=True)
-        writer = engine("writer", prefix_caching=False, store=server.url)
+        writer = engine("writer", prefix_caching=False, store=server.url,
+                        connector={"save_all": True})
         ideal = engine("prefix-cache", prefix_caching=True, store=None)
         writer.wait_ready()
         ideal.wait_ready()
