@@ -103,8 +103,8 @@ COUNTERS = {
     "prefill_tokens": "Prompt tokens the engine computed (what the policy learns recompute speed from).",
     "prefill_seconds": "Wall time of the engine's prefill steps.",
     "save_queued": "Chunks handed to the write-behind queue.",
-    "unsaved_chunks": ("New chunks not saved: a prefix this engine would not load (a hit "
-                       "of it could not beat recomputing it; vLLM, unless save_all)."),
+    "unsaved_chunks": ("New chunks not saved: a prefix whose load would take this engine "
+                       "far longer than recomputing it (vLLM, unless save_all)."),
     "saved_chunks": "Chunks written to the store.",
     "handoffs": "P/D prefills whose last step waited for their saves (kv_producer, do_remote_decode).",
     "handoff_seconds": "Time P/D prefills' last steps waited for their saves.",
@@ -614,6 +614,12 @@ class KVConnector:
             done.set_result(0)
             return LookupPoll(self, done, asked_tokens, floor_s, asked=False)
         return LookupPoll(self, self.lookup_async(lists), asked_tokens, floor_s, probe=probe)
+
+    def worth_saving(self, tokens: int) -> bool:
+        """Whether a prefix of `tokens` is worth storing for readers like this engine
+        (`LoadPolicy.worth_saving`: not where its load would take far longer than its
+        recompute)."""
+        return self.policy.worth_saving(tokens)
 
     def lookup_patience_s(self, tokens: int, floor_s: float = 0.0, probe: bool = False) -> float:
         """How long a lookup of `tokens` is worth waiting for (`LoadPolicy.lookup_patience_s`:

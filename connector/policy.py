@@ -117,6 +117,10 @@ RATE_TOKENS = 1024  # the prompt length a reported token rate is for (attention 
 # connection, a thread pool or a cold cache does not turn later hits into recomputes.
 JUDGE_MIN_SAMPLES = 2
 JUDGE_KEEP = 8
+# A prefix is left unsaved only where its load (lookup included) is predicted to take over
+# this many times its recompute: near a tie the estimates move as the engine learns, and a
+# chunk not saved is missed by every later reader (`worth_saving`).
+SAVE_MARGIN = 2.0
 
 
 @dataclass(frozen=True)
@@ -437,6 +441,21 @@ class LoadPolicy:
         if load is not None:
             patience = max(0.0, recompute - load)
         return 0.0 if answer is not None and answer > patience else patience
+
+    def worth_saving(self, tokens: int) -> bool:
+        """Whether a prefix of `tokens` could be worth loading for an engine like this one:
+        False only where its predicted load, the store's lookup included, takes over
+        SAVE_MARGIN times recomputing it (a short prompt on a far store); True before a
+        forward and the store were measured, and for a policy that loads every hit."""
+        recompute = self._measured_recompute_s(tokens) if self.adaptive else None
+        if recompute is None:
+            return True
+        answer = self.lookup_s()
+        per_token = self._loaded_bytes_per_token or self._bytes_per_token
+        load = None if per_token is None else self.load_s(int(tokens * per_token))
+        if answer is None and load is None:
+            return True
+        return (answer or 0.0) + (load or 0.0) <= SAVE_MARGIN * recompute
 
     def lookup_probe(self) -> bool:
         """Whether the lookup starting now is a probe (every `probe_every`-th): sent even

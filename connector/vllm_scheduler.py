@@ -470,16 +470,16 @@ class KvstashScheduler:
             st.saved_chunks = limit
 
     def _worth_saving(self, st: _Req, chunks: int) -> bool:
-        """Whether a request's first `chunks` chunks are worth saving: a prefix this
-        engine would not load (its predicted load, the store's lookup included, takes
-        longer than recomputing it: `KVConnector.lookup_patience_s` is 0) is not written
-        (its gather would cost the step that computed it, and its writes the store's
-        requests, for no reader like this engine), until the request (its reply too,
-        with `save_decode`) grows long enough to be worth it; then it is saved from its
-        first chunk. A P/D prefill (its decode reads it) and `save_all` save everything."""
+        """Whether a request's first `chunks` chunks are worth saving: a prefix whose
+        predicted load, the store's lookup included, takes this engine far longer than
+        recomputing it (`KVConnector.worth_saving`: a short prompt on a far store) is not
+        written (its gather would cost the step that computed it, and its writes the
+        store's requests, for no reader like this engine), until the request (its reply
+        too, with `save_decode`) grows long enough; then it is saved from its first
+        chunk. A P/D prefill (its decode reads it) and `save_all` save everything."""
         if st.worth_saving or st.handoff or self.save_all:
             return True
-        st.worth_saving = self.core.lookup_patience_s(chunks * self.chunk_tokens) > 0
+        st.worth_saving = self.core.worth_saving(chunks * self.chunk_tokens)
         return st.worth_saving
 
     def _first_unsaved(self, req: Request, held: int) -> int:

@@ -168,6 +168,24 @@ def test_an_engine_that_has_only_computed_whole_prompts_loads_a_hit_of_about_the
     assert policy.plan(1, CHUNK_TOKENS, 4 << 20).reason == "load"
 
 
+@pytest.mark.parametrize("load_over_recompute, worth", [(0.5, True), (1.5, True), (3.0, False)])
+def test_a_prefix_is_worth_saving_unless_its_load_takes_far_longer_than_its_recompute(
+        load_over_recompute, worth):
+    """A near tie is saved (the estimates move as the engine learns, and a chunk not saved
+    is missed by every later reader); a load over twice the recompute is not. Before a
+    forward or the store is measured, and for a policy that loads every hit: saved."""
+    policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=0)
+    assert policy.worth_saving(CHUNK_TOKENS)
+    forwards(policy, vllm_cpu_step, [1, 257], times=2)
+    assert policy.worth_saving(CHUNK_TOKENS)  # the store not measured yet
+    recompute = policy.recompute_s(CHUNK_TOKENS)
+    for _ in range(2):
+        policy.observe_load(4 << 20, load_over_recompute * recompute)
+    policy.plan(1, CHUNK_TOKENS, 4 << 20)  # the chunks' size: 4 MiB for 256 tokens
+    assert policy.worth_saving(CHUNK_TOKENS) is worth
+    assert LoadPolicy(adaptive=False).worth_saving(CHUNK_TOKENS)
+
+
 def test_a_lookup_is_not_waited_for_past_recompute_less_the_predicted_load():
     policy = LoadPolicy(prior=PrefillPrior.of(LLAMA_TEST, "cpu"), probe_every=4)
     forwards(policy, vllm_cpu_step, [1, 257], times=2)

@@ -906,8 +906,8 @@ def test_the_policy_declines_stored_chunks_that_load_slower_than_a_recompute(tmp
 @pytest.mark.parametrize("save_all", [False, True])
 def test_a_prefix_not_worth_loading_is_saved_once_a_request_over_it_is(tmp_path, monkeypatch,
                                                                          save_all):
-    """A prefix this engine would not load (its load, as the policy predicts it, takes
-    longer than recomputing it) is not gathered nor written: counted in `unsaved_chunks`.
+    """A prefix whose load would take this engine far longer than recomputing it (the
+    policy's `worth_saving`) is not gathered nor written: counted in `unsaved_chunks`.
     A longer request over it that is worth loading saves it from its first chunk, also
     the chunks vLLM's own prefix cache holds from the short one (taken as stored
     otherwise). `save_all` saves the short one too. The policy's verdict is set here
@@ -919,6 +919,8 @@ def test_a_prefix_not_worth_loading_is_saved_once_a_request_over_it_is(tmp_path,
     monkeypatch.setattr(engine.scheduler.core, "lookup_patience_s",
                         lambda tokens, floor_s=0.0, probe=False:
                         1.0 if tokens >= 4 * CHUNK_TOKENS else 0.0)
+    monkeypatch.setattr(engine.scheduler.core, "worth_saving",
+                        lambda tokens: tokens >= 4 * CHUNK_TOKENS)
     try:
         short = make_request(PROMPT)
         assert engine.lookup(short) == (0, False)  # not sent: a hit could not win
