@@ -130,8 +130,8 @@ class KvstashConnector(KVConnectorBase_V1, SupportsHMA):
     does not wait), `save_decode` (default true: the tokens a request generates are saved
     too, each chunk once its K/V is computed, so a chat's next turn, whose prompt holds
     the reply, hits them on any engine; false: prompts only), `save_all` (default false:
-    a prefix this engine would not load, its predicted load slower than its recompute,
-    is not saved until a request over it is worth loading; true: every new chunk).
+    a prefix whose predicted load takes over twice its recompute is not saved until a
+    request over it is worth loading; true: every new chunk).
 
     Per request, `kv_transfer_params` {"kvstash": {"load": false, "save": false}} (either
     key alone) keeps kvstash from looking up or loading its prompt, or from saving it (a
