@@ -73,12 +73,15 @@ async def test_lookups_at_once_are_timed_beside_plain_boto3_heads(moto_s3_url):
 
 
 async def test_the_shaping_proxy_carries_the_store(moto_s3_url, ns):
-    """Store traffic through the shaping proxy process arrives intact, and it stops."""
+    """Store traffic through the shaping proxy process arrives intact, and it stops. The
+    proxy is on loopback but stands for a far bucket: the store splits as it would there
+    (`split_reads=1`, a loopback endpoint's default being 0)."""
     args = argparse.Namespace(shape="20ms,50MBps")
     url, stop = await setup(args, with_prefix(moto_s3_url, touch="0"))
     try:
         assert "endpoint=http://127.0.0.1:" in url and url != moto_s3_url
         store = open_store(url)
+        assert store.opts.split_reads == 1
         (key, _, blob), = make_chunks(ns, 1, payload_size=100_000)
         assert await store.put(key, blob) is True
         assert await store.get(key) == blob
