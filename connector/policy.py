@@ -430,8 +430,7 @@ class LoadPolicy:
             return None
         patience = recompute
         answer = self.lookup_s()
-        per_token = self._loaded_bytes_per_token or self._bytes_per_token
-        load = None if probe or per_token is None else self.load_s(int(tokens * per_token))
+        load = None if probe else self._load_of_tokens_s(tokens)
         if load is None and not probe:
             # No load judged yet: one takes at least the store's round trip, as long as
             # its lookups take. (Waiting the whole recompute for an answer that a load
@@ -442,6 +441,12 @@ class LoadPolicy:
             patience = max(0.0, recompute - load)
         return 0.0 if answer is not None and answer > patience else patience
 
+    def _load_of_tokens_s(self, tokens: int) -> float | None:
+        """`load_s` of the bytes `tokens` tokens of chunks hold (as last loaded, else as
+        last planned); None before either is known."""
+        per_token = self._loaded_bytes_per_token or self._bytes_per_token
+        return None if per_token is None else self.load_s(int(tokens * per_token))
+
     def worth_saving(self, tokens: int) -> bool:
         """Whether a prefix of `tokens` could be worth loading for an engine like this one:
         False only where its predicted load, the store's lookup included, takes over
@@ -450,9 +455,7 @@ class LoadPolicy:
         recompute = self._measured_recompute_s(tokens) if self.adaptive else None
         if recompute is None:
             return True
-        answer = self.lookup_s()
-        per_token = self._loaded_bytes_per_token or self._bytes_per_token
-        load = None if per_token is None else self.load_s(int(tokens * per_token))
+        answer, load = self.lookup_s(), self._load_of_tokens_s(tokens)
         if answer is None and load is None:
             return True
         return (answer or 0.0) + (load or 0.0) <= SAVE_MARGIN * recompute

@@ -247,9 +247,12 @@ class KvstashScheduler:
         """Per rank, the keys of the request's first `n` chunks, from vLLM's block hashes
         alone: a lookup and the page-cache check need no token ids (building the chunks
         with theirs is a measurable part of a lookup: docs/benchmarks/2026-11-26-vllm.md)."""
-        k, hashes = self.chunk_blocks, req.block_hashes
-        last = [hashes[(c + 1) * k - 1] for c in range(n)]
+        last = [self._chunk_hash(req, c) for c in range(n)]
         return [keys_from_block_hashes(last, ns) for ns in self.key_spaces.lookup_ns]
+
+    def _chunk_hash(self, req: Request, c: int) -> Any:
+        """vLLM's hash of chunk `c`'s last block: the chunk's identity, its whole prefix in it."""
+        return req.block_hashes[(c + 1) * self.chunk_blocks - 1]
 
     def _chunk_refs(self, st: _Req, start: int, stop: int, first_block: int = 0) -> list[ChunkRef]:
         req, k = st.request, self.chunk_blocks
@@ -438,13 +441,12 @@ class KvstashScheduler:
         held = min((len(ids) for ids in st.block_ids), default=0)
         limit = min(limit, held // self.chunk_blocks)
         if limit > st.saved_chunks and not self._worth_saving(st, limit):
-            new = limit - max(st.saved_chunks, st.unsaved_chunks)
-            if new > 0:
-                self.core.count(unsaved_chunks=new)
+            counted = max(st.saved_chunks, st.unsaved_chunks)
+            if limit > counted:
+                self.core.count(unsaved_chunks=limit - counted)
                 st.unsaved_chunks = limit
-                hashes = req.block_hashes
-                for c in range(st.saved_chunks, limit):
-                    self._unsaved[hashes[(c + 1) * self.chunk_blocks - 1]] = None
+                for c in range(counted, limit):
+                    self._unsaved[self._chunk_hash(req, c)] = None
                 while len(self._unsaved) > UNSAVED_REMEMBERED:
                     self._unsaved.popitem(last=False)
             return
@@ -487,9 +489,8 @@ class KvstashScheduler:
         are not looked up and were taken as stored), the first that a request here
         computed and did not save (`_worth_saving`); `held` where none."""
         if self._unsaved:
-            hashes, k = req.block_hashes, self.chunk_blocks
             for c in range(held):
-                if hashes[(c + 1) * k - 1] in self._unsaved:
+                if self._chunk_hash(req, c) in self._unsaved:
                     return c
         return held
 
